@@ -1,0 +1,1 @@
+"""omni_core: the library behind omni (recipes, data, models, runtime, tracking). Never imports Prefect."""

@@ -1,0 +1,67 @@
+"""Typed results that stages hand to each other and log to MLflow: JSON in, JSON out, no globals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+R = TypeVar("R", bound="Result")
+
+
+class Result(BaseModel):
+    # NaN/inf survive the JSON round trip (e.g. the loss of a run that trained no step)
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls: type[R], text: str) -> R:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # atomic: a reader never sees half a file
+        return path
+
+    @classmethod
+    def load(cls: type[R], path: str | Path) -> R:
+        return cls.from_json(Path(path).read_text())
+
+
+class TrainResult(Result):
+    steps: int
+    world_size: int
+    plan: str
+    initial_loss: float
+    final_loss: float  # mean over the last 10 steps
+    tokens_per_s: float  # real (non-padding) tokens over all ranks per second of training steps
+    samples_per_s: float
+    wall_s: float  # seconds in training steps over the whole run (resumes included), checkpoints excluded
+    logging_overhead_pct: float  # share of step time spent inside metric-logging calls on rank 0
+    checkpoint: str  # directory of the newest complete checkpoint
+    resumed_from_step: int = 0
+
+    @property
+    def loss_ratio(self) -> float:
+        return self.final_loss / self.initial_loss
+
+
+class ModalityScore(Result):
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+class EvalReport(Result):
+    checkpoint: str
+    step: int
+    samples: int
+    loss: float
+    perplexity: float
+    per_modality: dict[str, ModalityScore]

@@ -1,0 +1,44 @@
+"""The contract between the data loader and the model: one micro-batch of packed multimodal sequences.
+
+All token-level tensors are flat over the micro-batch (the packed sequences laid end to end); documents
+are delimited by `cu_seqlens`, so attention never crosses a document boundary. Placeholder tokens
+(IMAGE_ID / AUDIO_ID) mark where encoder outputs are scattered, in the order images / audio clips appear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+MODALITY_IDS = {"text": 0, "image": 1, "audio": 2}
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T] long
+    labels: torch.Tensor  # [T] long, next-token target; -100 where no loss (placeholders, padding, last token)
+    position_ids: torch.Tensor  # [T] long, position inside its document
+    cu_seqlens: torch.Tensor  # [D+1] int32, document boundaries over the flat T tokens (padding is its own doc)
+    loss_modality: torch.Tensor  # [T] long, MODALITY_IDS of the sample each target belongs to
+    image_patches: torch.Tensor  # [P, 3*patch*patch] float, all images' patches in row-major order
+    image_grids: torch.Tensor  # [N_img, 2] long, (rows, cols) patch grid per image
+    audio_mels: torch.Tensor  # [F, n_mels] float, all clips' log-mel frames
+    audio_frames: torch.Tensor  # [N_aud] long, frames per clip (a multiple of 4)
+    num_samples: int  # real samples (documents that are not padding)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[key] = value.to(device, non_blocking=True)
+        return PackedBatch(**moved)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != -100).sum())
+
+
+def audio_tokens(frames: int) -> int:
+    """Embeddings an audio clip yields: the encoder subsamples log-mel frames by 4 (two stride-2 convs)."""
+    return frames // 4

@@ -1,0 +1,66 @@
+"""Architecture hyper-parameters. Plain frozen dataclasses, so a flavor is data that the estimator can read
+without building a model, and the registry entries cannot be mutated by accident."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni_core.data.tokenizer import VOCAB_SIZE
+
+
+def _check_heads(name: str, dim: int, n_heads: int, n_kv_heads: int | None = None) -> None:
+    if dim % n_heads:
+        raise ValueError(f"{name}: dim {dim} is not divisible by n_heads {n_heads}")
+    if n_kv_heads is not None and n_heads % n_kv_heads:
+        raise ValueError(f"{name}: n_heads {n_heads} is not divisible by n_kv_heads {n_kv_heads}")
+
+
+@dataclass(frozen=True)
+class LLMArgs:
+    vocab_size: int = VOCAB_SIZE
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        _check_heads("LLMArgs", self.dim, self.n_heads, self.n_kv_heads)
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"LLMArgs: head_dim {self.dim // self.n_heads} must be even for RoPE")
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    patch_dim: int = 3 * 8 * 8  # 3 * patch * patch, set from the recipe's patch_size by get_flavor
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    max_grid: int = 64  # rows and cols of the learned 2D position tables
+
+    def __post_init__(self) -> None:
+        _check_heads("VisionArgs", self.dim, self.n_heads)
+
+
+@dataclass(frozen=True)
+class AudioArgs:
+    n_mels: int = 32  # set from the recipe by get_flavor
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    max_frames: int = 3000  # longest clip accepted (log-mel frames, before the 4x subsampling)
+
+    def __post_init__(self) -> None:
+        _check_heads("AudioArgs", self.dim, self.n_heads)
+
+
+@dataclass(frozen=True)
+class OmniModelArgs:
+    llm: LLMArgs = field(default_factory=LLMArgs)
+    vision: VisionArgs = field(default_factory=VisionArgs)
+    audio: AudioArgs = field(default_factory=AudioArgs)
+    projector_mult: int = 1  # projector hidden width = projector_mult * llm.dim

@@ -1,0 +1,59 @@
+"""Whisper-style audio encoder: conv subsampling of log-mel frames, sinusoidal positions, transformer blocks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_core.data.batch import audio_tokens
+from omni_core.models.args import AudioArgs
+from omni_core.models.attention import EncoderBlock
+
+
+def sinusoids(positions: torch.Tensor, dim: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's fixed positional table [len(positions), dim]: sin half then cos half. Computed, not stored."""
+    log_increment = math.log(max_timescale) / (dim // 2 - 1)
+    inv_timescales = torch.exp(-log_increment * torch.arange(dim // 2, device=positions.device, dtype=torch.float32))
+    scaled = positions.to(torch.float32)[:, None] * inv_timescales[None, :]
+    return torch.cat([scaled.sin(), scaled.cos()], dim=1)
+
+
+class AudioEncoder(nn.Module):
+    """Log-mel frames [F, n_mels] of N clips (clip after clip) -> embeddings [sum(frames // 4), dim]."""
+
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.args = args
+        self.conv1 = nn.Conv1d(args.n_mels, args.dim, kernel_size=3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(args.dim, args.dim, kernel_size=3, stride=2, padding=1)
+        self.layers = nn.ModuleList(EncoderBlock(args.dim, args.n_heads, args.mlp_ratio) for _ in range(args.n_layers))
+        self.norm = nn.LayerNorm(args.dim)
+
+    def subsample(self, clip: torch.Tensor) -> torch.Tensor:
+        """One clip [frames, n_mels] -> [frames // 4, dim]. Per clip, so the convs never mix two clips."""
+        x = F.gelu(self.conv1(clip.T.unsqueeze(0)))
+        return F.gelu(self.conv2(x)).squeeze(0).T
+
+    def forward(self, mels: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        frame_counts = frames.tolist()
+        if sum(frame_counts) != mels.shape[0]:
+            raise ValueError(f"audio_frames sum to {sum(frame_counts)}, but {mels.shape[0]} mel frames were given")
+        if max(frame_counts, default=0) > self.args.max_frames:
+            raise ValueError(f"an audio clip exceeds max_frames={self.args.max_frames}: {frame_counts}")
+        clips = [self.subsample(clip) for clip in mels.to(self.conv1.weight.dtype).split(frame_counts)]
+        cu_seqlens = [0]
+        for count, clip in zip(frame_counts, clips):
+            if clip.shape[0] != audio_tokens(count):
+                raise ValueError(
+                    f"a clip of {count} frames gave {clip.shape[0]} embeddings, expected {audio_tokens(count)}: "
+                    "frames per clip must be a multiple of 4"
+                )
+            cu_seqlens.append(cu_seqlens[-1] + clip.shape[0])
+        positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
+        x = torch.cat(clips) + sinusoids(positions, self.args.dim).to(clips[0].dtype)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens)
+        return self.norm(x)

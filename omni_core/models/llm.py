@@ -1,0 +1,104 @@
+"""Llama-style decoder backbone over packed sequences: RMSNorm, GQA attention with RoPE, SwiGLU FFN."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_core.models.args import LLMArgs
+from omni_core.models.attention import varlen_attention
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, 1, head_dim] for each token's position inside its document.
+
+    Computed per forward rather than cached in a buffer: it is cheap, and a model built on the meta device
+    then has no state that initialisation must remember to recompute.
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, H, head_dim] by position, in the half-split layout of Hugging Face Llama checkpoints."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention inside each packed document."""
+
+    def __init__(self, args: LLMArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.wq(x).view(tokens, self.n_heads, self.head_dim)
+        k = self.wk(x).view(tokens, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(tokens, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=True).flatten(1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LLMArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LLM(nn.Module):
+    """Decoder over flat packed tokens. Takes embeddings, not ids, so encoder outputs can be anchored first."""
+
+    def __init__(self, args: LLMArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Keyed by layer index so that pipeline stages can drop layers and keep the other names unchanged.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(input_ids)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """[T, dim] embeddings, [T] positions inside each document, [D+1] document offsets -> logits [T, vocab]."""
+        cos, sin = rope_cos_sin(position_ids, self.args.dim // self.args.n_heads, self.args.rope_theta)
+        offsets = cu_seqlens.tolist()
+        h = inputs_embeds
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, offsets)
+        return self.output(self.norm(h))

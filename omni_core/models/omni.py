@@ -1,0 +1,97 @@
+"""OmniModel: vision and audio encoders whose projected outputs are anchored into the LLM's packed sequence."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omni_core.data.batch import PackedBatch
+from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.models.args import OmniModelArgs
+from omni_core.models.audio import AudioEncoder
+from omni_core.models.flavors import get_flavor
+from omni_core.models.llm import LLM
+from omni_core.models.projector import Projector
+from omni_core.models.vision import VisionEncoder
+
+
+class OmniModel(nn.Module):
+    """PackedBatch -> logits [T, vocab].
+
+    Submodule names (`vision`, `audio`, `projectors["image"|"audio"]`, `llm`) are the names the runtime
+    freezes and parallelises by.
+    """
+
+    def __init__(self, args: OmniModelArgs):
+        super().__init__()
+        self.args = args
+        self.vision = VisionEncoder(args.vision)
+        self.audio = AudioEncoder(args.audio)
+        hidden = args.projector_mult * args.llm.dim
+        self.projectors = nn.ModuleDict(
+            {
+                "image": Projector(args.vision.dim, hidden, args.llm.dim),
+                "audio": Projector(args.audio.dim, hidden, args.llm.dim),
+            }
+        )
+        self.llm = LLM(args.llm)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        embeds = self.llm.embed(batch.input_ids)
+        image_embeds = None
+        if batch.image_grids.shape[0] > 0:
+            image_embeds = self.projectors["image"](self.vision(batch.image_patches, batch.image_grids))
+        audio_embeds = None
+        if batch.audio_frames.shape[0] > 0:
+            audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, batch.audio_frames))
+        embeds = anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, image_embeds, "image")
+        embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
+        return self.llm(embeds, batch.position_ids, batch.cu_seqlens)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic for a seed on a given device type: N(0, 0.02) weights, zero biases, unit norms.
+
+        Works after `to_empty()` on a model built on the meta device.
+        """
+        generator = torch.Generator(device=self.llm.output.weight.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def anchor_embeddings(
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    placeholder_id: int,
+    features: torch.Tensor | None,
+    modality: str,
+) -> torch.Tensor:
+    """Scatter encoder outputs, in order, into the positions holding `placeholder_id` ("encoder anchor")."""
+    slots = input_ids == placeholder_id
+    num_slots = int(slots.sum())
+    num_features = 0 if features is None else features.shape[0]
+    if num_slots != num_features:
+        raise ValueError(
+            f"{num_slots} {modality} placeholder tokens in input_ids, but the {modality} encoder "
+            f"produced {num_features} embeddings"
+        )
+    if features is None:
+        return embeds
+    return embeds.masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
+
+
+def build_model(flavor: str, *, patch_size: int, n_mels: int, seed: int) -> OmniModel:
+    """The flavor's OmniModel on the CPU, initialised from `seed`."""
+    model = OmniModel(get_flavor(flavor, patch_size=patch_size, n_mels=n_mels))
+    model.init_weights(seed)
+    return model

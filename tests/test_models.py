@@ -1,0 +1,236 @@
+"""Model v0: shapes, isolation of documents/images/clips, causality, encoder anchoring, init, varlen attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
+from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID, VOCAB_SIZE
+from omni_core.models import FLAVORS, OmniModel, build_model, get_flavor, varlen_attention
+
+PATCH_SIZE = 8
+PATCH_DIM = 3 * PATCH_SIZE * PATCH_SIZE
+N_MELS = 32
+
+
+def make_batch(docs: list[list[tuple]], seed: int = 0) -> PackedBatch:
+    """Pack documents laid out as segments: ("text", n_tokens), ("image", (rows, cols)), ("audio", frames)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, positions, offsets, grids, patches, frames, mels = [], [], [0], [], [], [], []
+    for doc in docs:
+        doc_ids: list[int] = []
+        for kind, size in doc:
+            if kind == "text":
+                doc_ids += torch.randint(0, 256, (size,), generator=gen).tolist()
+            elif kind == "image":
+                rows, cols = size
+                grids.append([rows, cols])
+                patches.append(torch.randn(rows * cols, PATCH_DIM, generator=gen))
+                doc_ids += [IMAGE_ID] * (rows * cols)
+            else:
+                frames.append(size)
+                mels.append(torch.randn(size, N_MELS, generator=gen))
+                doc_ids += [AUDIO_ID] * audio_tokens(size)
+        ids += doc_ids
+        positions += range(len(doc_ids))
+        offsets.append(offsets[-1] + len(doc_ids))
+    input_ids = torch.tensor(ids)
+    labels = torch.cat([input_ids[1:], torch.tensor([-100])])
+    labels[(labels == IMAGE_ID) | (labels == AUDIO_ID)] = -100
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=torch.tensor(positions),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+        loss_modality=torch.full_like(input_ids, MODALITY_IDS["text"]),
+        image_patches=torch.cat(patches) if patches else torch.zeros(0, PATCH_DIM),
+        image_grids=torch.tensor(grids, dtype=torch.long).reshape(-1, 2),
+        audio_mels=torch.cat(mels) if mels else torch.zeros(0, N_MELS),
+        audio_frames=torch.tensor(frames, dtype=torch.long),
+        num_samples=len(docs),
+    )
+
+
+@pytest.fixture
+def model() -> OmniModel:
+    return build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
+
+
+MIXED_DOCS = [
+    [("text", 5), ("image", (2, 3)), ("text", 4)],
+    [("audio", 16), ("text", 6), ("image", (3, 2))],
+    [("text", 7), ("audio", 8), ("text", 3)],
+]
+
+
+def test_output_shapes(model: OmniModel) -> None:
+    batch = make_batch(MIXED_DOCS)
+    assert model(batch).shape == (batch.input_ids.shape[0], VOCAB_SIZE)
+    assert model.vision(batch.image_patches, batch.image_grids).shape == (12, 64)
+    assert model.audio(batch.audio_mels, batch.audio_frames).shape == (16 // 4 + 8 // 4, 64)
+
+
+def test_debug_flavor_size_and_registry() -> None:
+    args = get_flavor("debug", patch_size=4, n_mels=40)
+    assert args.vision.patch_dim == 48 and args.audio.n_mels == 40
+    assert FLAVORS["debug"].vision.patch_dim == PATCH_DIM  # the registry entry itself is untouched
+    assert 1_000_000 <= OmniModel(args).num_params() <= 2_000_000
+    with pytest.raises(ValueError, match="known flavors: debug"):
+        get_flavor("nope", patch_size=PATCH_SIZE, n_mels=N_MELS)
+
+
+def assert_isolated(model: OmniModel, batch: PackedBatch, perturb, doc_tokens: slice) -> None:
+    """After `perturb(batch)`, the logits of `doc_tokens` changed and every other token's are bit-identical."""
+    with torch.no_grad():
+        before = model(batch)
+        perturb(batch)
+        after = model(batch)
+    others = torch.ones(before.shape[0], dtype=torch.bool)
+    others[doc_tokens] = False
+    assert torch.equal(after[others], before[others])
+    assert not torch.allclose(after[doc_tokens], before[doc_tokens])
+
+
+def shift_tokens(tokens: slice):
+    def perturb(batch: PackedBatch) -> None:
+        batch.input_ids[tokens] = (batch.input_ids[tokens] + 1) % 256
+
+    return perturb
+
+
+def test_documents_are_isolated(model: OmniModel) -> None:
+    # Both directions: causal attention alone already hides a later document from an earlier one.
+    docs = [[("text", 12)], [("text", 9)]]
+    assert_isolated(model, make_batch(docs), shift_tokens(slice(0, 12)), slice(0, 12))
+    assert_isolated(model, make_batch(docs), shift_tokens(slice(12, 21)), slice(12, 21))
+
+
+@torch.no_grad()
+def test_attention_is_causal_within_a_document(model: OmniModel) -> None:
+    batch = make_batch([[("text", 16)]])
+    before = model(batch)
+    batch.input_ids[10] = (batch.input_ids[10] + 1) % 256
+    after = model(batch)
+    assert torch.equal(after[:10], before[:10])
+    assert not torch.allclose(after[10:], before[10:])
+
+
+@torch.no_grad()
+def test_rope_uses_the_batch_position_ids(model: OmniModel) -> None:
+    batch = make_batch([[("text", 10)]])
+    logits = model(batch)
+    batch.position_ids += 100  # RoPE sees only distances: a constant shift changes nothing
+    torch.testing.assert_close(model(batch), logits, rtol=0, atol=1e-5)
+    batch.position_ids *= 2  # doubled distances must change the output
+    assert not torch.allclose(model(batch), logits, atol=1e-3)
+
+
+def test_images_are_isolated(model: OmniModel) -> None:
+    # doc 1: 3 text + image 1 (4 patches) + 3 text; doc 2: image 2 (6 patches) + 4 text.
+    docs = [[("text", 3), ("image", (2, 2)), ("text", 3)], [("image", (2, 3)), ("text", 4)]]
+
+    def brighten(patches: slice):
+        def perturb(batch: PackedBatch) -> None:
+            batch.image_patches[patches] += 1.0
+
+        return perturb
+
+    assert_isolated(model, make_batch(docs), brighten(slice(0, 4)), slice(0, 10))
+    assert_isolated(model, make_batch(docs), brighten(slice(4, 10)), slice(10, 20))
+
+
+def test_audio_clips_are_isolated(model: OmniModel) -> None:
+    # doc 1: 3 text + clip 1 (12 frames -> 3 tokens) + 3 text; doc 2: clip 2 (8 frames -> 2 tokens) + 4 text.
+    docs = [[("text", 3), ("audio", 12), ("text", 3)], [("audio", 8), ("text", 4)]]
+
+    def louder(frames: slice):
+        def perturb(batch: PackedBatch) -> None:
+            batch.audio_mels[frames] += 1.0
+
+        return perturb
+
+    assert_isolated(model, make_batch(docs), louder(slice(0, 12)), slice(0, 9))
+    assert_isolated(model, make_batch(docs), louder(slice(12, 20)), slice(9, 15))
+
+
+def test_placeholder_count_mismatch_names_both_counts(model: OmniModel) -> None:
+    batch = make_batch([[("text", 4), ("image", (2, 2))]])
+    batch.input_ids[-1] = 0  # 3 image placeholders left for 4 image embeddings
+    with pytest.raises(ValueError, match="3 image placeholder tokens .* produced 4 embeddings"):
+        model(batch)
+    text_only = make_batch([[("text", 6)]])
+    text_only.input_ids[2:4] = AUDIO_ID  # audio placeholders, but no clip in the batch
+    with pytest.raises(ValueError, match="2 audio placeholder tokens .* produced 0 embeddings"):
+        model(text_only)
+
+
+def test_audio_frames_must_subsample_to_audio_tokens(model: OmniModel) -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        model.audio(torch.randn(10, N_MELS), torch.tensor([10]))
+
+
+def test_text_only_batch_skips_encoders(model: OmniModel) -> None:
+    batch = make_batch([[("text", 8)], [("text", 5)]])
+    logits = model(batch)
+    assert logits.shape == (13, VOCAB_SIZE) and torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert all(p.grad is None for p in [*model.vision.parameters(), *model.audio.parameters()])
+    assert all(p.grad is not None for p in model.llm.parameters())
+
+
+def test_gradients_reach_encoders_and_projectors(model: OmniModel) -> None:
+    batch = make_batch(MIXED_DOCS)
+    logits = model(batch)
+    torch.nn.functional.cross_entropy(logits, batch.labels, ignore_index=-100).backward()
+    for prefix in ("vision.", "audio.", "projectors.image.", "projectors.audio."):
+        params = [(name, p) for name, p in model.named_parameters() if name.startswith(prefix)]
+        assert params
+        for name, p in params:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_init_is_deterministic_per_seed() -> None:
+    first = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=7).state_dict()
+    again = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=7).state_dict()
+    other = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=8).state_dict()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["llm.output.weight"], other["llm.output.weight"])
+    assert torch.equal(first["llm.norm.weight"], torch.ones(128))
+
+
+def test_meta_device_build_then_init_matches_build_model() -> None:
+    with torch.device("meta"):
+        model = OmniModel(get_flavor("debug", patch_size=PATCH_SIZE, n_mels=N_MELS))
+    model.to_empty(device="cpu")
+    model.init_weights(3)
+    reference = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=3).state_dict()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in model.state_dict().items())
+
+
+def dense_reference(q, k, v, cu_seqlens, causal):
+    """Plain softmax attention under an explicit block-diagonal (and causal) mask."""
+    total, heads, head_dim = q.shape
+    doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), torch.diff(cu_seqlens))
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones(total, total, dtype=torch.bool).tril()
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_attention_matches_dense_masked_reference(causal: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cu_seqlens = torch.tensor([0, 5, 5, 12, 13, 20], dtype=torch.int32)  # includes an empty document
+    q = torch.randn(20, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(20, 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(20, 2, 8, generator=gen, dtype=torch.float64)
+    out = varlen_attention(q, k, v, cu_seqlens, causal=causal)
+    torch.testing.assert_close(out, dense_reference(q, k, v, cu_seqlens, causal), rtol=0, atol=1e-6)
+    assert torch.equal(varlen_attention(q, k, v, cu_seqlens.tolist(), causal=causal), out)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        varlen_attention(q, k, v, torch.tensor([0, 5, 19]), causal=causal)

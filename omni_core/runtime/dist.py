@@ -1,0 +1,69 @@
+"""Process-group set-up and teardown that behave the same under torchrun and in a plain process.
+
+Under torchrun (WORLD_SIZE set) we join a process group with a finite timeout, so one dead rank fails the
+others instead of hanging them. In a plain process (tests, in-process evaluation) there is no group and
+every collective below degenerates to a no-op, so the trainer has one code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown(exit_code: int) -> None:
+    """Leave the process group and exit without running interpreter teardown.
+
+    On gloo a finished rank sometimes aborts in static destructors ("terminate called without an active
+    exception"), turning a good run into exit 1; skipping teardown with os._exit after flushing fixes it.
+    """
+    if dist.is_initialized():
+        if exit_code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

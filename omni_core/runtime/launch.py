@@ -1,0 +1,59 @@
+"""torchrun entry point: `torchrun --nproc-per-node N -m omni_core.runtime.launch --recipe R.yaml`.
+
+The same command runs on CPU (gloo) and GPU (nccl). Rank 0 prints progress and logs to the MLflow run
+named by $MLFLOW_RUN_ID; other ranks log through a null tracker. The result JSON is written by rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from omni_core.recipe.loader import load_recipe
+from omni_core.runtime.dist import init_distributed, shutdown
+from omni_core.runtime.trainer import train
+from omni_core.tracking import tracker_for_rank
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="omni_core.runtime.launch", description=__doc__)
+    parser.add_argument("--recipe", required=True, help="recipe YAML (usually the resolved one a flow wrote)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--result", help="where rank 0 writes the TrainResult JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    info = init_distributed(recipe.parallel.backend, recipe.train.dist_timeout_s)
+    tracker = tracker_for_rank(info.rank, flush_every_s=recipe.tracking.flush_every_s)
+
+    def log(message: str) -> None:
+        if info.is_main:
+            print(message, flush=True)
+
+    exit_code = 0
+    try:
+        result = train(recipe, info, tracker=tracker, log=log)
+        if info.is_main:
+            log(f"done: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
+                f"{result.tokens_per_s:.0f} tokens/s, checkpoint {result.checkpoint}")
+            if args.result:
+                result.save(Path(args.result))
+    except Exception:  # noqa: BLE001 - report on this rank, then fail the whole launch
+        print(f"[rank {info.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        try:
+            tracker.close()
+        except Exception as err:  # noqa: BLE001
+            print(f"[rank {info.rank}] metric logging failed: {err}", file=sys.stderr, flush=True)
+            exit_code = exit_code or 1
+    shutdown(exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Runtime: loss bookkeeping, LR schedule, data-parallel numerics, training, checkpoint/resume, eval."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from omni_core.data.batch import MODALITY_IDS
+from omni_core.recipe.schema import ParallelConfig, Recipe
+from omni_core.results import TrainResult
+from omni_core.runtime.checkpoint import MANIFEST, latest_checkpoint, step_dir
+from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.evaluate import evaluate
+from omni_core.runtime.loss import summarize, token_loss_sums
+from omni_core.runtime.trainer import lr_lambda, plan_name, train
+from omni_core.tracking import NullTracker
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def tiny_recipe(root: Path, **train_overrides) -> Recipe:
+    train_cfg = {"steps": 6, "lr": 3e-3, "warmup_steps": 2, "log_every": 1, "ckpt_every": 0}
+    train_cfg.update(train_overrides)
+    return Recipe.model_validate({
+        "experiment": {"name": "tiny", "output_dir": str(root / "out"), "seed": 3},
+        "data": {"path": str(root / "data"), "synthetic": {"num_samples": 80}, "seq_len": 256},
+        "train": train_cfg,
+        "eval": {"max_batches": 2},
+    })
+
+
+class RecordingTracker(NullTracker):
+    """Keeps what the trainer logs, so tests can read per-step losses."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics, step=None):  # noqa: D102 - protocol method
+        self.metrics.setdefault(step, {}).update(metrics)
+
+
+def fake_batch(labels: list[int], modality: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(labels=torch.tensor(labels), loss_modality=torch.tensor(modality))
+
+
+def test_loss_sums_equal_token_mean_and_split_by_modality():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7)
+    batch = fake_batch([1, -100, 3, 6, 0], [0, 0, 1, 1, 2])
+    sums = token_loss_sums(logits, batch)
+    expected = F.cross_entropy(logits, batch.labels, ignore_index=-100)
+    means = summarize(sums.stats())
+    assert means["loss"] == pytest.approx(float(expected), rel=1e-6)
+    image_mean = F.cross_entropy(logits[2:4], batch.labels[2:4])
+    assert means["loss/image"] == pytest.approx(float(image_mean), rel=1e-6)
+    assert sums.counts.tolist() == [1.0, 2.0, 1.0]
+    assert set(means) == {"loss", "loss/text", "loss/image", "loss/audio"}
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    values = [lr_lambda(s, warmup=4, total=20, floor=0.1) for s in range(21)]
+    assert values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert values[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    assert values[20] == pytest.approx(0.1)
+
+
+def test_plan_refuses_degrees_this_runtime_cannot_execute():
+    assert plan_name(ParallelConfig(), 4) == "dp4"
+    with pytest.raises(ValueError, match=r"parallel\.tp=2.*parallel\.cp=2"):
+        plan_name(ParallelConfig(tp=2, cp=2), 4)
+    with pytest.raises(ValueError, match=r"parallel\.dp_shard=3 does not match the world size 2"):
+        plan_name(ParallelConfig(dp_shard=3), 2)
+
+
+def test_training_lowers_loss_and_evaluates(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=30, lr=5e-3)
+    tracker = RecordingTracker()
+    result = train(recipe, CPU, tracker=tracker, log=lambda _: None)
+    assert result.steps == 30
+    assert result.final_loss < 0.75 * result.initial_loss
+    assert result.tokens_per_s > 0 and result.samples_per_s > 0
+    assert sorted(tracker.metrics) == list(range(1, 31))
+    assert tracker.metrics[1]["train/loss"] == pytest.approx(result.initial_loss)
+    assert tracker.metrics[30]["perf/tokens_per_s"] > 0
+    assert Path(result.checkpoint) == step_dir(Path(recipe.checkpoint_dir()), 30)
+
+    report = evaluate(recipe)
+    assert report.step == 30 and report.samples > 0
+    assert report.perplexity == pytest.approx(math.exp(report.loss))
+    assert set(report.per_modality) <= set(MODALITY_IDS) and report.per_modality
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    straight = RecordingTracker()
+    train(tiny_recipe(tmp_path / "a"), CPU, tracker=straight, log=lambda _: None)
+
+    interrupted = tiny_recipe(tmp_path / "b", ckpt_every=3)
+    first = RecordingTracker()
+    partial = train(interrupted, CPU, tracker=first, log=lambda _: None, stop_after=3)
+    assert partial.steps == 3
+    resumed = RecordingTracker()
+    result = train(interrupted, CPU, tracker=resumed, log=lambda _: None)
+    assert result.resumed_from_step == 3
+    assert sorted(resumed.metrics) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.metrics[step]["train/loss"] == pytest.approx(
+            straight.metrics[step]["train/loss"], abs=1e-6
+        ), step
+    assert result.initial_loss == pytest.approx(first.metrics[1]["train/loss"])
+
+    again = train(interrupted, CPU, log=lambda _: None)  # finished: nothing to train, same report
+    assert again.steps == 6 and again.resumed_from_step == 6
+    assert again.initial_loss == result.initial_loss and again.final_loss == result.final_loss
+    assert TrainResult.from_json(again.to_json()) == again
+
+
+def test_resume_when_an_encoder_never_saw_input(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=4, ckpt_every=2)
+    recipe.data.synthetic.mix = {"text": 1.0}  # vision and audio encoders get no gradient at all
+    train(recipe, CPU, log=lambda _: None, stop_after=2)
+    assert train(recipe, CPU, log=lambda _: None).resumed_from_step == 2
+
+
+def test_changed_training_recipe_gets_its_own_checkpoints(tmp_path):
+    base = tiny_recipe(tmp_path)
+    assert base.checkpoint_dir() == tiny_recipe(tmp_path, log_every=3, ckpt_every=2).checkpoint_dir()
+    assert base.checkpoint_dir() != tiny_recipe(tmp_path, lr=1e-3).checkpoint_dir()
+
+
+def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=2)
+    train(recipe, CPU, log=lambda _: None)
+    ckpt_dir = Path(recipe.checkpoint_dir())
+    half = step_dir(ckpt_dir, 9)
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(ckpt_dir) == step_dir(ckpt_dir, 2)
+    assert json.loads((step_dir(ckpt_dir, 2) / MANIFEST).read_text())["step"] == 2
+
+
+def _dp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Rank body: one DP step on this rank's shard, then dump the resulting weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    weights = _one_step_weights(Path(root), info, shards=[rank])
+    if rank == 0:
+        torch.save(weights, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _one_step_weights(root: Path, info: DistInfo, shards: list[int]) -> dict[str, torch.Tensor]:
+    """Weights after one optimizer step over the given rank shards of a 2-rank data split."""
+    from omni_core.data.dataset import ManifestDataset
+    from omni_core.data.loader import PackedLoader
+    from omni_core.data.synthetic import ensure_dataset
+    from omni_core.models.omni import build_model
+    from omni_core.runtime.trainer import build_optimizer, train_step
+
+    recipe = tiny_recipe(root)
+    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    batches = [next(iter(PackedLoader(dataset, recipe.data, "train", r, 2, 0))) for r in shards]
+    model = build_model("debug", patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels, seed=0)
+    optimizer = build_optimizer(model, recipe)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    train_step(model, optimizer, scheduler, batches, grad_clip=1.0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_data_parallel_step_equals_single_process_accumulation(tmp_path):
+    from omni_core.data.synthetic import ensure_dataset
+
+    ensure_dataset(tiny_recipe(tmp_path))
+    reference = _one_step_weights(tmp_path, CPU, shards=[0, 1])
+    out = tmp_path / "dp.pt"
+    port = 29500 + os.getpid() % 1000
+    mp.start_processes(_dp_worker, args=(2, port, str(tmp_path), str(out)), nprocs=2, start_method="fork")
+    parallel = torch.load(out)
+    assert reference.keys() == parallel.keys()
+    for name in reference:
+        torch.testing.assert_close(parallel[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_torchrun_launch_two_ranks_writes_result_and_exits_cleanly(tmp_path):
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(
+        f"""
+experiment: {{name: launch, output_dir: {tmp_path / 'out'}}}
+data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 60}}, seq_len: 256}}
+parallel: {{nproc: 2}}
+train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
+"""
+    )
+    result_path = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "omni_core.runtime.launch", "--recipe", str(recipe_path), "--result", str(result_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = TrainResult.load(result_path)
+    assert result.world_size == 2 and result.plan == "dp2" and result.steps == 4
+    manifest = json.loads((Path(result.checkpoint) / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 4
+    assert (Path(result.checkpoint) / "rank1.pt").is_file()
+    assert "step 4/4" in proc.stdout

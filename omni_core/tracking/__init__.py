@@ -1,0 +1,32 @@
+"""MLflow tracking for omni, and the only place that talks to MLflow (imported lazily, so importing this
+package stays cheap): tracking URI and health check, trackers (async batched metrics on rank 0, no-op
+elsewhere), and the parent/stage run tree of a flow run."""
+
+from omni_core.tracking.runs import current_parent_run_id, git_sha, parent_run, stage_run
+from omni_core.tracking.store import (
+    DEFAULT_TRACKING_URI,
+    TrackingError,
+    artifact_location,
+    check_tracking_uri,
+    disable_telemetry,
+    resolve_tracking_uri,
+)
+from omni_core.tracking.tracker import MlflowTracker, NullTracker, Tracker, sanitize_metric_name, tracker_for_rank
+
+__all__ = [
+    "DEFAULT_TRACKING_URI",
+    "MlflowTracker",
+    "NullTracker",
+    "Tracker",
+    "TrackingError",
+    "artifact_location",
+    "check_tracking_uri",
+    "current_parent_run_id",
+    "disable_telemetry",
+    "git_sha",
+    "parent_run",
+    "resolve_tracking_uri",
+    "sanitize_metric_name",
+    "stage_run",
+    "tracker_for_rank",
+]

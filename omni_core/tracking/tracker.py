@@ -1,0 +1,234 @@
+"""Trackers: what training and flows log through. `MlflowTracker` never makes a training step wait for
+MLflow: metrics are queued and a background thread sends them with `log_batch`. `NullTracker` lets
+non-zero ranks and offline runs run the exact same code."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from omni_core.tracking.store import TrackingError, mlflow_client, resolve_tracking_uri
+
+log = logging.getLogger("omni.tracking")
+
+# MLflow's limits (mlflow.utils.validation), copied so that importing this module stays free of MLflow.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_KEY_LENGTH = 250
+TRUNCATED = "...[truncated]"
+
+T = TypeVar("T")
+
+
+class Tracker(Protocol):
+    """`logging_s` / `logging_calls`: time spent inside the tracker's calls on the caller's thread (queueing
+    metrics, synchronous params/tags/artifacts, the final flush in close()), so the trainer can report
+    logging overhead as a share of step time."""
+
+    logging_s: float
+    logging_calls: int
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_dict(self, obj: Any, file: str) -> None: ...
+    def log_text(self, text: str, file: str) -> None: ...
+    def close(self) -> None: ...
+
+
+_ILLEGAL = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+@functools.lru_cache(maxsize=4096)  # the same few keys every step
+def sanitize_metric_name(name: str) -> str:
+    """An MLflow-legal key that keeps `/` grouping (`train/loss`): other characters become `_`, and no
+    segment is empty, `.` or `..` (MLflow rejects keys that would resolve to another path)."""
+    parts = [_ILLEGAL.sub("_", p) for p in str(name).split("/") if p]
+    parts = ["_" if p in (".", "..") else p for p in parts]
+    return ("/".join(parts) or "_")[:MAX_KEY_LENGTH]
+
+
+def _truncate(value: Any, limit: int) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _timed(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.logging_s += time.perf_counter() - start
+            self.logging_calls += 1
+
+    return wrapper
+
+
+class NullTracker:
+    """Accepts everything, sends nothing."""
+
+    logging_s = 0.0
+    logging_calls = 0
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_dict(self, obj: Any, file: str) -> None:
+        pass
+
+    def log_text(self, text: str, file: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MlflowTracker:
+    """Logs into one existing MLflow run.
+
+    Metrics: queued by `log_metrics` (microseconds), sent by a daemon thread at most every `flush_every_s`
+    and on `close()`, `log_batch` of <= 1000 each, in call order. A failed batch is counted and warned
+    about at once, and `close()` raises TrackingError, so lost metrics are never silent.
+    Params and tags: sent at once, <= 100 per call, values cut to MLflow's limits with a marker.
+    """
+
+    def __init__(self, run_id: str, uri: str | None = None, flush_every_s: float = 2.0):
+        self.run_id = run_id
+        self.uri = uri or resolve_tracking_uri()
+        self.flush_every_s = flush_every_s
+        self.logging_s = 0.0
+        self.logging_calls = 0
+        self.failed_batches = 0
+        self.lost_metrics = 0
+        self._last_error: BaseException | None = None
+        self._client = mlflow_client(self.uri)
+        from mlflow.entities import Metric, Param, RunTag
+
+        self._metric, self._param, self._tag = Metric, Param, RunTag
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name=f"mlflow-metrics-{run_id[:8]}", daemon=True)
+        self._sender.start()
+
+    @_timed
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._closed:
+            raise TrackingError(f"tracker for MLflow run {self.run_id} is closed")
+        now = int(time.time() * 1000)
+        batch = [self._metric(sanitize_metric_name(k), float(v), now, int(step)) for k, v in metrics.items()]
+        with self._lock:
+            self._pending.extend(batch)
+
+    @_timed
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        items = [self._param(sanitize_metric_name(k), _truncate(v, MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
+        for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=chunk)
+
+    @_timed
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        items = [self._tag(k, _truncate(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self.run_id, tags=chunk)
+
+    @_timed
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    @_timed
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        self._client.log_artifacts(self.run_id, str(directory), artifact_path)
+
+    @_timed
+    def log_dict(self, obj: Any, file: str) -> None:
+        self._client.log_dict(self.run_id, obj, file)
+
+    @_timed
+    def log_text(self, text: str, file: str) -> None:
+        self._client.log_text(self.run_id, text, file)
+
+    @_timed
+    def close(self) -> None:
+        """Send what is queued, stop the thread; raise if any metric batch was lost."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._sender.join()
+        if self.failed_batches:
+            raise TrackingError(
+                f"{self.failed_batches} metric batch(es), {self.lost_metrics} metrics, could not be logged to "
+                f"MLflow run {self.run_id} at {self.uri}; last error: {self._last_error}"
+            )
+
+    def __enter__(self) -> MlflowTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send_loop(self) -> None:
+        while True:
+            stopping = self._stop.wait(self.flush_every_s)
+            self._flush()
+            if stopping:
+                return
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for chunk in _chunks(pending, MAX_METRICS_PER_BATCH):
+            try:
+                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            except Exception as e:  # counted, warned and re-raised at close(): a thread must not die quietly
+                self.failed_batches += 1
+                self.lost_metrics += len(chunk)
+                self._last_error = e
+                log.warning("MLflow run %s: %d metrics not logged: %s", self.run_id, len(chunk), e)
+
+
+def tracker_for_rank(rank: int, flush_every_s: float = 2.0) -> Tracker:
+    """The trainer's tracker: rank 0 logs into $MLFLOW_RUN_ID (set by the launching flow); everyone else,
+    and runs without a flow around them, get a NullTracker."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if rank != 0 or not run_id:
+        return NullTracker()
+    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s)

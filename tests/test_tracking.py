@@ -1,0 +1,275 @@
+"""omni_core.tracking: URIs and health check, trackers (batched/async, failures surfaced), run tree."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from omni_core.recipe import Recipe, recipe_hash
+from omni_core.tracking import (
+    MlflowTracker,
+    NullTracker,
+    TrackingError,
+    artifact_location,
+    check_tracking_uri,
+    current_parent_run_id,
+    parent_run,
+    resolve_tracking_uri,
+    sanitize_metric_name,
+    stage_run,
+    tracker_for_rank,
+)
+
+
+def make_recipe(uri: str) -> Recipe:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    return Recipe.model_validate({"experiment": {"name": name}, "tracking": {"uri": uri, "flush_every_s": 0.1}})
+
+
+@pytest.fixture
+def client(mlflow_store):
+    from mlflow import MlflowClient
+
+    return MlflowClient(mlflow_store)
+
+
+@pytest.fixture
+def run_id(client) -> str:
+    experiment = client.create_experiment(f"t-{uuid.uuid4().hex[:8]}")
+    return client.create_run(experiment).info.run_id
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- names and URIs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [
+        ("train/loss", "train/loss"),
+        ("perf/tokens_per_s", "perf/tokens_per_s"),
+        ("perf/mfu %", "perf/mfu__"),
+        ("eval/image loss (avg)", "eval/image_loss__avg_"),
+        ("/leading//double/", "leading/double"),
+        ("a/../b/./c", "a/_/b/_/c"),
+        ("", "_"),
+        ("x" * 300, "x" * 250),
+    ],
+)
+def test_sanitize_metric_name(raw, clean):
+    assert sanitize_metric_name(raw) == clean
+
+
+def test_sanitized_names_are_accepted_by_mlflow():
+    from mlflow.utils.validation import _validate_metric_name
+
+    for raw in ["a:b", "ü/ß", "..", "x/./y", "tab\there", "/"]:
+        _validate_metric_name(sanitize_metric_name(raw))
+
+
+def test_tracking_uri_precedence_and_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///sub/x.db")
+    assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'sub/x.db'}"
+    recipe = Recipe.model_validate({"experiment": {"name": "e"}, "tracking": {"uri": "http://mlflow:5000"}})
+    assert resolve_tracking_uri(recipe) == "http://mlflow:5000"
+    assert resolve_tracking_uri(Recipe.model_validate({"experiment": {"name": "e"}})).endswith("sub/x.db")
+
+
+def test_local_artifacts_go_next_to_the_database():
+    assert artifact_location("sqlite:////data/mlflow.db", "my exp/1") == "/data/mlartifacts/my_exp_1"
+    assert artifact_location("http://mlflow:5000", "e") is None
+
+
+def test_unreachable_server_fails_fast_with_the_uri():
+    uri = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(TrackingError, match="not reachable") as info:
+        check_tracking_uri(uri)
+    assert uri in str(info.value)
+    assert time.monotonic() - start < 5
+
+
+def test_server_that_never_answers_fails_within_the_probe_timeout():
+    with socket.socket() as silent:  # accepts connections (kernel backlog) but never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TrackingError, match="not reachable"):
+            check_tracking_uri(uri, timeout_s=0.5)
+        assert time.monotonic() - start < 5
+
+
+def test_sqlite_in_a_missing_directory_is_reported(tmp_path):
+    with pytest.raises(TrackingError, match="does not exist"):
+        check_tracking_uri(f"sqlite:///{tmp_path}/nope/mlflow.db")
+    check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+
+
+# --- trackers ---------------------------------------------------------------------------------------
+
+
+def test_more_than_100_params_are_all_logged_and_long_values_truncated(client, run_id, mlflow_store):
+    params = {f"p.{i:03d}": i for i in range(250)}
+    params["long"] = "v" * 7000
+    with MlflowTracker(run_id, mlflow_store) as tracker:
+        tracker.log_params(params)
+        tracker.set_tags({"note": "t" * 9000})
+    run = client.get_run(run_id)
+    assert len(run.data.params) == 251
+    assert run.data.params["p.249"] == "249"
+    assert len(run.data.params["long"]) == 6000 and run.data.params["long"].endswith("[truncated]")
+    assert len(run.data.tags["note"]) == 8000
+
+
+def test_metrics_are_queued_then_all_sent_in_step_order_in_batches(client, run_id, mlflow_store):
+    tracker = MlflowTracker(run_id, mlflow_store, flush_every_s=60)  # nothing leaves before close()
+    sent: list[int] = []
+    log_batch = tracker._client.log_batch
+
+    def spy(*args, **kwargs):
+        sent.append(len(kwargs.get("metrics", ())))
+        return log_batch(*args, **kwargs)
+
+    tracker._client.log_batch = spy
+    for step in range(1250):
+        tracker.log_metrics({"train/loss": 10 - step / 1000, "perf/tokens per s": step}, step=step)
+    time.sleep(0.2)
+    assert client.get_metric_history(run_id, "train/loss") == []
+    tracker.close()
+    assert sent == [1000, 1000, 500]
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in history] == list(range(1250))
+    assert history[-1].value == pytest.approx(10 - 1.249)
+    assert len(client.get_metric_history(run_id, "perf/tokens_per_s")) == 1250
+    assert tracker.logging_calls == 1251 and tracker.logging_s > 0
+
+
+def test_metrics_are_flushed_periodically(client, run_id, mlflow_store):
+    with MlflowTracker(run_id, mlflow_store, flush_every_s=0.05) as tracker:
+        tracker.log_metrics({"a": 1.0}, step=1)
+        deadline = time.monotonic() + 10
+        while not client.get_metric_history(run_id, "a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [m.value for m in client.get_metric_history(run_id, "a")] == [1.0]
+
+
+def test_failed_batches_are_warned_about_and_raised_at_close(mlflow_store, caplog):
+    tracker = MlflowTracker("0" * 32, mlflow_store, flush_every_s=0.05)  # no such run
+    with caplog.at_level(logging.WARNING, logger="omni.tracking"):
+        tracker.log_metrics({"a": 1.0, "b": 2.0}, step=0)
+        with pytest.raises(TrackingError, match=r"1 metric batch\(es\), 2 metrics"):
+            tracker.close()
+    assert "2 metrics not logged" in caplog.text
+    with pytest.raises(TrackingError, match="closed"):
+        tracker.log_metrics({"a": 1.0}, step=1)
+
+
+def test_null_tracker_accepts_everything(tmp_path):
+    with NullTracker() as tracker:
+        tracker.log_metrics({"a": 1.0}, step=0)
+        tracker.log_params({"p": 1})
+        tracker.set_tags({"t": "x"})
+        tracker.log_artifact(tmp_path / "missing")
+        tracker.log_artifacts(tmp_path)
+        tracker.log_dict({"a": 1}, "a.json")
+        tracker.log_text("x", "x.txt")
+    assert tracker.logging_s == 0.0
+
+
+def test_tracker_for_rank(monkeypatch, mlflow_uri, run_id):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    assert isinstance(tracker_for_rank(0), NullTracker)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    assert isinstance(tracker_for_rank(1), NullTracker)
+    tracker = tracker_for_rank(0, flush_every_s=0.5)
+    assert isinstance(tracker, MlflowTracker)
+    assert (tracker.run_id, tracker.uri, tracker.flush_every_s) == (run_id, mlflow_uri, 0.5)
+    tracker.close()
+
+
+# --- run tree ---------------------------------------------------------------------------------------
+
+
+def test_stage_runs_are_children_of_the_parent_run(client, mlflow_store):
+    recipe = make_recipe(mlflow_store)
+    with parent_run(recipe, flow_run_id="flow-1", run_name="p") as parent:
+        assert current_parent_run_id() == parent.run_id
+        with stage_run("profile", recipe, flow_run_id="flow-2") as profile:
+            profile.log_metrics({"profile/samples": 60}, step=0)
+        with pytest.raises(ValueError), stage_run("train", recipe, flow_run_id="flow-3") as train:
+            raise ValueError("boom")
+    assert current_parent_run_id() is None
+
+    p = client.get_run(parent.run_id)
+    assert p.info.status == "FINISHED" and p.info.run_name == "p"
+    assert p.data.tags["prefect.flow_run_id"] == "flow-1"
+    assert p.data.tags["recipe.hash"] == recipe_hash(recipe)
+    assert p.data.tags["git.sha"]
+    assert p.data.params["train.steps"] == "100"
+    assert [a.path for a in client.list_artifacts(parent.run_id)] == ["recipe.yaml"]
+    db_dir = Path(mlflow_store.removeprefix("sqlite:///")).parent
+    assert p.info.artifact_uri.removeprefix("file://").startswith(str(db_dir / "mlartifacts" / recipe.experiment.name))
+
+    found = client.search_runs([p.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    children = {r.info.run_name: r for r in found}
+    assert set(children) == {"profile", "train"}
+    assert children["profile"].info.status == "FINISHED"
+    assert children["profile"].data.metrics["profile/samples"] == 60
+    assert children["profile"].data.tags["prefect.flow_run_id"] == "flow-2"
+    assert children["train"].info.status == "FAILED"
+    assert children["train"].info.run_id == train.run_id
+    assert children["train"].data.params == {}  # the recipe lives on the root run
+
+
+def test_stage_run_alone_is_a_top_level_run_with_the_recipe(client, mlflow_store):
+    recipe = make_recipe(mlflow_store)
+    with stage_run("evaluate", recipe, flow_run_id="flow-9") as run:
+        pass
+    r = client.get_run(run.run_id)
+    assert "mlflow.parentRunId" not in r.data.tags
+    assert r.info.run_name == "evaluate" and r.info.status == "FINISHED"
+    assert r.data.params["experiment.name"] == recipe.experiment.name
+    assert client.get_experiment(r.info.experiment_id).name == recipe.mlflow_experiment()
+
+
+def test_interrupted_run_is_marked_killed(client, mlflow_store):
+    recipe = make_recipe(mlflow_store)
+    with pytest.raises(KeyboardInterrupt), parent_run(recipe, flow_run_id="f", run_name="p") as run:
+        raise KeyboardInterrupt
+    assert client.get_run(run.run_id).info.status == "KILLED"
+
+
+def test_unreachable_server_fails_before_any_run(monkeypatch):
+    recipe = make_recipe(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(TrackingError, match="not reachable"), parent_run(recipe, flow_run_id="f", run_name="p"):
+        pytest.fail("body must not run")
+
+
+def test_experiment_made_by_a_tracking_server_needs_that_server(client, mlflow_store):
+    recipe = make_recipe(mlflow_store)
+    client.create_experiment(recipe.experiment.name, artifact_location="mlflow-artifacts:/7")
+    with pytest.raises(TrackingError, match="MLFLOW_TRACKING_URI"), stage_run("profile", recipe, flow_run_id="f"):
+        pytest.fail("body must not run")
+
+
+def test_deleted_experiment_is_reported_with_how_to_restore(client, mlflow_store):
+    recipe = make_recipe(mlflow_store)
+    client.delete_experiment(client.create_experiment(recipe.experiment.name))
+    with pytest.raises(TrackingError, match="is deleted.*mlflow experiments restore"), parent_run(
+        recipe, flow_run_id="f", run_name="p"
+    ):
+        pytest.fail("body must not run")

@@ -1,0 +1,35 @@
+"""The experiment flow: profile -> train -> evaluate under one MLflow parent run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from flows.evaluate import evaluate_flow
+from flows.profile import profile_flow
+from flows.train import train_flow
+from omni_core.recipe import load_recipe, recipe_hash
+from omni_core.tracking import parent_run
+
+
+@flow(name="experiment")
+def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run the stages in order as subflows; each logs into a child of the run `<experiment>-<flow run name>`."""
+    r = load_recipe(recipe, overrides or ())
+    name = f"{r.experiment.name}-{flow_run.name}"
+    with parent_run(r, flow_run_id=flow_run.id, run_name=name) as run:
+        profile = profile_flow(recipe, overrides)
+        train = train_flow(recipe, overrides)
+        report = evaluate_flow(recipe, overrides)
+    return {
+        "parent_run_id": run.run_id,
+        "run_name": name,
+        "tracking_uri": run.uri,
+        "experiment_name": r.mlflow_experiment(),
+        "recipe_hash": recipe_hash(r),
+        "profile": profile.model_dump(mode="json"),
+        "train": train.model_dump(mode="json"),
+        "evaluate": report.model_dump(mode="json"),
+    }

@@ -1,0 +1,225 @@
+"""`omni`: the command line. Thin: parses, checks the recipe and the tracking server up front (so mistakes
+cost seconds and print one message, not a traceback), then calls a flow or the library. Heavy packages
+(torch, MLflow, Prefect) are imported only by the commands that need them, so `omni --help` and
+`omni recipe check` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+USAGE_ERROR = 2  # argparse's code for bad usage; also bad recipes, missing files, unreachable servers
+RUN_FAILED = 1
+
+SET_HELP = "override one recipe value by its dotted path (repeatable), e.g. --set train.steps=50"
+
+OVERRIDES_EPILOG = """\
+overrides:
+  --set KEY=VALUE changes one value of the recipe by its dotted path; repeat it for several.
+  VALUE is read as YAML (numbers, true/false, lists, {maps}); quote it for the shell when needed:
+    --set train.steps=50 --set parallel.nproc=2
+    --set data.synthetic.num_samples=500 --set 'data.synthetic.mix={text: 0.5, image: 0.5}'
+    --set experiment.output_dir=/scratch/omni --set tracking.experiment=my-sweep
+  `omni recipe show RECIPE --set ...` prints the result without running anything.
+"""
+
+RUN_EPILOG = f"""\
+stages (each a Prefect flow, each an MLflow child run of one parent run):
+  profile   generate the synthetic dataset if it is not on disk yet (data.source=synthetic), then
+            measure it: modality mix, token lengths per modality. Logs profile.json and figures.
+  train     torchrun with parallel.nproc local ranks running omni_core.runtime.launch; rank 0
+            logs train/* and perf/* metrics. Checkpoints every train.ckpt_every steps and at the end;
+            continues from the newest complete checkpoint when train.resume is true (the default).
+            Stopped after train.timeout_s seconds. Logs the checkpoint and train_result.json.
+  evaluate  held-out loss and perplexity of the newest checkpoint, overall and per modality.
+            Logs eval_report.json, eval/* metrics and a bar chart.
+
+where things go (paths relative to the directory you run omni in):
+  data          <experiment.output_dir>/data/<experiment.name>       (or data.path)
+  checkpoints   <experiment.output_dir>/<experiment.name>/checkpoints  (or train.ckpt_dir)
+  stage files   <experiment.output_dir>/<experiment.name>/runs/<MLflow run id>/
+  MLflow runs   ./mlflow.db (params, metrics, tags) and ./mlartifacts/<experiment>/ (artifacts)
+  experiment.output_dir defaults to ./runs. The MLflow experiment is experiment.name (or
+  tracking.experiment); the parent run is named <experiment.name>-<Prefect flow run name>.
+
+browse the results:
+  mlflow ui                  in the same directory, then open http://127.0.0.1:5000
+                             (another database: mlflow ui --backend-store-uri sqlite:////abs/path.db)
+  --json                     prints a JSON summary (run ids, URIs, results) as the last line of stdout
+
+{OVERRIDES_EPILOG}
+real servers instead of the embedded defaults (environment variables):
+  MLFLOW_TRACKING_URI     MLflow server, e.g. http://mlflow.internal:5000 (checked before anything
+                          starts; tracking.uri in the recipe wins over it)
+  PREFECT_API_URL         Prefect server, e.g. http://prefect.internal:4200/api; unset, Prefect runs
+                          a temporary local API for the duration of the command
+  AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION
+                          credentials for S3 artifact and checkpoint stores
+  MLFLOW_S3_ENDPOINT_URL  S3-compatible endpoint such as MinIO, e.g. http://minio.internal:9000
+  OMP_NUM_THREADS         CPU threads per rank (default 1)
+
+exit codes: 0 done, 1 a stage failed (the end of its output is printed), 2 bad usage, bad recipe,
+missing file or unreachable tracking server.
+
+example:
+  omni run recipes/quickstart.yaml --set train.steps=50 && mlflow ui
+"""
+
+
+def _add_recipe_args(p: argparse.ArgumentParser, what: str = "recipe YAML file") -> None:
+    p.add_argument("recipe", metavar="RECIPE", help=what)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="omni",
+        formatter_class=raw,
+        description="Train multimodal LLMs from a recipe: profile -> train -> evaluate as Prefect flows, "
+        "every metric, figure and checkpoint in MLflow.",
+        epilog="Start with: omni run --help",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        formatter_class=raw,
+        help="run the whole experiment: profile, train, evaluate",
+        description="Run the experiment flow on RECIPE: profile -> train -> evaluate.",
+        epilog=RUN_EPILOG,
+    )
+    _add_recipe_args(run)
+    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+
+    stages = {
+        "profile": "generate the dataset if missing and profile it (modality mix, token lengths)",
+        "train": "train under torchrun; checkpoints and train/* metrics go to MLflow",
+        "evaluate": "evaluate the newest checkpoint on held-out data, per modality",
+    }
+    for name, text in stages.items():
+        p = sub.add_parser(
+            name,
+            formatter_class=raw,
+            help=text,
+            description=f"Run only the {name} stage ({text}) as its own top-level MLflow run; "
+            "prints its result as JSON. `omni run --help` explains stages, paths and servers.",
+            epilog=OVERRIDES_EPILOG,
+        )
+        _add_recipe_args(p)
+        if name == "profile":
+            p.add_argument("--out", metavar="PATH", help="also write the profile JSON to PATH")
+
+    recipe = sub.add_parser("recipe", help="check or show a recipe without running anything")
+    recipe_sub = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
+    check = recipe_sub.add_parser(
+        "check", formatter_class=raw, help="validate a recipe; prints `ok <hash>`", epilog=OVERRIDES_EPILOG
+    )
+    _add_recipe_args(check)
+    show = recipe_sub.add_parser(
+        "show",
+        formatter_class=raw,
+        help="print the resolved recipe (extends and overrides applied) and its hash",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(show)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from omni_core.recipe import load_recipe
+
+    return load_recipe(args.recipe, args.overrides)
+
+
+def _recipe_command(args: argparse.Namespace) -> int:
+    from omni_core.recipe import dump_recipe, recipe_hash
+
+    recipe = _load(args)
+    if args.recipe_command == "check":
+        print(f"ok {recipe_hash(recipe)}")
+    else:
+        print(dump_recipe(recipe).rstrip("\n"))
+        print(f"# recipe.hash: {recipe_hash(recipe)}")
+    return 0
+
+
+FLOWS = {
+    "run": ("flows.experiment", "experiment_flow"),
+    "profile": ("flows.profile", "profile_flow"),
+    "train": ("flows.train", "train_flow"),
+    "evaluate": ("flows.evaluate", "evaluate_flow"),
+}
+
+
+def _browse_hint(uri: str) -> str:
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri}"
+    if uri == f"sqlite:///{Path.cwd() / 'mlflow.db'}":
+        return "mlflow ui   then open http://127.0.0.1:5000"
+    return f"mlflow ui --backend-store-uri {uri}   then open http://127.0.0.1:5000"
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    train, report = summary["train"], summary["evaluate"]
+    per_modality = ", ".join(f"{m} {s['loss']:.3f}" for m, s in report["per_modality"].items())
+    print(
+        f"experiment {summary['experiment_name']!r}: MLflow run {summary['run_name']} ({summary['parent_run_id']})\n"
+        f"  train     {train['steps']} steps, loss {train['initial_loss']:.3f} -> {train['final_loss']:.3f}, "
+        f"{train['tokens_per_s']:.0f} tokens/s, plan {train['plan']}\n"
+        f"            checkpoint {train['checkpoint']}\n"
+        f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}\n"
+        f"  tracking  {summary['tracking_uri']}\n"
+        f"  browse    {_browse_hint(summary['tracking_uri'])}"
+    )
+
+
+def _flow_command(args: argparse.Namespace) -> int:
+    from omni_core.tracking import check_tracking_uri, resolve_tracking_uri
+
+    check_tracking_uri(resolve_tracking_uri(_load(args)))  # fail before Prefect and torchrun start
+    module, name = FLOWS[args.command]
+    flow = getattr(importlib.import_module(module), name)
+    from flows.launcher import LaunchError
+
+    try:
+        result = flow(args.recipe, args.overrides)
+    except LaunchError as e:
+        print(f"omni: {args.command} failed: {e}", file=sys.stderr)
+        return RUN_FAILED
+    if args.command == "run":
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _print_summary(result)
+        return 0
+    if getattr(args, "out", None):
+        Path(args.out).write_text(result.to_json())
+    print(result.to_json())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from omni_core.recipe import RecipeError
+    from omni_core.tracking import TrackingError
+
+    try:
+        if args.command == "recipe":
+            return _recipe_command(args)
+        return _flow_command(args)
+    except (RecipeError, TrackingError) as e:
+        print(f"omni: {e}", file=sys.stderr)
+    except FileNotFoundError as e:
+        print(f"omni: no such file: {e.filename or e}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

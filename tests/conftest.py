@@ -1,0 +1,55 @@
+"""Shared test set-up: telemetry off, a throw-away PREFECT_HOME for the session (Prefect's result storage
+outlives prefect_test_harness otherwise), a session sqlite MLflow store, and the Prefect test harness.
+
+PREFECT_HOME and the telemetry switches are set at import, before any test module imports Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_core.tracking import disable_telemetry
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="omni-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+disable_telemetry()
+for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "PREFECT_API_URL"):  # never a developer's real servers
+    os.environ.pop(_var, None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mlflow_store() -> str:
+    """A sqlite MLflow store shared by the session (creating one costs seconds); tests use their own
+    experiments or runs in it."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{_SESSION_DIR / 'mlflow' / 'mlflow.db'}"
+    (_SESSION_DIR / "mlflow").mkdir()
+    MlflowClient(uri).search_experiments()  # creates the schema once
+    return uri
+
+
+@pytest.fixture
+def mlflow_uri(mlflow_store: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The session store, also as $MLFLOW_TRACKING_URI for code that resolves the URI itself."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
+    return mlflow_store
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """A temporary Prefect API and database for the flow tests of this session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

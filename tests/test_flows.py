@@ -1,0 +1,76 @@
+"""The experiment flow end to end: Prefect test harness, torchrun on 1 CPU rank, a temporary sqlite MLflow
+store; everything is checked through MlflowClient, the way a user would find it."""
+
+from __future__ import annotations
+
+import pytest
+
+RECIPE = """\
+experiment: {{name: flow-test, output_dir: {out}, seed: 0}}
+data:
+  synthetic: {{num_samples: 60}}
+  seq_len: 256
+model: {{flavor: debug}}
+parallel: {{nproc: 1}}
+train: {{steps: 30, warmup_steps: 2, log_every: 2, ckpt_every: 0, timeout_s: 300}}
+eval: {{max_batches: 2}}
+tracking: {{flush_every_s: 0.5}}
+"""
+
+
+def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    return {a.path for a in client.list_artifacts(run_id, path)}
+
+
+@pytest.mark.slow
+def test_experiment_flow_logs_a_parent_run_with_three_stage_runs(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
+    from mlflow import MlflowClient
+
+    from flows.experiment import experiment_flow
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+
+    summary = experiment_flow(str(recipe), ["train.steps=20"])
+
+    client = MlflowClient(mlflow_uri)
+    assert summary["tracking_uri"] == mlflow_uri and summary["experiment_name"] == "flow-test"
+    parent = client.get_run(summary["parent_run_id"])
+    assert parent.info.run_name.startswith("flow-test-") and parent.info.status == "FINISHED"
+    tags = parent.data.tags
+    assert tags["recipe.hash"] == summary["recipe_hash"] and tags["git.sha"] and tags["prefect.flow_run_id"]
+    assert parent.data.params["train.steps"] == "20" and parent.data.params["parallel.nproc"] == "1"
+    assert "recipe.yaml" in artifact_paths(client, parent.info.run_id)
+
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    stages = {r.info.run_name: r for r in children}
+    assert set(stages) == {"profile", "train", "evaluate"}
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["recipe.hash"] == summary["recipe_hash"]
+        assert run.data.tags["prefect.flow_run_id"] not in ("", tags["prefect.flow_run_id"])  # its own subflow
+
+    profile = stages["profile"]
+    files = artifact_paths(client, profile.info.run_id)
+    assert "profile.json" in files and any(f.endswith(".png") for f in files)
+    assert profile.data.metrics["profile/samples"] == summary["profile"]["total_samples"]
+
+    train = stages["train"]
+    losses = client.get_metric_history(train.info.run_id, "train/loss")
+    assert [m.step for m in losses] == list(range(2, 21, 2))
+    assert train.data.tags["plan"] == summary["train"]["plan"]
+    assert {"checkpoint", "train_result.json"} <= artifact_paths(client, train.info.run_id)
+    assert artifact_paths(client, train.info.run_id, "checkpoint")
+    assert summary["train"]["steps"] == 20
+
+    evaluate = stages["evaluate"]
+    files = artifact_paths(client, evaluate.info.run_id)
+    assert "eval_report.json" in files and any(f.endswith(".png") for f in files)
+    metrics = evaluate.data.metrics
+    assert metrics["eval/loss"] == pytest.approx(summary["evaluate"]["loss"])
+    assert "eval/perplexity" in metrics
+    for modality in summary["evaluate"]["per_modality"]:
+        assert f"eval/{modality}/loss" in metrics

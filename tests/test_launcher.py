@@ -1,0 +1,93 @@
+"""flows.launcher: the process-group runner behind the torchrun task, driven with plain commands."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.launcher import LaunchError, run_process_group, torchrun_command
+
+
+def alive(pid: int) -> bool:
+    """Running, or stopped; a zombie (killed, not yet reaped by init) counts as dead."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_dead(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def test_output_is_streamed_as_it_comes_stdout_and_stderr():
+    seen: list[tuple[float, str]] = []
+    run_process_group(
+        ["sh", "-c", "echo first; sleep 1; echo second >&2"],
+        timeout_s=30,
+        on_line=lambda line: seen.append((time.monotonic(), line)),
+    )
+    assert [line for _, line in seen] == ["first", "second"]
+    assert seen[1][0] - seen[0][0] > 0.7  # "first" arrived while the command was still running
+
+
+def test_non_zero_exit_raises_with_the_last_lines():
+    script = "for i in $(seq 1 100); do echo line $i; done; echo boom >&2; exit 3"
+    with pytest.raises(LaunchError, match="exited with code 3") as info:
+        run_process_group(["sh", "-c", script], timeout_s=30, on_line=lambda line: None, name="job")
+    message = str(info.value)
+    assert message.startswith("job exited with code 3; last 40 lines")
+    assert "line 100\nboom" in message and "line 62\n" in message and "line 61\n" not in message
+
+
+def test_timeout_kills_the_whole_group_including_grandchildren():
+    lines: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="exceeded its 1s limit"):
+        run_process_group(["sh", "-c", "sleep 60 & echo $!; sleep 60"], timeout_s=1, on_line=lines.append)
+    assert time.monotonic() - start < 10
+    assert wait_dead(int(lines[0]))
+
+
+def test_processes_ignoring_sigterm_are_killed_after_the_grace_period():
+    lines: list[str] = []
+    script = "trap '' TERM; sleep 60 & echo $!; wait"  # the ignored SIGTERM is inherited by sleep
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="limit"):
+        run_process_group(["sh", "-c", script], timeout_s=0.5, grace_s=1, on_line=lines.append)
+    assert 1 <= time.monotonic() - start < 10
+    assert wait_dead(int(lines[0]))
+
+
+def test_any_exception_in_the_caller_kills_the_group():
+    child: list[int] = []
+
+    def interrupt(line: str) -> None:
+        child.append(int(line))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_process_group(["sh", "-c", "sleep 60 & echo $!; wait"], timeout_s=60, on_line=interrupt)
+    assert wait_dead(child[0])
+
+
+def test_success_returns_and_leaves_no_process_behind():
+    lines: list[str] = []
+    run_process_group([sys.executable, "-c", "import os; print(os.getpid())"], timeout_s=30, on_line=lines.append)
+    assert wait_dead(int(lines[0]), within_s=1)
+
+
+def test_torchrun_command():
+    cmd = torchrun_command("r.yaml", 2, "out.json")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:] == [
+        "--standalone", "--nproc-per-node", "2", "-m", "omni_core.runtime.launch",
+        "--recipe", "r.yaml", "--result", "out.json",
+    ]  # fmt: skip

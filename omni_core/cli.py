@@ -42,7 +42,9 @@ stages (each a Prefect flow, each an MLflow child run of one parent run):
 
 where things go (paths relative to the directory you run omni in):
   data          <experiment.output_dir>/data/<experiment.name>       (or data.path)
-  checkpoints   <experiment.output_dir>/<experiment.name>/checkpoints  (or train.ckpt_dir)
+  checkpoints   <experiment.output_dir>/<experiment.name>/ckpt-<training hash>/  (or train.ckpt_dir);
+                the hash covers what shapes the weights (seed, data, model, optimisation), so rerunning
+                a recipe resumes or finds it done, and a changed one starts afresh
   stage files   <experiment.output_dir>/<experiment.name>/runs/<MLflow run id>/
   MLflow runs   ./mlflow.db (params, metrics, tags) and ./mlartifacts/<experiment>/ (artifacts)
   experiment.output_dir defaults to ./runs. The MLflow experiment is experiment.name (or
@@ -217,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, TrackingError) as e:
         print(f"omni: {e}", file=sys.stderr)
     except FileNotFoundError as e:
-        print(f"omni: no such file: {e.filename or e}", file=sys.stderr)
+        print(f"omni: no such file: {e.filename}" if e.filename else f"omni: {e}", file=sys.stderr)
     return USAGE_ERROR
 
 

@@ -17,13 +17,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from omni_core.data.batch import MODALITY_IDS
+from omni_core.parallel import PlanError
 from omni_core.recipe.schema import ParallelConfig, Recipe
 from omni_core.results import TrainResult
 from omni_core.runtime.checkpoint import MANIFEST, latest_checkpoint, step_dir
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.evaluate import evaluate
 from omni_core.runtime.loss import summarize, token_loss_sums
-from omni_core.runtime.trainer import lr_lambda, plan_name, train
+from omni_core.runtime.trainer import executable_plan, lr_lambda, train
 from omni_core.tracking import NullTracker
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -77,11 +78,12 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
 
 
 def test_plan_refuses_degrees_this_runtime_cannot_execute():
-    assert plan_name(ParallelConfig(), 4) == "dp4"
-    with pytest.raises(ValueError, match=r"parallel\.tp=2.*parallel\.cp=2"):
-        plan_name(ParallelConfig(tp=2, cp=2), 4)
-    with pytest.raises(ValueError, match=r"parallel\.dp_shard=3 does not match the world size 2"):
-        plan_name(ParallelConfig(dp_shard=3), 2)
+    assert executable_plan(ParallelConfig(), 4).name == "dp4"
+    assert executable_plan(ParallelConfig(dp_replicate=2), 4).name == "dp2x2"
+    with pytest.raises(PlanError, match=r"parallel\.tp=2, parallel\.cp=2 \(plan dp1-tp2-cp2u\)"):
+        executable_plan(ParallelConfig(tp=2, cp=2), 4)
+    with pytest.raises(PlanError, match=r"but the world size is 2"):
+        executable_plan(ParallelConfig(dp_shard=3), 2)
 
 
 def test_training_lowers_loss_and_evaluates(tmp_path):

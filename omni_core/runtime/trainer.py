@@ -8,7 +8,8 @@ Data parallelism here is gradient all-reduce after backward. Each rank backpropa
 divided by the global number of target tokens of the step, so the summed gradient is exactly the
 gradient of the global token mean; encoders that saw no input on a rank contribute zeros and still join
 the collective, so no rank waits on another. The 5D layouts (FSDP/TP/PP/CP/EP) come with their own plan
-object; until then a recipe that asks for them is refused, not silently run as DP.
+object (`ParallelPlan`); until they are implemented a recipe that asks for them is refused, not silently
+run as DP. dp_replicate x dp_shard both map onto this replicated all-reduce (no parameter sharding yet).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.data.tokenizer import PAD_ID
 from omni_core.models.omni import OmniModel, build_model
+from omni_core.parallel import ParallelPlan, PlanError
 from omni_core.recipe.loader import recipe_hash
 from omni_core.recipe.schema import ParallelConfig, Recipe
 from omni_core.results import TrainResult
@@ -39,24 +41,16 @@ from omni_core.tracking import NullTracker, Tracker
 Log = Callable[[str], None]
 
 
-def plan_name(parallel: ParallelConfig, world_size: int) -> str:
-    """Check the recipe's degrees against what this runtime executes; return the plan's compact name."""
-    unsupported = {
-        name: value
-        for name, value in (("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp), ("ep", parallel.ep))
-        if value != 1
-    }
-    if parallel.dp_replicate != 1:
-        unsupported["dp_replicate"] = parallel.dp_replicate
+def executable_plan(parallel: ParallelConfig, world_size: int) -> ParallelPlan:
+    """The recipe's plan on this world, refused if it needs degrees this runtime does not execute yet."""
+    plan = ParallelPlan.from_config(parallel, world_size)
+    unsupported = [f"parallel.{d}={getattr(plan, d)}" for d in ("tp", "pp", "cp", "ep") if getattr(plan, d) > 1]
     if unsupported:
-        degrees = ", ".join(f"parallel.{k}={v}" for k, v in unsupported.items())
-        raise ValueError(
-            f"{degrees}: this runtime executes data parallelism only; the 5D plan (TP/PP/CP/EP/HSDP) "
-            "is not implemented yet, so these degrees must be 1"
+        raise PlanError(
+            f"{', '.join(unsupported)} (plan {plan.name}): this runtime executes data parallelism only; "
+            "TP/PP/CP/EP are not implemented yet, so these degrees must be 1"
         )
-    if parallel.dp_shard not in (-1, world_size):
-        raise ValueError(f"parallel.dp_shard={parallel.dp_shard} does not match the world size {world_size}")
-    return f"dp{world_size}"
+    return plan
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, floor: float) -> float:
@@ -156,7 +150,7 @@ def train(
     """Train to `recipe.train.steps` (or stop early after `stop_after` steps of this call)."""
     tracker = tracker or NullTracker()
     cfg = recipe.train
-    plan = plan_name(recipe.parallel, info.world_size)
+    plan = executable_plan(recipe.parallel, info.world_size).name
     torch.manual_seed(recipe.experiment.seed)
 
     if info.is_main:

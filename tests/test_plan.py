@@ -1,0 +1,81 @@
+"""ParallelPlan: degrees, names, validation against world and model, meshes."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.parallel import ModelShape, ParallelPlan, PlanError
+from omni_core.recipe.schema import ParallelConfig
+
+LLAMA_TINY = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, seq_len=256)
+MOE_TINY = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, num_experts=4, seq_len=256)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelPlan(dp_shard=4),
+        ParallelPlan(dp_replicate=2, dp_shard=2),
+        ParallelPlan(dp_shard=2, tp=2, pp=2, cp=2, cp_kind="ring", ep=2),
+        ParallelPlan(pp=4, pp_schedule="Interleaved1F1B", virtual_stages=2),
+        ParallelPlan(pp=2, pp_schedule="GPipe", cp=4),
+    ],
+    ids=lambda p: p.name,
+)
+def test_name_round_trips(plan):
+    assert ParallelPlan.parse(plan.name) == plan
+
+
+def test_name_and_sizes():
+    plan = ParallelPlan(dp_shard=2, tp=2, pp=2, cp=2, cp_kind="ring", ep=2)
+    assert plan.name == "dp2-tp2-pp2-cp2r-ep2"
+    assert plan.world_size == 16 and plan.dp == 2
+    assert list(plan.mesh_shape()) == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+
+
+def test_from_config_derives_dp_shard_and_checks_world():
+    assert ParallelPlan.from_config(ParallelConfig(tp=2), 8) == ParallelPlan(dp_shard=4, tp=2)
+    with pytest.raises(PlanError, match=r"world size 6 is not divisible by pp=1 x dp_replicate=1 x cp=1 x tp=4"):
+        ParallelPlan.from_config(ParallelConfig(tp=4), 6)
+    with pytest.raises(PlanError, match=r"dp_shard=3 x cp=1 x tp=2 = 6 ranks, but the world size is 8"):
+        ParallelPlan.from_config(ParallelConfig(tp=2, dp_shard=3), 8)
+
+
+def test_invalid_degrees_are_named():
+    with pytest.raises(PlanError, match=r"tp=0 must be >= 1"):
+        ParallelPlan(tp=0)
+    with pytest.raises(PlanError, match=r"ep=4 must divide dp_shard\*cp=2"):
+        ParallelPlan(dp_shard=2, ep=4)
+    with pytest.raises(PlanError, match=r"Interleaved1F1B needs virtual_stages >= 2"):
+        ParallelPlan(pp=2, pp_schedule="Interleaved1F1B")
+    with pytest.raises(PlanError, match=r"cannot parse plan name 'tp2'"):
+        ParallelPlan.parse("tp2")
+
+
+def test_model_fit_names_every_degree_that_does_not_divide():
+    ParallelPlan(dp_shard=2, tp=2, pp=2, cp=2).check_model(LLAMA_TINY)
+    ParallelPlan(dp_shard=2, ep=2).check_model(MOE_TINY)
+    with pytest.raises(PlanError) as err:
+        ParallelPlan(tp=8, pp=8, cp=2, cp_kind="ring", dp_shard=2, ep=2).check_model(
+            ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, seq_len=250)
+        )
+    message = str(err.value)
+    for expected in ("tp=8 does not divide n_kv_heads=4", "pp=8 x virtual_stages=1 exceeds n_layers=4",
+                     "ep=2 needs an MoE model", "needs seq_len=250 divisible by 4"):
+        assert expected in message
+    with pytest.raises(PlanError, match=r"cp=4 \(ulysses\) does not divide the 2 heads per tp rank"):
+        ParallelPlan(tp=4, cp=4).check_model(ModelShape(n_layers=4, n_heads=8, n_kv_heads=8))
+    with pytest.raises(PlanError, match=r"ep=4 does not divide num_experts=6"):
+        ParallelPlan(dp_shard=4, ep=4).check_model(ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, num_experts=6))
+
+
+def test_mesh_has_one_named_dimension_per_degree():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = ParallelPlan().build_mesh("cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        assert mesh["tp"].size() == 1 and mesh.size() == 1
+    finally:
+        dist.destroy_process_group()

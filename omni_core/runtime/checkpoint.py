@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from omni_core.runtime.dist import DistInfo, barrier
 
 MANIFEST = "manifest.json"
+# Evaluation and single-process tests use DCP without a process group on purpose; DCP warns about it each time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 

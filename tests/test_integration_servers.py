@@ -1,0 +1,81 @@
+"""`omni run` against real servers, as the README's "Pointing at real servers" describes: an MLflow
+tracking server whose artifacts go to S3 (moto's standalone server on loopback standing in for MinIO),
+and a Prefect server instead of the ephemeral API. Everything crosses real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import free_port, server_process
+
+BIN = Path(sys.executable).parent
+RECIPE = """\
+experiment: {{name: servers, output_dir: {out}}}
+data: {{synthetic: {{num_samples: 60}}, seq_len: 256}}
+parallel: {{nproc: 1}}
+train: {{steps: 6, log_every: 2, ckpt_every: 0, timeout_s: 300}}
+eval: {{max_batches: 2}}
+tracking: {{flush_every_s: 0.5}}
+"""
+
+
+@pytest.mark.slow
+def test_omni_run_tracks_to_an_mlflow_server_with_s3_artifacts_and_a_prefect_server(tmp_path):
+    import boto3
+    from mlflow import MlflowClient
+
+    creds = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    base_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    s3_port, mlflow_port, prefect_port = free_port(), free_port(), free_port()
+    s3_url = f"http://127.0.0.1:{s3_port}"
+    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+    prefect_url = f"http://127.0.0.1:{prefect_port}/api"
+    server_env = {**base_env, **creds, "MLFLOW_S3_ENDPOINT_URL": s3_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                  "PREFECT_HOME": str(tmp_path / "prefect-server")}
+
+    with server_process([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
+                        f"{s3_url}/moto-api/", log=tmp_path / "s3.log", env=server_env):
+        s3 = boto3.client("s3", endpoint_url=s3_url, **{k.lower(): v for k, v in creds.items()
+                                                         if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+        s3.create_bucket(Bucket="mlflow")
+        mlflow_cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                      "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                      "--artifacts-destination", "s3://mlflow/artifacts"]
+        prefect_cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)]
+        with server_process(mlflow_cmd, f"{mlflow_url}/health", log=tmp_path / "mlflow.log", env=server_env), \
+                server_process(prefect_cmd, f"{prefect_url}/health", log=tmp_path / "prefect.log", env=server_env):
+            recipe = tmp_path / "recipe.yaml"
+            recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+            client_env = {**base_env, "MLFLOW_TRACKING_URI": mlflow_url, "PREFECT_API_URL": prefect_url,
+                          "PREFECT_HOME": str(tmp_path / "prefect-client"), "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run([str(BIN / "omni"), "run", str(recipe), "--json"], cwd=tmp_path, env=client_env,
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            summary = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert summary["tracking_uri"] == mlflow_url
+
+            client = MlflowClient(mlflow_url)
+            parent = client.get_run(summary["parent_run_id"])
+            children = client.search_runs([parent.info.experiment_id],
+                                          f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+            assert {r.info.run_name for r in children} == {"profile", "train", "evaluate"}
+            train = next(r for r in children if r.info.run_name == "train")
+            assert [m.step for m in client.get_metric_history(train.info.run_id, "train/loss")] == [2, 4, 6]
+
+            keys = [o["Key"] for o in s3.list_objects_v2(Bucket="mlflow").get("Contents", [])]
+            assert any(k.endswith(f"{parent.info.run_id}/artifacts/recipe.yaml") for k in keys)
+            assert any(f"{train.info.run_id}/artifacts/checkpoint/" in k and k.endswith("manifest.json") for k in keys)
+
+            import urllib.request
+
+            request = urllib.request.Request(f"{prefect_url}/flow_runs/filter", data=b"{}", method="POST",
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                flow_runs = json.loads(response.read())
+            assert summary["run_name"].removeprefix("servers-") in {r["name"] for r in flow_runs}

@@ -24,7 +24,7 @@ class PackedBatch:
     image_patches: torch.Tensor  # [P, 3*patch*patch] float, all images' patches in row-major order
     image_grids: torch.Tensor  # [N_img, 2] long, (rows, cols) patch grid per image
     audio_mels: torch.Tensor  # [F, n_mels] float, all clips' log-mel frames
-    audio_frames: torch.Tensor  # [N_aud] long, frames per clip (a multiple of 4)
+    audio_frames: torch.Tensor  # [N_aud] long, frames per clip (a multiple of 2)
     num_samples: int  # real samples (documents that are not padding)
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -40,5 +40,6 @@ class PackedBatch:
 
 
 def audio_tokens(frames: int) -> int:
-    """Embeddings an audio clip yields: the encoder subsamples log-mel frames by 4 (two stride-2 convs)."""
-    return frames // 4
+    """Embeddings an audio clip yields: the encoder subsamples log-mel frames by 2, as Whisper does (conv1
+    stride 1, conv2 stride 2), so that Whisper checkpoints load unchanged."""
+    return frames // 2

@@ -1,6 +1,7 @@
-"""Model architectures: LLM backbone, vision and audio encoders, projectors, OmniModel, flavor registry."""
+"""Model architectures: LLM backbone (dense or MoE), vision and audio encoders, projectors, OmniModel, flavor
+registry, parameter/FLOP counts (`flops`) and HF safetensors import/export (`hf_import`)."""
 
-from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
+from omni_core.models.args import AudioArgs, LLMArgs, MoEArgs, OmniModelArgs, VisionArgs
 from omni_core.models.attention import varlen_attention
 from omni_core.models.flavors import FLAVORS, get_flavor
 from omni_core.models.omni import OmniModel, build_model
@@ -9,6 +10,7 @@ __all__ = [
     "FLAVORS",
     "AudioArgs",
     "LLMArgs",
+    "MoEArgs",
     "OmniModel",
     "OmniModelArgs",
     "VisionArgs",

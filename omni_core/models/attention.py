@@ -2,10 +2,13 @@
 
 Packed documents (LLM samples, images, audio clips) are attended one SDPA call each: on CPU that is ~6x
 faster than a dense block-diagonal mask (PLATFORM-NOTES.md), and attention can never cross a document.
+On GPUs the LLM can use flex_attention with a block-sparse document mask instead (LLMArgs.attention).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +20,7 @@ def _document_lengths(cu_seqlens: torch.Tensor | Sequence[int], total: int) -> l
     offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if not offsets or offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to the {total} tokens, got {offsets}")
-    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    lengths = [end - start for start, end in itertools.pairwise(offsets)]
     if min(lengths, default=0) < 0:
         raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
     return lengths
@@ -51,6 +54,80 @@ def varlen_attention(
     return torch.cat(outputs)
 
 
+def document_ids(cu_seqlens: torch.Tensor | Sequence[int], total: int, device=None) -> torch.Tensor:
+    """[T] index of the document each packed token belongs to."""
+    lengths = torch.tensor(_document_lengths(cu_seqlens, total), device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+
+def document_mask(cu_seqlens: torch.Tensor | Sequence[int], total: int, causal: bool, device=None) -> torch.Tensor:
+    """[T, T] bool, True where query i may attend key j: same document (and j <= i when causal)."""
+    doc = document_ids(cu_seqlens, total, device)
+    mask = doc[:, None] == doc[None, :]
+    return mask.tril() if causal else mask
+
+
+# Other implementations of `varlen_attention`'s function over the same packed layout, compared by
+# benchmarks/attention_timings.py; tests check that they agree.
+
+
+def block_mask_attention(q, k, v, cu_seqlens, causal: bool) -> torch.Tensor:
+    """One SDPA call over all T tokens with a dense [T, T] document mask: O(T^2) memory and FLOPs."""
+    mask = document_mask(cu_seqlens, q.shape[0], causal, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out.transpose(0, 1)
+
+
+def masked_matmul_attention(q, k, v, cu_seqlens, causal: bool) -> torch.Tensor:
+    """Textbook softmax(QK^T / sqrt(d) + mask) V, materialising the [H, T, T] scores."""
+    mask = document_mask(cu_seqlens, q.shape[0], causal, q.device)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention is only fused (and fast) when compiled: compile once per process, as torchtitan does."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _document_block_mask(offsets: tuple[int, ...], causal: bool, device: torch.device):
+    """Block mask of one packed layout; cached so that every layer of a forward reuses it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = offsets[-1]
+    doc = document_ids(offsets, total, device)
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        same = doc[q_idx] == doc[kv_idx]
+        return same & (kv_idx <= q_idx) if causal else same
+
+    return create_block_mask(mask_mod, None, None, total, total, device=device)
+
+
+def flex_document_attention(q, k, v, cu_seqlens, causal: bool) -> torch.Tensor:
+    """flex_attention with a block-sparse document mask: whole blocks across documents are skipped. Compiled
+    on CUDA; eager elsewhere, where it is slow and has no backward (PyTorch raises NotImplementedError on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    offsets = tuple(cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)
+    block_mask = _document_block_mask(offsets, causal, q.device)
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    out = attend(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
 class EncoderAttention(nn.Module):
     """Full bidirectional multi-head attention inside each document (an image, an audio clip)."""
 
@@ -60,6 +137,7 @@ class EncoderAttention(nn.Module):
         self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, dim)
         # No key bias: it adds the same score to every key of a query, which softmax cancels (zero gradient).
+        # SigLIP/CLIP checkpoints have one; importing drops it without changing the output.
         self.wk = nn.Linear(dim, dim, bias=False)
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
@@ -73,13 +151,14 @@ class EncoderAttention(nn.Module):
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block (ViT / Whisper encoder): LN -> attention -> residual; LN -> GELU MLP -> residual."""
 
-    def __init__(self, dim: int, n_heads: int, mlp_ratio: float):
+    def __init__(self, dim: int, n_heads: int, mlp_ratio: float, norm_eps: float = 1e-5, activation: str = "gelu"):
         super().__init__()
         hidden = int(dim * mlp_ratio)
-        self.attention_norm = nn.LayerNorm(dim)
+        self.attention_norm = nn.LayerNorm(dim, eps=norm_eps)
         self.attention = EncoderAttention(dim, n_heads)
-        self.mlp_norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.mlp_norm = nn.LayerNorm(dim, eps=norm_eps)
+        approximate = {"gelu": "none", "gelu_tanh": "tanh"}[activation]
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate=approximate), nn.Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cu_seqlens)

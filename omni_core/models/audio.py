@@ -22,18 +22,24 @@ def sinusoids(positions: torch.Tensor, dim: int, max_timescale: float = 10000.0)
 
 
 class AudioEncoder(nn.Module):
-    """Log-mel frames [F, n_mels] of N clips (clip after clip) -> embeddings [sum(frames // 4), dim]."""
+    """Log-mel frames [F, n_mels] of N clips (clip after clip) -> embeddings [sum(frames // 2), dim].
+
+    Whisper's subsampling (conv1 stride 1, conv2 stride 2), but clips of any even length rather than a fixed
+    30 s window: each clip is its own attention document, positions restart at 0 per clip.
+    """
 
     def __init__(self, args: AudioArgs):
         super().__init__()
         self.args = args
-        self.conv1 = nn.Conv1d(args.n_mels, args.dim, kernel_size=3, stride=2, padding=1)
+        self.conv1 = nn.Conv1d(args.n_mels, args.dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(args.dim, args.dim, kernel_size=3, stride=2, padding=1)
-        self.layers = nn.ModuleList(EncoderBlock(args.dim, args.n_heads, args.mlp_ratio) for _ in range(args.n_layers))
-        self.norm = nn.LayerNorm(args.dim)
+        self.layers = nn.ModuleList(
+            EncoderBlock(args.dim, args.n_heads, args.mlp_ratio, args.norm_eps) for _ in range(args.n_layers)
+        )
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
 
     def subsample(self, clip: torch.Tensor) -> torch.Tensor:
-        """One clip [frames, n_mels] -> [frames // 4, dim]. Per clip, so the convs never mix two clips."""
+        """One clip [frames, n_mels] -> [frames // 2, dim]. Per clip, so the convs never mix two clips."""
         x = F.gelu(self.conv1(clip.T.unsqueeze(0)))
         return F.gelu(self.conv2(x)).squeeze(0).T
 
@@ -49,7 +55,7 @@ class AudioEncoder(nn.Module):
             if clip.shape[0] != audio_tokens(count):
                 raise ValueError(
                     f"a clip of {count} frames gave {clip.shape[0]} embeddings, expected {audio_tokens(count)}: "
-                    "frames per clip must be a multiple of 4"
+                    "frames per clip must be a multiple of 2"
                 )
             cu_seqlens.append(cu_seqlens[-1] + clip.shape[0])
         positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])

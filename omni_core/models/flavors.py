@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
+from omni_core.models.args import AudioArgs, LLMArgs, MoEArgs, OmniModelArgs, VisionArgs
+
+# Native-resolution ViTs (factorised positions up to 64 x 64 patches), widths chosen for the named sizes.
+_VITS = {
+    "vit-1b": VisionArgs(dim=2048, n_layers=20, n_heads=16),
+    "vit-2.4b": VisionArgs(dim=2560, n_layers=30, n_heads=20),
+    "vit-10b": VisionArgs(dim=5120, n_layers=32, n_heads=40),
+}
+_LLMS = {
+    "llama-12b": LLMArgs(vocab_size=32000, dim=5120, n_layers=36, n_heads=40, n_kv_heads=40, ffn_hidden=13824),
+    "llama-70b": LLMArgs(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672),
+    # GPT-3 175B's shape in this Llama-style backbone: SwiGLU at 8/3 * dim has the params and FLOPs of GPT's
+    # 4 * dim GELU MLP.
+    "gpt-175b": LLMArgs(vocab_size=50257, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_hidden=32768),
+    "mixtral-8x7b": LLMArgs(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=1e6,
+        moe=MoEArgs(num_experts=8, top_k=2),
+    ),
+}
+# Whisper large-v3's encoder (0.63B; n_mels comes from the recipe), so every paper flavor also takes audio.
+_WHISPER_LARGE_ENCODER = AudioArgs(dim=1280, n_layers=32, n_heads=20)
 
 FLAVORS: dict[str, OmniModelArgs] = {
     # ~1.1M parameters: trains a few hundred steps per minute on one CPU core at seq 512.
@@ -13,6 +33,33 @@ FLAVORS: dict[str, OmniModelArgs] = {
         vision=VisionArgs(dim=64, n_layers=2, n_heads=4, max_grid=64),
         audio=AudioArgs(dim=64, n_layers=2, n_heads=4),
     ),
+    # ~95M parameters: the estimator's validation runs it on CPU next to `debug` (a 100x larger model).
+    "small": OmniModelArgs(
+        llm=LLMArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048),
+        vision=VisionArgs(dim=384, n_layers=6, n_heads=6, max_grid=64),
+        audio=AudioArgs(dim=384, n_layers=4, n_heads=6),
+    ),
+    # `debug` with 4 routed SwiGLU experts (top-2) and a shared one in every LLM block.
+    "debug-moe": OmniModelArgs(
+        llm=LLMArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192,
+                    moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True)),
+        vision=VisionArgs(dim=64, n_layers=2, n_heads=4, max_grid=64),
+        audio=AudioArgs(dim=64, n_layers=2, n_heads=4),
+    ),
+    # Paper scale (MegaScale-Omni's workloads A-D, plus one MoE), named <vision>+<llm>, for the estimator and
+    # GPUs. Shapes match omni_core.estimator.workloads (VIT_SHAPES / LLM_SHAPES, 2x2 merge before the projector).
+    **{
+        f"{vit}+{llm_name}": OmniModelArgs(
+            llm=llm, vision=_VITS[vit], audio=_WHISPER_LARGE_ENCODER, spatial_merge=2
+        )
+        for vit, llm_name, llm in [
+            ("vit-1b", "llama-12b", _LLMS["llama-12b"]),
+            ("vit-2.4b", "llama-70b", _LLMS["llama-70b"]),
+            ("vit-10b", "llama-70b", _LLMS["llama-70b"]),
+            ("vit-10b", "gpt-175b", _LLMS["gpt-175b"]),
+            ("vit-1b", "mixtral-8x7b", _LLMS["mixtral-8x7b"]),
+        ]
+    },
 }
 
 

@@ -1,4 +1,5 @@
-"""Llama-style decoder backbone over packed sequences: RMSNorm, GQA attention with RoPE, SwiGLU FFN."""
+"""Llama/Qwen2-style decoder backbone over packed sequences: RMSNorm, GQA attention with RoPE, SwiGLU FFN or
+a mixture of SwiGLU experts."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_core.models.args import LLMArgs
-from omni_core.models.attention import varlen_attention
+from omni_core.models.args import LLMArgs, MoEArgs
+from omni_core.models.attention import flex_document_attention, varlen_attention
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +38,11 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.dim // args.n_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.attend = flex_document_attention if args.attention == "flex" else varlen_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         tokens = x.shape[0]
@@ -48,7 +50,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(tokens, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(tokens, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=True).flatten(1))
+        return self.wo(self.attend(q, k, v, cu_seqlens, causal=True).flatten(1))
 
 
 class FeedForward(nn.Module):
@@ -64,21 +66,68 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer auxiliary loss, E * sum_e f_e * P_e: f_e is the share of the T*k routing slots that
+    went to expert e, P_e the mean router probability of e. Equals 1 under perfectly uniform routing."""
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.dot(counts / experts.numel(), probs.mean(dim=0))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ optional shared expert). Every token reaches its k experts: no capacity
+    factor, no dropping. `aux_loss` holds the last forward's load-balancing loss (unweighted)."""
+
+    def __init__(self, dim: int, hidden: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = nn.Linear(dim, args.num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(args.num_experts))
+        self.shared_expert = FeedForward(dim, hidden) if args.shared_expert else None
+        self.aux_loss: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> router probabilities [T, E], chosen experts [T, k], their weights [T, k] (renormalised to sum 1,
+        i.e. a softmax over the k chosen logits, as Mixtral)."""
+        probs = self.router(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.args.top_k, dim=-1)
+        return probs, experts, weights / weights.sum(dim=-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, experts, weights = self.route(x)
+        self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts)
+        out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(experts == e)
+            # Every expert runs, even on no tokens, so all of them are in the autograd graph on every rank.
+            y = expert(x[token]) * weights[token, slot, None].to(x.dtype)
+            out = out.index_add(0, token, y)
+        return out
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: LLMArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.moe_enabled = args.moe is not None
+        if self.moe_enabled:
+            self.moe = MoE(args.dim, args.ffn_hidden, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return x + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(x))
 
 
 class LLM(nn.Module):
-    """Decoder over flat packed tokens. Takes embeddings, not ids, so encoder outputs can be anchored first."""
+    """Decoder over flat packed tokens. Takes embeddings, not ids, so encoder outputs can be anchored first.
+
+    After each forward, `aux_loss` is the MoE load-balancing loss already weighted by `aux_loss_coef` and
+    summed over layers (a zero tensor for a dense model): the trainer adds it to the LM loss. It is an
+    attribute rather than a second return value so that `forward -> logits` stays the same for every model.
+    """
 
     def __init__(self, args: LLMArgs):
         super().__init__()
@@ -88,6 +137,7 @@ class LLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.aux_loss: torch.Tensor | None = None  # set by forward; not state, so a meta-device build is fine
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(input_ids)
@@ -101,4 +151,6 @@ class LLM(nn.Module):
         h = inputs_embeds
         for layer in self.layers.values():
             h = layer(h, cos, sin, offsets)
+        aux = [layer.moe.aux_loss for layer in self.layers.values() if layer.moe_enabled]
+        self.aux_loss = self.args.moe.aux_loss_coef * torch.stack(aux).sum() if aux else h.new_zeros(())
         return self.output(self.norm(h))

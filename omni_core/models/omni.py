@@ -10,13 +10,14 @@ from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.flavors import get_flavor
+from omni_core.models.flops import omni_train_flops, projector_dims
 from omni_core.models.llm import LLM
-from omni_core.models.projector import Projector
+from omni_core.models.projector import Projector, spatial_merge
 from omni_core.models.vision import VisionEncoder
 
 
 class OmniModel(nn.Module):
-    """PackedBatch -> logits [T, vocab].
+    """PackedBatch -> logits [T, vocab]; `aux_loss` then holds the MoE load-balancing loss to add to the loss.
 
     Submodule names (`vision`, `audio`, `projectors["image"|"audio"]`, `llm`) are the names the runtime
     freezes and parallelises by.
@@ -27,26 +28,43 @@ class OmniModel(nn.Module):
         self.args = args
         self.vision = VisionEncoder(args.vision)
         self.audio = AudioEncoder(args.audio)
-        hidden = args.projector_mult * args.llm.dim
-        self.projectors = nn.ModuleDict(
-            {
-                "image": Projector(args.vision.dim, hidden, args.llm.dim),
-                "audio": Projector(args.audio.dim, hidden, args.llm.dim),
-            }
-        )
+        self.projectors = nn.ModuleDict({name: Projector(*dims) for name, dims in projector_dims(args).items()})
         self.llm = LLM(args.llm)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         embeds = self.llm.embed(batch.input_ids)
         image_embeds = None
         if batch.image_grids.shape[0] > 0:
-            image_embeds = self.projectors["image"](self.vision(batch.image_patches, batch.image_grids))
+            image_embeds = self.project_image(self.vision(batch.image_patches, batch.image_grids), batch.image_grids)
         audio_embeds = None
         if batch.audio_frames.shape[0] > 0:
             audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, batch.audio_frames))
         embeds = anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, image_embeds, "image")
         embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
         return self.llm(embeds, batch.position_ids, batch.cu_seqlens)
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """Weighted MoE load-balancing loss of the last forward (zero for a dense LLM; None before any)."""
+        return self.llm.aux_loss
+
+    def project_image(self, features: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """Vision features of images with these (rows, cols) grids -> LLM embeddings, merged spatially."""
+        return self.projectors["image"](spatial_merge(features, grids, self.args.spatial_merge))
+
+    def encode_video(self, patches: torch.Tensor, video_grids: torch.Tensor) -> torch.Tensor:
+        """Videos (patches frame after frame, `video_grids` [N, 3] of frames, rows, cols) -> LLM embeddings:
+        the vision encoder per frame, `temporal_merge` frames averaged, then the image projector.
+        PackedBatch carries no video yet: this is the encoder the data side will anchor once it does."""
+        features = self.vision.forward_video(patches, video_grids, self.args.temporal_merge)
+        grids = [[r, c] for f, r, c in video_grids.tolist() for _ in range(-(-f // self.args.temporal_merge))]
+        return self.project_image(features, torch.tensor(grids, dtype=torch.long).view(-1, 2))
+
+    def train_flops(self, batch: PackedBatch) -> float:
+        """Forward + backward FLOPs of this batch, from its actual documents, images and clips (for MFU)."""
+        return omni_train_flops(
+            self.args, batch.cu_seqlens.diff().tolist(), batch.image_grids.tolist(), batch.audio_frames.tolist()
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -66,6 +84,7 @@ class OmniModel(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
+        """Counted from the modules; equals `flops.omni_params(args)["total"]` (a tested invariant)."""
         return sum(p.numel() for p in self.parameters())
 
 

@@ -1,10 +1,31 @@
-"""Projector: maps an encoder's embeddings into the LLM's embedding space."""
+"""Projector: maps an encoder's embeddings into the LLM's embedding space, optionally merging image tokens."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def merged_grid(rows: int, cols: int, merge: int) -> tuple[int, int]:
+    """Token grid of one image after `spatial_merge` (a partial window at the edge still makes a token)."""
+    return -(-rows // merge), -(-cols // merge)
+
+
+def spatial_merge(x: torch.Tensor, grids: torch.Tensor, merge: int) -> torch.Tensor:
+    """[P, dim] row-major patch features of N images -> [sum of merged tokens, merge*merge*dim]: each
+    merge x merge window concatenated (Qwen2-VL / InternVL pixel shuffle); edge windows are zero-padded."""
+    if merge == 1:
+        return x
+    grid_list = grids.tolist()
+    out = []
+    for (rows, cols), image in zip(grid_list, x.split([r * c for r, c in grid_list])):
+        m_rows, m_cols = merged_grid(rows, cols, merge)
+        image = image.view(rows, cols, -1).permute(2, 0, 1)
+        image = F.pad(image, (0, m_cols * merge - cols, 0, m_rows * merge - rows))
+        windows = image.view(-1, m_rows, merge, m_cols, merge).permute(1, 3, 2, 4, 0)
+        out.append(windows.reshape(m_rows * m_cols, -1))
+    return torch.cat(out)
 
 
 class Projector(nn.Module):

@@ -1,8 +1,10 @@
-"""ViT over native-resolution patch grids: images keep their aspect ratio, each is one attention document."""
+"""ViT over native-resolution patch grids: images keep their aspect ratio, each is one attention document.
+Videos are frames through the same encoder, with consecutive frames merged afterwards."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_core.models.args import VisionArgs
@@ -10,31 +12,71 @@ from omni_core.models.attention import EncoderBlock
 
 
 class VisionEncoder(nn.Module):
-    """Patches [P, patch_dim] of N images (row-major, image after image) -> embeddings [P, dim]."""
+    """Patches [P, patch_dim] of N images (row-major, image after image) -> embeddings [P, dim].
+
+    A patch is flattened as (channel, y, x), so `patch_embed` is a Conv2d(kernel=stride=patch) patch embedding.
+    """
 
     def __init__(self, args: VisionArgs):
         super().__init__()
         self.args = args
         self.patch_embed = nn.Linear(args.patch_dim, args.dim)
-        # Factorised 2D positions (row + col): any grid up to max_grid x max_grid without interpolation.
-        self.row_embed = nn.Embedding(args.max_grid, args.dim)
-        self.col_embed = nn.Embedding(args.max_grid, args.dim)
-        self.layers = nn.ModuleList(EncoderBlock(args.dim, args.n_heads, args.mlp_ratio) for _ in range(args.n_layers))
-        self.norm = nn.LayerNorm(args.dim)
+        if args.pos_embed == "factorized":
+            # Row + col tables: any grid up to max_grid x max_grid without interpolation.
+            self.row_embed = nn.Embedding(args.max_grid, args.dim)
+            self.col_embed = nn.Embedding(args.max_grid, args.dim)
+        else:
+            self.pos_embed = nn.Embedding(args.max_grid * args.max_grid, args.dim)
+        self.layers = nn.ModuleList(
+            EncoderBlock(args.dim, args.n_heads, args.mlp_ratio, args.norm_eps, args.activation)
+            for _ in range(args.n_layers)
+        )
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+
+    def positions(self, rows: int, cols: int) -> torch.Tensor:
+        """[rows * cols, dim] position embeddings of one grid, row-major."""
+        if self.args.pos_embed == "factorized":
+            device = self.row_embed.weight.device
+            r = torch.arange(rows, device=device).repeat_interleave(cols)
+            c = torch.arange(cols, device=device).repeat(rows)
+            return self.row_embed(r) + self.col_embed(c)
+        table = self.pos_embed.weight
+        side = self.args.max_grid
+        if (rows, cols) == (side, side):
+            return table
+        # Bicubic, like SiglipVisionEmbeddings.interpolate_pos_encoding, so resampled grids match it too.
+        grid = table.view(1, side, side, -1).permute(0, 3, 1, 2)
+        resized = F.interpolate(grid.float(), size=(rows, cols), mode="bicubic", align_corners=False)
+        return resized[0].permute(1, 2, 0).reshape(rows * cols, -1).to(table.dtype)
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         grid_list = grids.tolist()
         patch_counts = [rows * cols for rows, cols in grid_list]
         if sum(patch_counts) != patches.shape[0]:
             raise ValueError(f"image grids cover {sum(patch_counts)} patches, but {patches.shape[0]} were given")
-        if grid_list and max(max(grid) for grid in grid_list) > self.args.max_grid:
+        if self.args.pos_embed == "factorized" and grid_list and max(max(g) for g in grid_list) > self.args.max_grid:
             raise ValueError(f"an image grid exceeds max_grid={self.args.max_grid}: {grid_list}")
-        rows = torch.cat([torch.arange(r, device=patches.device).repeat_interleave(c) for r, c in grid_list])
-        cols = torch.cat([torch.arange(c, device=patches.device).repeat(r) for r, c in grid_list])
-        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + self.row_embed(rows) + self.col_embed(cols)
+        pos = torch.cat([self.positions(rows, cols) for rows, cols in grid_list])
+        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + pos
         cu_seqlens = [0]
         for count in patch_counts:
             cu_seqlens.append(cu_seqlens[-1] + count)
         for layer in self.layers:
             x = layer(x, cu_seqlens)
         return self.norm(x)
+
+    def forward_video(self, patches: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:
+        """Patches of N videos, frame after frame, with `video_grids` [N, 3] (frames, rows, cols) ->
+        [sum(ceil(frames / temporal_merge) * rows * cols), dim].
+
+        Each frame is its own attention document (cost linear in the frame count); then every
+        `temporal_merge` consecutive frames are averaged position-wise (the last group may be shorter).
+        """
+        videos = video_grids.tolist()
+        frame_grids = torch.tensor([[r, c] for f, r, c in videos for _ in range(f)], dtype=torch.long).view(-1, 2)
+        features = self(patches, frame_grids)
+        merged = []
+        for (frames, rows, cols), clip in zip(videos, features.split([f * r * c for f, r, c in videos])):
+            for group in clip.view(frames, rows * cols, -1).split(temporal_merge):
+                merged.append(group.mean(dim=0))
+        return torch.cat(merged) if merged else features

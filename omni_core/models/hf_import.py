@@ -1,0 +1,191 @@
+"""Hugging Face safetensors <-> our modules, for the LLM (Llama, Qwen2 layouts), a SigLIP/CLIP-style ViT and a
+Whisper-style audio encoder. Local files only.
+
+Our parameter names stay torchtitan-style; each layout is a name table plus the few tensors HF stores and
+we derive: SigLIP's key bias (softmax cancels it, so it is dropped on import and exported as zeros) and
+Whisper's sinusoidal position table (computed by our encoder; checked on import, written on export).
+A file is accepted only if it holds exactly the layout's tensors with the expected shapes; the error names
+every missing, extra and mis-shaped tensor and the file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from omni_core.models.audio import AudioEncoder, sinusoids
+from omni_core.models.llm import LLM
+from omni_core.models.vision import VisionEncoder
+
+# Name tables: our name -> HF name, "{i}" a layer index, "{p}" weight or bias. Every parameter must match one.
+_LLM_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attention.wq.{p}": "model.layers.{i}.self_attn.q_proj.{p}",
+    "layers.{i}.attention.wk.{p}": "model.layers.{i}.self_attn.k_proj.{p}",
+    "layers.{i}.attention.wv.{p}": "model.layers.{i}.self_attn.v_proj.{p}",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _encoder_block_names(hf_layer: str, norm1: str, norm2: str, mlp: str) -> dict[str, str]:
+    """EncoderBlock names under HF's SigLIP/Whisper layer naming (which differ only in these parts)."""
+    return {
+        "layers.{i}.attention_norm.{p}": f"{hf_layer}.{norm1}.{{p}}",
+        "layers.{i}.attention.wq.{p}": f"{hf_layer}.self_attn.q_proj.{{p}}",
+        "layers.{i}.attention.wk.weight": f"{hf_layer}.self_attn.k_proj.weight",
+        "layers.{i}.attention.wv.{p}": f"{hf_layer}.self_attn.v_proj.{{p}}",
+        "layers.{i}.attention.wo.{p}": f"{hf_layer}.self_attn.out_proj.{{p}}",
+        "layers.{i}.mlp_norm.{p}": f"{hf_layer}.{norm2}.{{p}}",
+        "layers.{i}.mlp.0.{p}": f"{hf_layer}.{mlp}fc1.{{p}}",
+        "layers.{i}.mlp.2.{p}": f"{hf_layer}.{mlp}fc2.{{p}}",
+    }
+
+
+@dataclass(frozen=True)
+class Layout:
+    module_type: type[nn.Module]
+    names: dict[str, str]
+    # HF tensors we derive instead of storing: module -> {HF name: (tensor to export, must match on import)}
+    derived: Callable[[nn.Module], dict[str, tuple[torch.Tensor, bool]]] = lambda module: {}
+    # Our tensor -> its HF form (same elements, another shape)
+    to_hf: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor
+    ignored: str = r"$^"  # HF tensors in the file that this module does not use (by default: none)
+
+    def hf_name(self, name: str) -> str:
+        for ours, hf in self.names.items():
+            pattern = re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+            match = re.fullmatch(pattern, name)
+            if match:
+                return hf.format(**match.groupdict())
+        raise ValueError(f"parameter {name!r} of this {self.module_type.__name__} has no name in the layout")
+
+
+def _siglip_key_biases(vit: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    zeros = torch.zeros(vit.args.dim, dtype=vit.norm.weight.dtype)
+    return {f"encoder.layers.{i}.self_attn.k_proj.bias": (zeros, False) for i in range(len(vit.layers))}
+
+
+def _siglip_patch_conv(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Linear over (c, y, x)-flattened patches == Conv2d(3, dim, p, stride=p) with the weight viewed [dim, 3, p, p]."""
+    if name != "patch_embed.weight":
+        return tensor
+    patch = round((tensor.shape[1] // 3) ** 0.5)
+    return tensor.view(tensor.shape[0], 3, patch, patch)
+
+
+def _whisper_positions(encoder: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    table = sinusoids(torch.arange(encoder.args.max_frames // 2), encoder.args.dim)
+    return {"embed_positions.weight": (table.to(encoder.norm.weight.dtype), True)}
+
+
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout(LLM, _LLM_NAMES),
+    "qwen2": Layout(LLM, _LLM_NAMES),  # the same names; Qwen2's q/k/v biases follow LLMArgs.qkv_bias
+    "siglip": Layout(  # SiglipVisionModel (in a full SiglipModel file: prefix="vision_model.")
+        VisionEncoder,
+        {
+            "patch_embed.{p}": "embeddings.patch_embedding.{p}",
+            "pos_embed.weight": "embeddings.position_embedding.weight",
+            **_encoder_block_names("encoder.layers.{i}", "layer_norm1", "layer_norm2", "mlp."),
+            "norm.{p}": "post_layernorm.{p}",
+        },
+        derived=_siglip_key_biases,
+        to_hf=_siglip_patch_conv,
+        ignored=r"head\.",  # the attention-pooling head of the contrastive model: an MLLM uses the patch tokens
+    ),
+    "whisper": Layout(  # WhisperEncoder (in a full Whisper file: prefix="model.encoder.")
+        AudioEncoder,
+        {
+            "conv1.{p}": "conv1.{p}",
+            "conv2.{p}": "conv2.{p}",
+            **_encoder_block_names("layers.{i}", "self_attn_layer_norm", "final_layer_norm", ""),
+            "norm.{p}": "layer_norm.{p}",
+        },
+        derived=_whisper_positions,
+    ),
+}
+
+
+def _layout(module: nn.Module, layout: str) -> Layout:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    spec = LAYOUTS[layout]
+    if not isinstance(module, spec.module_type):
+        raise TypeError(f"layout {layout!r} is for a {spec.module_type.__name__}, got a {type(module).__name__}")
+    return spec
+
+
+def hf_state_dict(module: nn.Module, layout: str) -> dict[str, torch.Tensor]:
+    """The module's weights under the layout's names and shapes, derived tensors included."""
+    spec = _layout(module, layout)
+    tensors = {spec.hf_name(name): spec.to_hf(name, t.detach()) for name, t in module.state_dict().items()}
+    tensors.update({name: tensor for name, (tensor, _) in spec.derived(module).items()})
+    return tensors
+
+
+def export_safetensors(module: nn.Module, path: str | Path, layout: str) -> None:
+    """Write the model part as one safetensors file in the layout (loadable by the transformers class)."""
+    tensors = {name: t.contiguous().clone() for name, t in hf_state_dict(module, layout).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _files(path: Path) -> list[Path]:
+    """A safetensors file, or every shard in a directory (model-0000x-of-0000y.safetensors)."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no safetensors file at {path}")
+    return files
+
+
+@torch.no_grad()
+def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: str = "") -> None:
+    """Copy a local checkpoint in the given layout into the model part (an LLM, VisionEncoder or AudioEncoder).
+
+    `prefix` selects this part's tensors in a file that holds more (e.g. "vision_model."); tensors outside
+    it are skipped. Inside it, every tensor must be one the part expects, with the expected shape; nothing
+    is copied unless all are.
+    """
+    spec = _layout(module, layout)
+    path = Path(path)
+    expected = hf_state_dict(module, layout)
+    located: dict[str, Path] = {}
+    for file in _files(path):
+        with safe_open(file, framework="pt") as f:
+            names = f.keys()
+            located.update({key[len(prefix):]: file for key in names if key.startswith(prefix)})
+    problems = [f"missing tensor {prefix + name!r}" for name in expected if name not in located]
+    problems += [
+        f"unexpected tensor {prefix + name!r}"
+        for name in located
+        if name not in expected and not re.match(spec.ignored, name)
+    ]
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(located.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in (name for name in expected if located.get(name) == file):
+                shape, want = tuple(f.get_slice(prefix + name).get_shape()), tuple(expected[name].shape)
+                if shape == want:
+                    tensors[name] = f.get_tensor(prefix + name)
+                else:
+                    problems.append(f"tensor {prefix + name!r} has shape {shape}, expected {want}")
+    for name, (value, must_match) in spec.derived(module).items():
+        if must_match and name in tensors and not torch.allclose(tensors[name].float(), value.float(), atol=1e-3):
+            problems.append(f"tensor {prefix + name!r} differs from the table this model computes")
+    if problems:
+        raise ValueError(f"{path} does not fit the {layout} layout: " + "; ".join(problems))
+    for name, target in module.state_dict().items():
+        target.copy_(tensors[spec.hf_name(name)].reshape(target.shape))

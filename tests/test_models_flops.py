@@ -1,0 +1,76 @@
+"""Parameter and FLOP counts from args: against built modules, torch's FLOP counter and hand counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from omni_core.models import FLAVORS, OmniModel, get_flavor
+from omni_core.models.args import LLMArgs, MoEArgs
+from omni_core.models.flops import (
+    attention_pairs,
+    llm_flops_per_token,
+    llm_forward_flops,
+    llm_params,
+    omni_params,
+    vision_params,
+)
+from tests.test_models import MIXED_DOCS, N_MELS, PATCH_SIZE, make_batch
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small"])
+def test_param_counts_equal_the_built_modules(flavor: str) -> None:
+    args = get_flavor(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS)
+    with torch.device("meta"):
+        model = OmniModel(args)
+    counts = omni_params(args)
+    for part in ("vision", "audio", "projectors", "llm"):
+        assert counts[part] == sum(p.numel() for p in getattr(model, part).parameters()), part
+    assert counts["total"] == model.num_params()
+
+
+def test_paper_flavor_param_counts_by_hand() -> None:
+    flavor = {name: get_flavor(name, patch_size=14, n_mels=128) for name in FLAVORS if "+" in name}
+    assert len(flavor) == 5
+    # Published totals: Llama-2-70B and Mixtral-8x7B.
+    assert llm_params(flavor["vit-2.4b+llama-70b"].llm) == 68_976_648_192
+    assert llm_params(flavor["vit-1b+mixtral-8x7b"].llm) == 46_702_792_704
+    d, f, v = 12288, 32768, 50257  # GPT-3 175B's shape (SwiGLU at 8/3 d)
+    assert llm_params(flavor["vit-10b+gpt-175b"].llm) == 96 * (4 * d * d + 3 * d * f + 2 * d) + 2 * v * d + d
+    d, h = 2048, 8192  # ViT-1B: patch embed (14x14x3), 2 x 64 position rows, 20 blocks, final LayerNorm
+    block = 2 * 2 * d + (4 * d * d + 3 * d) + (d * h + h + h * d + d)
+    assert vision_params(flavor["vit-1b+llama-12b"].vision) == 588 * d + d + 2 * 64 * d + 20 * block + 2 * d
+    assert 13e9 < omni_params(flavor["vit-1b+llama-12b"])["total"] < 14e9
+
+
+def test_llm_flops_by_hand() -> None:
+    args = LLMArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16)
+    # matmul weights a token goes through: q, o 8x8 each; k, v 8x4 each; SwiGLU 3 x 8x16; head 8x10
+    per_token = 2 * (2 * 64 + 2 * 32 + 3 * 128 + 80)
+    # causal pairs: 3 + 2 + 1 (document of 3) + 2 + 1 (of 2) = 9; QK^T and AV: 2 x 2 FLOPs x 8 (heads x head_dim)
+    assert attention_pairs([3, 2], causal=True) == 9 and attention_pairs([3, 2], causal=False) == 13
+    assert llm_forward_flops(args, [3, 2]) == 5 * per_token + 4 * 8 * 9
+    assert llm_flops_per_token(args, [3, 2]) == 3 * (5 * per_token + 4 * 8 * 9) / 5
+    # The quadratic term follows the documents, not the packed length: one document of 5 costs more.
+    assert llm_forward_flops(args, [5]) - llm_forward_flops(args, [3, 2]) == 4 * 8 * (15 - 9)
+    moe = LLMArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16,
+                  moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True))
+    # router 8x4, and 2 routed + 1 shared SwiGLU experts per token
+    assert llm_forward_flops(moe, [5]) - llm_forward_flops(args, [5]) == 2 * 5 * (32 + 2 * 3 * 128)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
+def test_train_flops_match_torch_flop_counter(flavor: str) -> None:
+    """torch counts every matmul and convolution of the real forward, attention included (SDPA's CPU path is
+    two bmm per document), but that path also computes the masked half of each causal document: our count,
+    over the batch's own documents, images and clips, is the counter's minus that half."""
+    args = get_flavor(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS)
+    model = OmniModel(args)
+    batch = make_batch(MIXED_DOCS)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(batch)
+    docs = batch.cu_seqlens.diff().tolist()
+    masked_half = attention_pairs(docs, causal=False) - attention_pairs(docs, causal=True)
+    computed_but_masked = args.llm.n_layers * 4 * args.llm.dim * masked_half
+    assert model.train_flops(batch) == 3 * (counter.get_total_flops() - computed_but_masked)

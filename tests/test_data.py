@@ -1,10 +1,12 @@
-"""Data v0: synthetic generation, manifest dataset, decoding, packing, loader (sharding, resume, corruption)
-and profiling. Expected values are computed here independently (by hand or from raw files), not by calling
-the code under test again."""
+"""Data core: synthetic content, token rules, decoding, packing, the loader (sharding, resume, corruption).
+Expected values are computed here independently (by hand or from raw files), not by calling the code under
+test again. Sources (WebDataset, S3, bad shards) are in test_data_sources.py; profiling, drift and the dynamic
+workload in test_data_profile.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from collections import Counter
@@ -18,24 +20,25 @@ from PIL import Image
 
 from omni_core.data.audio import log_mel, mel_frames
 from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
-from omni_core.data.dataset import MANIFEST, CorruptSample, DecodedSample, ManifestDataset, in_heldout
+from omni_core.data.dataset import DecodedSample, ManifestDataset
 from omni_core.data.image import patch_grid, patchify
-from omni_core.data.loader import PackedLoader
-from omni_core.data.packing import collate, pack_sequences
-from omni_core.data.profile import DatasetProfile, profile_dataset
-from omni_core.data.sample import token_ids
-from omni_core.data.synthetic import BACKGROUNDS, COLORS, TONES, ensure_dataset, generate_dataset
+from omni_core.data.loader import ConsumerStream, PackedLoader
+from omni_core.data.packing import OVERDUE, BatchPacker, collate
+from omni_core.data.profile import profile_dataset
+from omni_core.data.sources import CorruptSample, Record, View, in_heldout
+from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
 from omni_core.data.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID
+from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
 from omni_core.recipe.schema import DataConfig, Recipe
 
 N = 60
 LOADER_CFG = DataConfig(seq_len=128, micro_batch=2, heldout_fraction=0.2)
 
 
-def make_recipe(tmp_path: Path, num_samples: int = N, **data) -> Recipe:
+def make_recipe(tmp_path: Path, num_samples: int = N, synthetic: dict | None = None, **data) -> Recipe:
     return Recipe(
         experiment={"name": "t", "seed": 3, "output_dir": str(tmp_path)},
-        data={"synthetic": {"num_samples": num_samples}, **data},
+        data={"synthetic": {"num_samples": num_samples, **(synthetic or {})}, **data},
     )
 
 
@@ -46,11 +49,25 @@ def read_manifest(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> Path:
     """One shared generated dataset; tests that damage files work on a copy."""
-    return ensure_dataset(make_recipe(tmp_path_factory.mktemp("shared")))
+    return Path(ensure_dataset(make_recipe(tmp_path_factory.mktemp("shared"))))
 
 
-def loader(manifest: Path, cfg: DataConfig = LOADER_CFG, **kwargs) -> PackedLoader:
-    return PackedLoader(ManifestDataset(manifest, cfg), cfg, **kwargs)
+def loader(location: Path | str, cfg: DataConfig = LOADER_CFG, **kwargs) -> PackedLoader:
+    return PackedLoader(ManifestDataset(location, cfg), cfg, **kwargs)
+
+
+def one_pass(dataset: ManifestDataset, cfg: DataConfig, split: str = "train", consumer: int = 0,
+             consumers: int = 1, seed: int = 0) -> list[list[list[Record]]]:
+    """Every batch (as records per sequence) of one consumer's single pass over the split."""
+    stream = ConsumerStream(dataset, cfg, View(consumer, consumers, split, seed, one_pass=True, shuffle=True),
+                            lambda b: b)
+    return list(iter(stream.next_sequences, None))
+
+
+def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, consumers: int = 1) -> list[Record]:
+    """One pass of a consumer's source stream, before packing (too-long samples included)."""
+    stream = dataset.source.stream(View(consumer, consumers, split, 0, one_pass=True, shuffle=True), None, print)
+    return list(iter(lambda: stream.next(0), None))
 
 
 def take(iterator, n: int) -> list[PackedBatch]:
@@ -62,7 +79,14 @@ def documents(batch: PackedBatch) -> list[torch.Tensor]:
     return [batch.input_ids[a:b] for a, b in zip(cu, cu[1:])]
 
 
-# --- generation ------------------------------------------------------------------------------------------
+def same_batches(a: list[PackedBatch], b: list[PackedBatch]) -> bool:
+    def equal(x, y) -> bool:
+        return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+    return len(a) == len(b) and all(equal(getattr(x, k), getattr(y, k)) for x, y in zip(a, b) for k in vars(x))
+
+
+# --- generated content -----------------------------------------------------------------------------------
 
 
 def test_generator_is_deterministic_with_exact_mix(tmp_path):
@@ -89,15 +113,15 @@ def test_crashed_generation_leaves_nothing_that_looks_complete(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         generate_dataset(recipe, out, progress=crash)
     assert not out.exists() and list(out.parent.iterdir()) == []
-    assert ensure_dataset(recipe) == out / MANIFEST and len(read_manifest(out / MANIFEST)) == N
+    assert Path(ensure_dataset(recipe)) == out / MANIFEST and len(read_manifest(out / MANIFEST)) == N
 
 
 def test_ensure_dataset_regenerates_only_its_own_stale_data(tmp_path):
-    manifest = ensure_dataset(make_recipe(tmp_path, num_samples=20))
+    manifest = Path(ensure_dataset(make_recipe(tmp_path, num_samples=20)))
     assert len(read_manifest(manifest)) == 20
-    assert len(read_manifest(ensure_dataset(make_recipe(tmp_path, num_samples=30)))) == 30  # settings changed
+    assert len(read_manifest(Path(ensure_dataset(make_recipe(tmp_path, num_samples=30))))) == 30  # settings changed
     (manifest.parent / "synthetic.json").unlink()  # now it looks like someone's real data: never overwrite
-    assert len(read_manifest(ensure_dataset(make_recipe(tmp_path, num_samples=40)))) == 30
+    assert len(read_manifest(Path(ensure_dataset(make_recipe(tmp_path, num_samples=40))))) == 30
 
 
 def test_captions_describe_the_drawn_shape_and_colors(manifest):
@@ -109,31 +133,63 @@ def test_captions_describe_the_drawn_shape_and_colors(manifest):
         pixels = np.asarray(Image.open(manifest.parent / seg["path"]).convert("RGB"))
         assert pixels.shape == (seg["height"], seg["width"], 3)
         border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
-        background = Counter(map(tuple, border.tolist())).most_common(1)[0][0]
-        colors = set(map(tuple, pixels.reshape(-1, 3).tolist()))
-        assert len(colors) == 2, caption  # one flat shape on a flat background
-        (shape_rgb,) = colors - {background}
+        background = Counter(map(tuple, border)).most_common(1)[0][0]
+        colors = Counter(map(tuple, pixels.reshape(-1, 3)))
+        shape_rgb, shape_count = next((c, n) for c, n in colors.most_common() if c != background)
+        _, color, shape, _, bg = caption.rstrip(".").split()
+        assert (names[shape_rgb], names[background]) == (color, bg), sample["id"]
         ys, xs = np.nonzero((pixels == shape_rgb).all(axis=2))
-        ratio = len(ys) / ((ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1))
-        shape = min(fill_ratio, key=lambda s: abs(fill_ratio[s] - ratio))
-        assert caption == f"a {names[shape_rgb]} {shape} on {names[background]}."
+        box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
+        assert shape_count / box == pytest.approx(fill_ratio[shape], abs=0.12), sample["id"]
 
 
 def test_transcripts_name_the_tones_in_order(manifest):
     for sample in (s for s in read_manifest(manifest) if s["modality"] == "audio"):
         seg, words = sample["segments"][0], sample["segments"][1]["text"].rstrip(".").split()
         wave, rate = sf.read(manifest.parent / seg["path"])
-        assert (len(wave), rate) == (seg["num_samples"], seg["sample_rate"])
+        assert (len(wave), rate) == (seg["num_samples"], seg["sample_rate"]) == (len(words) * 2560, 16000)
         bounds = [len(wave) * k // len(words) for k in range(len(words) + 1)]
         for word, a, b in zip(words, bounds, bounds[1:]):
             spectrum = np.abs(np.fft.rfft(wave[a:b], n=8 * rate // 10))  # 1.25 Hz bins
             assert abs(np.argmax(spectrum) * 1.25 - TONES[word]) < 20, (sample["id"], word)
 
 
+@pytest.mark.parametrize("tokens", [15, 16, 17, 31, 32, 33, 100, 40_000])
+def test_text_documents_have_exact_lengths_and_count_right(tokens):
+    for seed in range(5):
+        text = text_document(np.random.default_rng(seed), tokens)
+        assert len(text.encode()) == tokens and text.endswith(".")
+        counting = text.split("count by ")[1].rstrip(".")
+        step, *numbers = counting.replace(":", "").split()
+        assert all(len(n) == 2 for n in numbers)
+        assert all((int(b) - int(a)) % 100 == int(step) for a, b in zip(numbers, numbers[1:]))
+        assert tokens - len(text.rstrip(".")) <= 3
+
+
+def test_video_clips_move_as_their_captions_say(tmp_path):
+    manifest = Path(ensure_dataset(make_recipe(tmp_path, 12, {"mix": {"video": 1.0}, "video_frames": {"min": 5,
+                                                                                               "max": 9}})))
+    for sample in read_manifest(manifest):
+        seg, caption = sample["segments"][0], sample["segments"][1]["text"]
+        color, direction = caption.split()[1], caption.rstrip(".").split()[-1]
+        assert direction in DIRECTIONS
+        clip = Image.open(manifest.parent / seg["path"])
+        assert (clip.n_frames, clip.width, clip.height) == (seg["num_frames"], seg["width"], seg["height"])
+        centres = []
+        for k in range(clip.n_frames):
+            clip.seek(k)
+            pixels = np.asarray(clip.convert("RGB"), dtype=int)
+            ys, xs = np.nonzero(np.abs(pixels - COLORS[color]).sum(axis=2) < 60)
+            centres.append((xs.mean(), ys.mean()))
+        axis, sign = {"left": (0, -1), "right": (0, 1), "up": (1, -1), "down": (1, 1)}[direction]
+        moves = [sign * (b[axis] - a[axis]) for a, b in zip(centres, centres[1:])]
+        assert all(m >= 0 for m in moves) and sum(moves) > 0, sample["id"]
+
+
 # --- token rules and decoding ----------------------------------------------------------------------------
 
 
-def test_patch_grid_keeps_aspect_under_budget():
+def test_patch_grid_keeps_aspect_within_budget():
     assert patch_grid(17, 9, 8, 64) == (2, 3)
     assert patch_grid(64, 64, 8, 64) == (8, 8)
     for width, height in [(800, 600), (1000, 10), (3, 5000), (65, 64)]:
@@ -141,6 +197,13 @@ def test_patch_grid_keeps_aspect_under_budget():
         assert 1 <= rows * cols <= 64
         assert rows * cols >= 40 or min(rows, cols) == 1  # no needless shrinking
     assert patch_grid(800, 600, 8, 64) == (6, 9)
+    assert patch_grid(8, 8, 8, 64, min_patches=16) == (4, 4)  # upscaled, square stays square
+    assert patch_grid(20, 10, 8, 64, min_patches=8) == (2, 4)  # 2:1 kept
+    widths, heights = np.random.default_rng(0).integers(1, 3000, size=(2, 500))
+    rows, cols = patch_grid(widths, heights, 14, 256, 16)  # vectorized = scalar, always within budget
+    assert [(int(r), int(c)) for r, c in zip(rows, cols)] == [patch_grid(w, h, 14, 256, 16)
+                                                              for w, h in zip(widths, heights)]
+    assert (rows * cols >= 16).all() and (rows * cols <= 256).all()
 
 
 def test_patchify_is_row_major_channel_first():
@@ -153,7 +216,7 @@ def test_patchify_is_row_major_channel_first():
 
 @pytest.mark.parametrize("num_samples", [1, 159, 160, 479, 480, 640, 11376])
 def test_log_mel_frames_follow_the_token_rule(num_samples):
-    by_hand = max(4, (1 + num_samples // 160) // 4 * 4)  # 10 ms hop at 16 kHz, centred
+    by_hand = max(4, (1 + num_samples // 160) // 2 * 2)  # 10 ms hop at 16 kHz, centred, even
     mels = log_mel(torch.randn(num_samples), 16000, 32)
     assert mels.shape == (by_hand, 32) == (mel_frames(num_samples, 16000), 32)
 
@@ -164,65 +227,103 @@ def test_log_mel_puts_pitch_in_the_right_band():
     assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
 
 
-def test_jsonl_source_with_foreign_formats(tmp_path):
+def test_jsonl_source_decodes_foreign_formats(tmp_path):
     """JPEG over the patch budget, stereo WAV at another rate, a text-only line: counts match decodes."""
-    (tmp_path / "m").mkdir()
-    Image.new("RGB", (200, 50), (200, 10, 10)).save(tmp_path / "m/wide.jpg")
-    sf.write(tmp_path / "m/stereo.wav", np.zeros((4000, 2)), 8000, subtype="PCM_16")
+    Image.new("RGB", (200, 50), (200, 10, 10)).save(tmp_path / "wide.jpg")
+    sf.write(tmp_path / "stereo.wav", np.zeros((4000, 2)), 8000, subtype="PCM_16")
     lines = [
         {"id": "a", "segments": [
             {"type": "text", "text": "see "}, {"type": "image", "path": "wide.jpg", "width": 200, "height": 50}]},
         {"id": "b", "segments": [{"type": "audio", "path": "stereo.wav", "num_samples": 4000, "sample_rate": 8000}]},
         {"id": "c", "modality": "text", "segments": [{"type": "text", "text": "héllo"}]},
     ]
-    (tmp_path / "m" / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path / "m"))
+    (tmp_path / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
     dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
-    image, audio, text = (dataset.decode(i) for i in range(3))
+    by_id = {r.id: r for r in records(dataset)}
+    image, audio, text = (dataset.decode(by_id[k]) for k in "abc")
     assert image.image_grids == [(4, 16)] and image.image_patches[0].shape == (64, 192)
     assert image.input_ids == [BOS_ID, *b"see ", *[IMAGE_ID] * 64, EOS_ID] and image.modality == "image"
-    assert audio.audio_mels[0].shape == (48, 32)  # 0.5 s resampled to 16 kHz: 1 + 8000 // 160 = 51 -> 48
-    assert audio.input_ids == [BOS_ID, *[AUDIO_ID] * 12, EOS_ID]
-    assert text.input_ids == [BOS_ID, *"héllo".encode(), EOS_ID] and dataset.token_count(2) == 8
+    assert audio.audio_mels[0].shape == (50, 32)  # 0.5 s resampled to 16 kHz: 1 + 8000 // 160 = 51 -> 50
+    assert audio.input_ids == [BOS_ID, *[AUDIO_ID] * 25, EOS_ID] and by_id["b"].tokens == 27
+    assert text.input_ids == [BOS_ID, *"héllo".encode(), EOS_ID] and by_id["c"].tokens == 8
 
 
-# --- packing and the loader ------------------------------------------------------------------------------
+# --- packing ---------------------------------------------------------------------------------------------
 
 
 def test_collate_labels_positions_and_boundaries_by_hand():
     cfg = DataConfig(seq_len=16, micro_batch=2, patch_size=2, n_mels=4)
     text = DecodedSample([BOS_ID, 104, 105, EOS_ID])
     image = DecodedSample([BOS_ID, IMAGE_ID, IMAGE_ID, 97, EOS_ID], "image", [torch.ones(2, 12)], [(1, 2)])
-    audio = DecodedSample([BOS_ID, AUDIO_ID, 120, EOS_ID], "audio", audio_mels=[torch.zeros(4, 4)])
-    long_text = DecodedSample([BOS_ID, *range(65, 75), EOS_ID])  # 12 tokens: fills sequence 2 exactly
+    audio = DecodedSample([BOS_ID, AUDIO_ID, AUDIO_ID, 120, EOS_ID], "audio", audio_mels=[torch.zeros(4, 4)])
+    long_text = DecodedSample([BOS_ID, *range(65, 74), EOS_ID])  # 11 tokens: fills sequence 2 exactly
     batch = collate([[text, image], [audio, long_text]], cfg)
     X = -100
     assert batch.input_ids.tolist() == (
         [BOS_ID, 104, 105, EOS_ID] + [BOS_ID, IMAGE_ID, IMAGE_ID, 97, EOS_ID] + [PAD_ID] * 7
-        + [BOS_ID, AUDIO_ID, 120, EOS_ID] + [BOS_ID, *range(65, 75), EOS_ID]
+        + [BOS_ID, AUDIO_ID, AUDIO_ID, 120, EOS_ID] + [BOS_ID, *range(65, 74), EOS_ID]
     )
     assert batch.labels.tolist() == (
         [104, 105, EOS_ID, X] + [X, X, 97, EOS_ID, X] + [X] * 7
-        + [X, 120, EOS_ID, X] + [*range(65, 75), EOS_ID, X]
+        + [X, X, 120, EOS_ID, X] + [*range(65, 74), EOS_ID, X]
     )
-    assert batch.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, *range(7), 0, 1, 2, 3, *range(12)]
-    assert batch.cu_seqlens.tolist() == [0, 4, 9, 16, 20, 32] and batch.cu_seqlens.dtype == torch.int32
-    assert batch.loss_modality.tolist() == [0] * 4 + [1] * 5 + [0] * 7 + [2] * 4 + [0] * 12
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, *range(7), *range(5), *range(11)]
+    assert batch.cu_seqlens.tolist() == [0, 4, 9, 16, 21, 32] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.loss_modality.tolist() == [0] * 4 + [1] * 5 + [0] * 7 + [2] * 5 + [0] * 11
     assert batch.image_grids.tolist() == [[1, 2]] and batch.image_patches.shape == (2, 12)
     assert batch.audio_frames.tolist() == [4] and batch.audio_mels.shape == (4, 4)
-    assert batch.num_samples == 4 and batch.num_loss_tokens == 18
+    assert batch.num_samples == 4 and batch.num_loss_tokens == 17
     with pytest.raises(ValueError, match="seq_len"):
         collate([[long_text, long_text]], cfg)
 
 
-@pytest.mark.parametrize("low,high", [(5, 60), (1, 2)])  # (1, 2): a whole window fits one bin
-def test_pack_sequences_places_every_item_once_and_densely(low, high):
-    sizes = np.random.default_rng(0).integers(low, high, size=1000).tolist()
-    sequences = pack_sequences(enumerate(sizes), seq_len=128)
-    assert sorted(i for seq in sequences for i in seq) == list(range(1000))
-    loads = [sum(sizes[i] for i in seq) for seq in sequences]
-    assert max(loads) <= 128 and sum(sizes) / (128 * len(sequences)) > 0.97
-    assert sequences == pack_sequences(enumerate(sizes), seq_len=128)
+class Item:
+    def __init__(self, ordinal: int, tokens: int) -> None:
+        self.ordinal, self.tokens = ordinal, tokens
+
+
+def pack_all(sizes: list[int], bins: int, capacity: int, lookahead: float = 1.5) -> list[list[list[Item]]]:
+    packer: BatchPacker[Item] = BatchPacker(bins, capacity, lookahead)
+    batches = []
+    for i, size in enumerate(sizes):
+        packer.add(Item(i, size))
+        while packer.ready:
+            batches.append(packer.pack())
+    while packer.pool:
+        batches.append(packer.pack())
+    return batches
+
+
+@pytest.mark.parametrize("low,high,bins", [(5, 60, 1), (5, 60, 4), (1, 2, 2), (100, 129, 1)])
+def test_batch_packer_places_every_item_once_within_capacity_and_densely(low, high, bins):
+    sizes = np.random.default_rng(0).integers(low, high, size=2000).tolist()
+    batches = pack_all(sizes, bins, 128)
+    assert all(len(batch) == bins for batch in batches)
+    placed = [item.ordinal for batch in batches for seq in batch for item in seq]
+    assert sorted(placed) == list(range(2000))
+    loads = [sum(item.tokens for item in seq) for batch in batches for seq in batch]
+    assert max(loads) <= 128
+    efficiency = sum(sizes) / (128 * len(loads))
+    assert efficiency > (0.97 if high <= 60 else 0.84)  # items of 100-128 tokens: one per sequence at best
+    assert [[[i.ordinal for i in s] for s in b] for b in batches] == \
+           [[[i.ordinal for i in s] for s in b] for b in pack_all(sizes, bins, 128)]
+
+
+def test_batch_packer_keeps_stream_order_at_batch_scale():
+    """Modalities differ in length; packing must not sort the whole stream by length (a run's first steps
+    would see one modality): every item lands within a few batches of where the stream put it."""
+    sizes = [60 if i % 3 == 0 else 10 for i in range(3000)]  # long "images" between short "texts"
+    batches = pack_all(sizes, 1, 128)
+    for b, batch in enumerate(batches):
+        for item in batch[0]:
+            expected_batch = item.ordinal * len(batches) / len(sizes)
+            assert abs(b - expected_batch) <= 2 + OVERDUE, (b, item.ordinal)
+    first = [item.tokens for batch in batches[:5] for item in batch[0]]
+    assert {10, 60} <= set(first)
+
+
+# --- the loader ------------------------------------------------------------------------------------------
 
 
 def check_batch(batch: PackedBatch, cfg: DataConfig) -> list[tuple[int, ...]]:
@@ -247,159 +348,129 @@ def check_batch(batch: PackedBatch, cfg: DataConfig) -> list[tuple[int, ...]]:
     assert (ids == IMAGE_ID).sum() == len(batch.image_patches) == int((grids[:, 0] * grids[:, 1]).sum())
     frames = batch.audio_frames.tolist()
     assert (ids == AUDIO_ID).sum() == sum(audio_tokens(f) for f in frames)
-    assert len(batch.audio_mels) == sum(frames) and all(f % 4 == 0 for f in frames)
+    assert len(batch.audio_mels) == sum(frames) and all(f % 2 == 0 for f in frames)
     return real
 
 
-def test_one_epoch_holds_every_train_sample_exactly_once_and_whole(manifest):
-    train = loader(manifest)
-    dataset = train.dataset
-    batches = take(iter(train), len(train.plan(0)))
+def train_ids(manifest: Path, fraction: float) -> list[str]:
+    return [s["id"] for s in read_manifest(manifest) if not in_heldout(s["id"], fraction)]
+
+
+def test_one_pass_holds_every_train_sample_exactly_once_and_whole(manifest):
+    dataset = ManifestDataset(manifest, LOADER_CFG)
+    stream = ConsumerStream(dataset, LOADER_CFG, View(0, 1, "train", 0, one_pass=True, shuffle=True), lambda b: b)
+    batches = list(iter(stream.next_batch, None))
     seen = Counter(doc for batch in batches for doc in check_batch(batch, LOADER_CFG))
-    expected = Counter(tuple(token_ids(dataset.samples[i], LOADER_CFG)) for i in dataset.splits["train"])
-    assert seen == expected and sum(expected.values()) == len(dataset.splits["train"])
+    samples = {s["id"]: s for s in read_manifest(manifest)}
+    expected = Counter()
+    for sample_id in train_ids(manifest, 0.2):
+        text = "".join(seg.get("text", "") for seg in samples[sample_id]["segments"]).encode()
+        expected[text] += 1
+    assert Counter(bytes(t for t in doc if t < 256) for doc in seen.elements()) == expected
     first_half = [doc for batch in batches[: len(batches) // 2] for doc in check_batch(batch, LOADER_CFG)]
     assert {IMAGE_ID, AUDIO_ID} <= {t for doc in first_half for t in doc}  # not sorted by length (= modality)
 
 
 def test_split_is_stable_and_too_long_samples_are_counted(manifest, tmp_path):
     cfg = LOADER_CFG.model_copy(update={"seq_len": 40})
-    dataset = ManifestDataset(manifest, cfg)
     reordered = tmp_path / MANIFEST
     reordered.write_text("".join(reversed(manifest.read_text().splitlines(keepends=True))))
 
-    def heldout_ids(ds: ManifestDataset) -> set[str]:
-        return {ds.samples[i].id for i in ds.splits["heldout"]}
+    def heldout_ids(location: Path) -> set[str]:
+        return {r.id for r in records(ManifestDataset(location, cfg), "heldout")}
 
-    assert heldout_ids(ManifestDataset(reordered, cfg)) == heldout_ids(dataset)
-    assert 0 < len(heldout_ids(dataset)) < N // 2
-    too_long = sum(dataset.token_count(i) > 40 for i in dataset.splits["train"])
-    train = PackedLoader(dataset, cfg)
-    assert too_long > 0 and train.stats == {"too_long": too_long}
-    docs = [doc for batch in take(iter(train), len(train.plan(0))) for doc in check_batch(batch, cfg)]
-    assert len(docs) == len(dataset.splits["train"]) - too_long
-
-
-def test_rank_shards_are_disjoint_covering_and_equally_long(manifest):
-    ranks = [loader(manifest, rank=r, world_size=3) for r in range(3)]
-    eligible = set(ranks[0].dataset.splits["train"])
-    for epoch in (0, 1):
-        shards = [{i for batch in r.plan(epoch) for seq in batch for i in seq} for r in ranks]
-        assert set().union(*shards) == eligible and sum(map(len, shards)) == len(eligible)
-        assert len({len(r.plan(epoch)) for r in ranks}) == 1
-    assert ranks[0].plan(0) != ranks[0].plan(1)  # reshuffled per epoch
-    heldout = [loader(manifest, split="heldout", rank=r, world_size=3) for r in range(3)]
-    passes = [len(list(h)) for h in heldout] + [len(list(h)) for h in heldout]  # each iter() is a full pass
-    assert len(set(passes)) == 1 and passes[0] >= 1
+    all_ids = {s["id"] for s in read_manifest(manifest)}
+    assert heldout_ids(reordered) == heldout_ids(manifest) == all_ids - set(train_ids(manifest, 0.2))
+    assert 0 < len(heldout_ids(manifest)) < N // 2
+    tokens = [r.tokens for r in records(ManifestDataset(manifest, cfg), "train")]
+    too_long = sum(t > 40 for t in tokens)
+    stream = ConsumerStream(ManifestDataset(manifest, cfg), cfg, View(0, 1, "train", 0, True, True), lambda b: b)
+    docs = [doc for batch in iter(stream.next_batch, None) for doc in check_batch(batch, cfg)]
+    assert too_long > 0 and stream.stats == {"too_long": too_long}
+    assert len(docs) == len(tokens) - too_long
 
 
-def test_resumed_loader_yields_exactly_the_remaining_batches(manifest):
-    reference = loader(manifest, rank=1, world_size=2, seed=7)
-    per_epoch = len(reference.plan(0))
+def test_consumers_split_a_single_manifest_disjointly(manifest):
+    """One shard, three consumers (ranks x workers): each keeps every third record."""
+    dataset = ManifestDataset(manifest, LOADER_CFG)
+    for split, expected in [("all", [s["id"] for s in read_manifest(manifest)]), ("train", train_ids(manifest, 0.2))]:
+        shares = [{r.id for r in records(dataset, split, c, 3)} for c in range(3)]
+        assert set().union(*shares) == set(expected) and sum(map(len, shares)) == len(expected)
+    assert [len(records(dataset, "all", c, 3)) for c in range(3)] == [N // 3] * 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_loader_yields_exactly_the_remaining_batches(manifest, workers):
+    cfg = LOADER_CFG.model_copy(update={"num_workers": workers})
+    reference = loader(manifest, cfg, rank=1, world_size=2, seed=7)
     stream = iter(reference)
-    take(stream, per_epoch - 2)
+    take(stream, 5)
     state = json.loads(json.dumps(reference.state_dict()))  # as a checkpoint would store it
-    expected = take(stream, 5)  # crosses into epoch 1
-    resumed = loader(manifest, rank=1, world_size=2, seed=7)
+    expected = take(stream, 9)  # crosses into the next epoch
+    del stream
+    assert state["consumers"][0]["pending"] and reference.state_dict()["consumers"][0]["position"][0] >= 1
+    resumed = loader(manifest, cfg, rank=1, world_size=2, seed=7)
     resumed.load_state_dict(state)
-    got = take(iter(resumed), 5)
-    for a, b in zip(expected, got):
-        for name, value in vars(a).items():
-            other = getattr(b, name)
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
-    fresh_epoch = take(iter(loader(manifest, rank=1, world_size=2, seed=7)), 1)[0]
-    assert not torch.equal(fresh_epoch.input_ids, got[-1].input_ids)  # the comparison can tell batches apart
+    assert same_batches(expected, take(iter(resumed), 9))
+    fresh = take(iter(loader(manifest, cfg, rank=1, world_size=2, seed=7)), 1)
+    assert not same_batches(fresh, expected[-1:])  # the comparison can tell batches apart
     with pytest.raises(ValueError, match="world_size"):
-        loader(manifest, world_size=3, seed=7).load_state_dict(state)
+        loader(manifest, cfg, world_size=3, seed=7).load_state_dict(state)
 
 
-def test_corrupt_truncated_and_missing_files_are_skipped_and_counted(manifest, tmp_path):
+def test_files_that_fail_to_decode_are_skipped_and_counted(manifest, tmp_path):
     root = Path(shutil.copytree(manifest.parent, tmp_path / "copy"))
     cfg = DataConfig(seq_len=512, heldout_fraction=0.2)
+    samples = [s for s in read_manifest(root / MANIFEST) if s["id"] in set(train_ids(root / MANIFEST, 0.2))]
+    images = [s for s in samples if s["modality"] == "image"]
+    audio = [s for s in samples if s["modality"] == "audio"]
+    paths = [root / s["segments"][0]["path"] for s in (images[0], images[1], audio[0], audio[1])]
+    png = paths[0].read_bytes()
+    paths[0].write_bytes(png[: len(png) // 2])
+    paths[1].unlink()
+    wav = paths[2].read_bytes()
+    paths[2].write_bytes(wav[: len(wav) // 2])
+    paths[3].write_bytes(b"")
     dataset = ManifestDataset(root / MANIFEST, cfg)
-    train = dataset.splits["train"]
-    images = [i for i in train if dataset.samples[i].modality == "image"]
-    audio = next(i for i in train if dataset.samples[i].modality == "audio")
-    paths = {i: root / dataset.samples[i].segments[0].path for i in (images[0], images[1], audio)}
-    png = paths[images[0]].read_bytes()
-    paths[images[0]].write_bytes(png[: len(png) // 2])
-    paths[images[1]].unlink()
-    wav = paths[audio].read_bytes()
-    paths[audio].write_bytes(wav[: len(wav) // 2])
-    for i, reason in [(images[0], "unreadable_file"), (images[1], "missing_file"), (audio, "size_mismatch")]:
-        with pytest.raises(CorruptSample, match=str(paths[i].name)) as err:
-            dataset.decode(i)
+    by_id = {r.id: r for r in records(dataset)}
+    for sample, reason in zip((images[0], images[1], audio[0], audio[1]),
+                              ("unreadable_file", "missing_file", "size_mismatch", "empty_audio")):
+        with pytest.raises(CorruptSample, match=sample["segments"][0]["path"]) as err:
+            dataset.decode(by_id[sample["id"]])
         assert err.value.reason == reason
-    train_loader = PackedLoader(dataset, cfg)
-    docs = [doc for batch in take(iter(train_loader), len(train_loader.plan(0))) for doc in check_batch(batch, cfg)]
-    assert len(docs) == len(train) - 3
-    assert train_loader.stats == {"unreadable_file": 1, "missing_file": 1, "size_mismatch": 1}
+    stream = ConsumerStream(dataset, cfg, View(0, 1, "train", 0, one_pass=True, shuffle=False), lambda b: b)
+    docs = [doc for batch in iter(stream.next_batch, None) for doc in check_batch(batch, cfg)]
+    assert len(docs) == len(samples) - 4
+    assert stream.stats == {"unreadable_file": 1, "missing_file": 1, "size_mismatch": 1, "empty_audio": 1}
 
 
-def test_bad_manifest_lines_are_skipped_with_their_line_numbers(tmp_path):
+def test_bad_manifest_lines_are_skipped_counted_and_logged_with_their_line(tmp_path, caplog):
     good = {"id": "x", "segments": [{"type": "text", "text": "ok"}]}
     lines = [
         json.dumps(good),
         "{not json",
         json.dumps({"id": "y"}),
+        "",
         json.dumps({"id": "z", "modality": "image", "segments": [{"type": "text", "text": "no image"}]}),
         json.dumps({"id": "w", "segments": [{"type": "image", "path": "a.png", "width": 0, "height": 3}]}),
-        json.dumps(good),
+        json.dumps({**good, "id": "v"}),
     ]
     (tmp_path / MANIFEST).write_text("\n".join(lines) + "\n")
-    with pytest.warns(UserWarning, match="skipped 5 bad lines: line 2"):
-        dataset = ManifestDataset(tmp_path / MANIFEST, DataConfig())
-    assert len(dataset) == 1 and [n for n, _ in dataset.bad_lines] == [2, 3, 4, 5, 6]
-    assert "duplicate" in dataset.bad_lines[-1][1] and "width" in dataset.bad_lines[-2][1]
+    recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="omni_core.data.sources"):
+        profile, _ = profile_dataset(recipe, tmp_path / "profile")
+    assert profile.total_samples == 2 and profile.skipped == {"bad_record": 4}
+    warnings = [r.getMessage() for r in caplog.records]
+    for line, why in [(2, "not JSON"), (3, "segments"), (5, "does not match"), (6, "'width' >= 1")]:
+        assert any(f"{MANIFEST}: skipped entry {line}: bad_record" in w and why in w for w in warnings), (line, why)
 
 
-def test_missing_manifest_errors_name_the_file(tmp_path):
-    missing = tmp_path / "nowhere" / MANIFEST
+def test_missing_dataset_errors_name_the_location(tmp_path):
+    missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=str(missing)):
-        ManifestDataset(missing, DataConfig())
+        ManifestDataset(missing / MANIFEST, DataConfig(source="jsonl"))
     with pytest.raises(FileNotFoundError, match=str(missing)):
-        ensure_dataset(make_recipe(tmp_path, source="jsonl", path=str(missing.parent)))
-
-
-# --- profile ---------------------------------------------------------------------------------------------
-
-
-def hand_tokens(sample: dict) -> int:
-    """The token rule written out once more, for the default config (8 px patches, 16 kHz, no downscaling)."""
-    total = 2
-    for seg in sample["segments"]:
-        if seg["type"] == "text":
-            total += len(seg["text"].encode())
-        elif seg["type"] == "image":
-            total += -(-seg["width"] // 8) * -(-seg["height"] // 8)
-        else:
-            total += (1 + seg["num_samples"] // 160) // 4
-    return total
-
-
-def test_profile_matches_hand_counts(tmp_path):
-    recipe = make_recipe(tmp_path)
-    profile, figures = profile_dataset(recipe, tmp_path / "profile")
-    samples = read_manifest(Path(recipe.data_dir()) / MANIFEST)
-    tokens = {s["id"]: hand_tokens(s) for s in samples}
-    assert profile.total_samples == profile.manifest_samples == N and profile.total_tokens == sum(tokens.values())
-    for modality in ("text", "image", "audio"):
-        lengths = [tokens[s["id"]] for s in samples if s["modality"] == modality]
-        stats = profile.modalities[modality]
-        assert (stats.count, stats.tokens, stats.max) == (len(lengths), sum(lengths), max(lengths))
-        assert stats.share == len(lengths) / N and stats.mean == pytest.approx(np.mean(lengths))
-        assert stats.p50 == pytest.approx(np.median(lengths)) and sum(stats.hist_counts) == len(lengths)
-    train_tokens = sum(n for i, n in tokens.items() if not in_heldout(i, recipe.data.heldout_fraction))
-    assert profile.packed_sequences == math.ceil(train_tokens / 512)  # packing this small a set is perfect
-    dataset = ManifestDataset(Path(recipe.data_dir()) / MANIFEST, recipe.data)
-    assert profile.packed_sequences == len(PackedLoader(dataset, recipe.data, seed=recipe.experiment.seed).plan(0))
-    assert profile.packing_efficiency == pytest.approx(train_tokens / (profile.packed_sequences * 512))
-    assert profile.skipped == {}
-    assert DatasetProfile.load(tmp_path / "profile" / "profile.json") == profile
-    assert [f.name for f in figures] == ["token_lengths.png", "modality_shares.png"]
-    assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
-
-    capped = recipe.model_copy(update={"data": recipe.data.model_copy(update={"profile_max_samples": 20})})
-    small, _ = profile_dataset(capped, tmp_path / "capped")
-    assert small.total_samples == 20 and small.manifest_samples == N
-    assert sum(m.count for m in small.modalities.values()) == 20
+        ensure_dataset(make_recipe(tmp_path, source="wds", path=str(missing)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty: no \*\.tar shard"):
+        ManifestDataset(tmp_path / "empty", DataConfig(source="wds"))

@@ -1,21 +1,27 @@
 """Audio clips -> log-mel frames with torch only (no torchaudio/librosa dependency).
 
-Frames use a 25 ms window and a 10 ms hop (centred STFT), cropped down to a multiple of 4 because the
-audio encoder subsamples by 4; clips too short for 4 frames are zero-padded up to 4. `mel_frames` is the
-token rule the packer uses from manifest metadata, so it must agree exactly with `log_mel`.
+Frames use a 25 ms window and a 10 ms hop (centred STFT), cropped down to a multiple of FRAME_MULTIPLE
+because the audio encoder subsamples by 2 (`batch.audio_tokens`); clips too short for MIN_FRAMES frames are
+zero-padded up to it. `mel_frames` is the token rule the packer applies to metadata (vectorized over chunks),
+so it must agree exactly with `log_mel`.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import math
-from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 import torch
 
+FRAME_MULTIPLE = 2
 MIN_FRAMES = 4
+
+
+class EmptyAudio(ValueError):
+    """A clip with no samples: nothing to encode."""
 
 
 def _hop(sample_rate: int) -> int:
@@ -26,21 +32,39 @@ def _window(sample_rate: int) -> int:
     return sample_rate * 25 // 1000
 
 
-def resampled_length(num_samples: int, from_rate: int, to_rate: int) -> int:
-    return num_samples if from_rate == to_rate else max(1, round(num_samples * to_rate / from_rate))
+def resampled_length(num_samples, from_rate, to_rate: int):
+    """Samples after linear resampling to to_rate (scalars or arrays): round(n * to / from), at least 1."""
+    n = np.asarray(num_samples, dtype=np.int64)
+    rate = np.asarray(from_rate, dtype=np.int64)
+    scaled = np.maximum(1, np.round(n * to_rate / np.maximum(rate, 1))).astype(np.int64)
+    length = np.where(rate == to_rate, n, scaled)
+    return int(length) if length.ndim == 0 else length
 
 
-def mel_frames(num_samples: int, sample_rate: int) -> int:
-    """Log-mel frames `log_mel` yields for a clip of num_samples at sample_rate (centred STFT: 1 + n // hop)."""
+def mel_frames(num_samples, sample_rate: int):
+    """Log-mel frames `log_mel` yields for clips of num_samples at sample_rate (centred STFT: 1 + n // hop)."""
     hop = _hop(sample_rate)
-    frames = 1 + max(num_samples, (MIN_FRAMES - 1) * hop) // hop
-    return frames - frames % MIN_FRAMES
+    frames = 1 + np.maximum(num_samples, (MIN_FRAMES - 1) * hop) // hop
+    frames = frames - frames % FRAME_MULTIPLE
+    return int(frames) if np.ndim(frames) == 0 else frames
 
 
-def read_audio(path: Path) -> tuple[torch.Tensor, int]:
-    """(mono float32 waveform, its sample rate); channels are averaged."""
-    data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    return torch.from_numpy(np.ascontiguousarray(data.mean(axis=1))), rate
+def read_audio(data: bytes) -> tuple[torch.Tensor, int]:
+    """(mono float32 waveform, its sample rate) of a WAV/FLAC file's bytes; channels are averaged."""
+    if not data:
+        raise EmptyAudio("zero-length file")
+    wave, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    if not len(wave):
+        raise EmptyAudio("no samples")
+    return torch.from_numpy(np.ascontiguousarray(wave.mean(axis=1))), rate
+
+
+def audio_header(data: bytes) -> tuple[int, int]:
+    """(num_samples, sample_rate) from the header alone: how sizes are found when a sample carries no metadata."""
+    if not data:
+        raise EmptyAudio("zero-length file")
+    info = sf.info(io.BytesIO(data))
+    return info.frames, info.samplerate
 
 
 def resample(wave: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:

@@ -1,113 +1,168 @@
-"""The per-rank loader: seeded shuffling, sharding and packing from metadata, decoding only what a batch needs.
+"""The per-rank loader: streams records, packs them from metadata, decodes only what a batch holds.
 
-Every rank computes the packing of every shard (metadata only, cheap), so all ranks agree on the number of
-batches per epoch without communicating and DP ranks never wait on a rank that ran dry. The position is a
-pure function of (epoch, batch), identical on all ranks, which is what makes resuming exact.
+A rank's loader runs max(1, data.num_workers) consumers, each with its own part of the source (consumer
+rank * workers + w of world_size * workers): in the training process when num_workers is 0, else in worker
+processes whose batches are taken in turn. A consumer's state (its stream position, the samples waiting
+in its packer, its batch count and skip counts) is JSON-able and restores it exactly; the loader's state is
+its consumers' states plus the number of batches drawn, so a resumed loader yields exactly the batches an
+uninterrupted one would have.
+
+Training step and mix schedule: the n-th batch a rank draws is step n (a step is one micro-batch per rank,
+so one optimizer step when train.grad_accum is 1). Consumer w of a rank forms batches w, w + W, w + 2W, ...,
+and asks a scheduled source for samples at the step of the batch it is filling.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
+import torch
 
 from omni_core.data.batch import PackedBatch
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
-from omni_core.data.packing import collate, pack_sequences
+from omni_core.data.packing import BatchPacker, collate
+from omni_core.data.sources import Record, View
 from omni_core.recipe.schema import DataConfig
 
 log = logging.getLogger(__name__)
+MAX_REJECTED = 10_000  # consecutive samples over seq_len after which a stream is declared unusable
 
 
-def epoch_order(indices: list[int], seed: int, epoch: int) -> list[int]:
-    """An epoch's seeded shuffle; the profiler packs in this order too, so its efficiency is the loader's."""
-    return [indices[j] for j in np.random.default_rng([seed, epoch]).permutation(len(indices))]
+class ConsumerStream:
+    """One consumer's batches: records from its stream, packed, decoded."""
+
+    def __init__(self, dataset: ManifestDataset, cfg: DataConfig, view: View, step_of: Callable[[int], int],
+                 state: dict[str, Any] | None = None) -> None:
+        self.dataset, self.cfg, self.view, self.step_of = dataset, cfg, view, step_of
+        self.packer: BatchPacker[Record] = BatchPacker(cfg.micro_batch, cfg.seq_len, cfg.pack_lookahead)
+        self.batch, self.stats, self.rejected = 0, {}, 0
+        position = None
+        if state is not None:
+            self.batch, self.stats, position = state["batch"], dict(state["stats"]), state["position"]
+            for ref, waited in state["pending"]:
+                self.packer.add(dataset.source.refetch(view, ref), waited)
+        self.stream = dataset.source.stream(view, position, self._count)
+
+    def _count(self, reason: str) -> None:
+        self.stats[reason] = self.stats.get(reason, 0) + 1
+
+    def _fill(self, step: int) -> None:
+        while not self.packer.ready:
+            record = self.stream.next(step)
+            if record is None:
+                return
+            if record.tokens <= self.cfg.seq_len:
+                self.rejected = 0
+                self.packer.add(record)
+                continue
+            self._count("too_long")
+            self.rejected += 1
+            if self.rejected >= MAX_REJECTED:
+                raise ValueError(f"{self.dataset.location}: {MAX_REJECTED} samples in a row are longer than "
+                                 f"seq_len={self.cfg.seq_len}")
+
+    def next_sequences(self) -> list[list[Record]] | None:
+        """The next batch's records per sequence (None when a one-pass stream is done)."""
+        self._fill(self.step_of(self.batch))
+        if not self.packer.pool:
+            return None
+        self.batch += 1
+        return self.packer.pack()
+
+    def next_batch(self) -> PackedBatch | None:
+        sequences = self.next_sequences()
+        if sequences is None:
+            return None
+        return collate([[self._decode(record) for record in seq] for seq in sequences], self.cfg)
+
+    def _decode(self, record: Record) -> DecodedSample:
+        try:
+            return self.dataset.decode(record)
+        except CorruptSample as err:
+            self._count(err.reason)
+            log.warning("skipping %s", err)
+            return DecodedSample.padding(record.tokens)
+
+    def state(self) -> dict[str, Any]:
+        return {"batch": self.batch, "position": self.stream.position(), "stats": dict(self.stats),
+                "pending": [[p.item.ref, p.waited] for p in self.packer.pool]}
+
+
+class _Workers(torch.utils.data.IterableDataset):
+    """Worker w serves consumer slot (w + rotation) % W, so that after a resume the DataLoader's first
+    worker is the one whose batch is due."""
+
+    def __init__(self, loader: PackedLoader, rotation: int) -> None:
+        self.loader, self.rotation = loader, rotation
+
+    def __iter__(self) -> Iterator[tuple[int, PackedBatch, dict[str, Any]]]:
+        slot = (torch.utils.data.get_worker_info().id + self.rotation) % self.loader.slots
+        stream = self.loader.consumer(slot)
+        while (batch := stream.next_batch()) is not None:
+            yield slot, batch, stream.state()
 
 
 class PackedLoader:
-    """Iterable of `PackedBatch`: infinite over reshuffled epochs for "train", one pass for "heldout".
+    """Iterable of `PackedBatch`: endless over reshuffled epochs for "train", one pass for "heldout" (each
+    iter() a fresh pass). Passes are not equally long on every rank: evaluation runs on one.
 
-    `stats` counts what was skipped, by reason: "too_long" (samples of the split over seq_len, counted once,
-    the same on every rank) and the `CorruptSample` reasons (each time this rank meets one)."""
+    `stats` counts what this rank skipped, by reason (sources.SKIP_REASONS)."""
 
-    def __init__(
-        self,
-        dataset: ManifestDataset,
-        data_cfg: DataConfig,
-        split: Split = "train",
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, dataset: ManifestDataset, data_cfg: DataConfig, split: Split = "train", rank: int = 0,
+                 world_size: int = 1, seed: int = 0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.dataset, self.cfg, self.split = dataset, data_cfg, split
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        indices = dataset.splits[split]
-        self._eligible = [i for i in indices if dataset.token_count(i) <= data_cfg.seq_len]
-        self.stats: dict[str, int] = {}
-        if len(indices) > len(self._eligible):
-            self.stats["too_long"] = len(indices) - len(self._eligible)
-        if split == "train" and not self._eligible:
-            raise ValueError(f"no {split} sample of {dataset.manifest_path} fits seq_len={data_cfg.seq_len}")
-        self._epoch = 0
-        self._batch = 0  # next batch of self._epoch to yield
-        self._cached_plan: tuple[int, list[list[list[int]]]] | None = None
+        self.slots = max(1, data_cfg.num_workers)
+        self._states: list[dict[str, Any] | None] = [None] * self.slots
+        self._batches = 0
 
-    def plan(self, epoch: int) -> list[list[list[int]]]:
-        """This rank's batches of an epoch: per batch, micro_batch sequences of sample indices ([] = padding)."""
-        if self._cached_plan and self._cached_plan[0] == epoch:
-            return self._cached_plan[1]
-        order = epoch_order(self._eligible, self.seed, epoch)
-        shards = [
-            pack_sequences(((i, self.dataset.token_count(i)) for i in order[r :: self.world_size]), self.cfg.seq_len)
-            for r in range(self.world_size)
-        ]
-        micro = self.cfg.micro_batch
-        num_batches = max(math.ceil(len(s) / micro) for s in shards)
-        mine = shards[self.rank] + [[]] * (num_batches * micro - len(shards[self.rank]))
-        plan = [mine[b * micro : (b + 1) * micro] for b in range(num_batches)]
-        self._cached_plan = (epoch, plan)
-        return plan
+    def view(self, slot: int) -> View:
+        return View(self.rank * self.slots + slot, self.world_size * self.slots, self.split, self.seed,
+                    one_pass=self.split == "heldout", shuffle=self.split == "train")
+
+    def consumer(self, slot: int) -> ConsumerStream:
+        slots = self.slots
+        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: b * slots + slot, self._states[slot])
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        while True:
-            plan = self.plan(self._epoch)
-            while self._batch < len(plan):
-                sequences = plan[self._batch]
-                self._batch += 1  # before yielding: a state taken after this batch points past it
-                yield collate([[self._decode(i) for i in seq] for seq in sequences], self.cfg)
-            if self.split == "heldout":
-                self._batch = 0  # the next iter() is a fresh pass
-                return
-            self._epoch, self._batch = self._epoch + 1, 0
+        if self.cfg.num_workers:
+            batches: Iterator[tuple[int, PackedBatch, dict[str, Any]]] = iter(torch.utils.data.DataLoader(
+                _Workers(self, self._batches % self.slots), batch_size=None, num_workers=self.slots))
+        else:
+            batches = self._in_process()
+        for slot, batch, state in batches:
+            self._states[slot] = state
+            self._batches += 1
+            yield batch
+        self._states, self._batches = [None] * self.slots, 0  # a finished pass: the next iter() starts afresh
 
-    def _decode(self, index: int) -> DecodedSample:
-        try:
-            return self.dataset.decode(index)
-        except CorruptSample as err:
-            self.stats[err.reason] = self.stats.get(err.reason, 0) + 1
-            log.warning("skipping %s", err)
-            return DecodedSample.padding(self.dataset.token_count(index))
+    def _in_process(self) -> Iterator[tuple[int, PackedBatch, dict[str, Any]]]:
+        stream = self.consumer(0)
+        while (batch := stream.next_batch()) is not None:
+            yield 0, batch, stream.state()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for state in filter(None, self._states):
+            for reason, count in state["stats"].items():
+                total[reason] = total.get(reason, 0) + count
+        return total
 
     def state_dict(self) -> dict[str, Any]:
-        """Position of the next batch. It is the same on every rank, so any rank's state restores any rank."""
+        """Position of the next batch: what each consumer has drawn, decoded or left pending."""
         return {
-            "split": self.split,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "split_size": len(self.dataset.splits[self.split]),
-            "epoch": self._epoch,
-            "batch": self._batch,
-            "stats": dict(self.stats),
+            "split": self.split, "seed": self.seed, "world_size": self.world_size, "num_workers": self.cfg.num_workers,
+            "source": self.dataset.source.identity, "batches": self._batches, "consumers": list(self._states),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
-        for key in ("split", "seed", "world_size", "split_size"):
+        for key in ("split", "seed", "world_size", "num_workers", "source"):
             if state[key] != mine[key]:
                 raise ValueError(f"loader state is for {key}={state[key]!r}, this loader has {mine[key]!r}")
-        self._epoch, self._batch, self.stats = state["epoch"], state["batch"], dict(state["stats"])
+        self._batches, self._states = state["batches"], list(state["consumers"])

@@ -1,9 +1,10 @@
 """Packing: which samples share a sequence (decided from token counts alone), and laying decoded documents
-out as a `PackedBatch`."""
+out as a `PackedBatch` with their boundaries in cu_seqlens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -13,36 +14,90 @@ from omni_core.data.tokenizer import EOS_ID, NUM_BYTES
 from omni_core.recipe.schema import DataConfig
 
 IGNORE = -100
+OVERDUE = 2  # batches a sample may be passed over before it is placed ahead of everything else
 
 
-def pack_sequences(items: Iterable[tuple[int, int]], seq_len: int, open_bins: int = 16) -> list[list[int]]:
-    """Sample indices per sequence: each (index, tokens) item of the stream goes, in stream order, to the
-    fullest of a few open sequences it fits in; when none has room, the fullest one is closed.
+class Sized(Protocol):
+    tokens: int
+    ordinal: int
 
-    Keeping stream (shuffled) order mixes modalities in every sequence. First-fit-decreasing over a window
-    packs at most ~1% denser on our length mixes, but sorting groups similar lengths, hence modalities,
-    into the same sequences, so a run's first steps would see only its longest modality."""
-    sequences: list[list[int]] = []
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index, tokens in items:
-        fits = [b for b, load in enumerate(loads) if load + tokens <= seq_len]
-        if fits:
+
+S = TypeVar("S", bound=Sized)
+
+
+@dataclass
+class Pending(Generic[S]):
+    item: S
+    waited: int = 0  # batches it was left out of
+
+
+class BatchPacker(Generic[S]):
+    """Fills batches of `bins` sequences of `capacity` tokens from a stream of samples.
+
+    Samples wait in a pool until it holds `lookahead` batches' worth of tokens. Each sequence of a batch is
+    then filled as fully as the pool allows (an exact subset sum over the pool, so at least as dense as
+    first-fit decreasing), preferring the samples that came first; what does not fit waits for the next batch.
+    Choosing only within the pool keeps the stream's order, hence its modality mix, at the scale of batches;
+    a sample passed over OVERDUE times is placed before any choice is made, so none starves."""
+
+    def __init__(self, bins: int, capacity: int, lookahead: float) -> None:
+        self.bins, self.capacity = bins, capacity
+        self.target = lookahead * bins * capacity
+        self.pool: list[Pending[S]] = []
+        self.pool_tokens = 0
+
+    @property
+    def ready(self) -> bool:
+        """Enough pending tokens to pack a batch as densely as the lookahead allows."""
+        return self.pool_tokens >= self.target
+
+    def add(self, item: S, waited: int = 0) -> None:
+        if item.tokens > self.capacity:
+            raise ValueError(f"a sample of {item.tokens} tokens cannot fit sequences of {self.capacity}")
+        self.pool.append(Pending(item, waited))
+        self.pool_tokens += item.tokens
+
+    def pack(self) -> list[list[S]]:
+        """One batch: `bins` sequences (some possibly empty) of pool samples, removed from the pool."""
+        loads, sequences = [0] * self.bins, [[] for _ in range(self.bins)]
+        overdue = sorted((p for p in self.pool if p.waited >= OVERDUE), key=lambda p: -p.item.tokens)
+        left = [p for p in self.pool if p.waited < OVERDUE]  # in stream order: older ones are preferred
+        for pending in overdue:  # best fit decreasing: into the fullest sequence with room
+            fits = [b for b in range(self.bins) if loads[b] + pending.item.tokens <= self.capacity]
+            if not fits:
+                left.insert(0, pending)
+                continue
             b = max(fits, key=loads.__getitem__)
-        else:
-            if len(bins) == open_bins:
-                fullest = max(range(len(bins)), key=loads.__getitem__)
-                sequences.append(bins.pop(fullest))
-                loads.pop(fullest)
-            bins.append([])
-            loads.append(0)
-            b = len(bins) - 1
-        bins[b].append(index)
-        loads[b] += tokens
-        if loads[b] == seq_len:
-            sequences.append(bins.pop(b))
-            loads.pop(b)
-    return sequences + bins
+            loads[b] += pending.item.tokens
+            sequences[b].append(pending.item)
+        for b in range(self.bins):
+            chosen = fullest_subset([p.item.tokens for p in left], self.capacity - loads[b])
+            for i in chosen:
+                sequences[b].append(left[i].item)
+                loads[b] += left[i].item.tokens
+            left = [p for i, p in enumerate(left) if i not in chosen]
+        for pending in left:
+            pending.waited += 1
+        self.pool = left
+        self.pool_tokens -= sum(loads)
+        return sequences
+
+
+def fullest_subset(sizes: list[int], room: int) -> set[int]:
+    """Indices of sizes with the largest sum <= room; among equal sums, earlier indices are preferred.
+
+    Subset sum with Python integers as bitsets: bit s of reach[i] says that some subset of the first i sizes
+    sums to s. Walking back from the last size, a size is left out whenever its prefix reaches the sum alone."""
+    mask = (1 << (room + 1)) - 1
+    reach = [1]
+    for size in sizes:
+        reach.append((reach[-1] | (reach[-1] << size)) & mask)
+    total, chosen = reach[-1].bit_length() - 1, set()
+    for i in range(len(sizes) - 1, -1, -1):
+        if not (reach[i] >> total) & 1:
+            chosen.add(i)
+            total -= sizes[i]
+    return chosen
 
 
 def document_labels(ids: torch.Tensor) -> torch.Tensor:

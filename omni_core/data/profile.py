@@ -1,31 +1,41 @@
-"""The profile stage: what is in the data (modality mix, token lengths, packing efficiency), from manifest
-metadata only, as a typed `DatasetProfile` plus figures."""
+"""The profile stage: what is in the data, in one streaming pass with bounded memory, as a typed
+`DatasetProfile` plus figures. The estimator and the balancer price work from these numbers.
+
+Sizes come from metadata (nothing is decoded unless data.profile_decode asks for it). Memory does not grow
+with the number of samples: token lengths are kept as exact counts per length (so quantiles are exact and
+memory follows the longest sample), samples are buffered one drift window at a time, and packing is simulated
+with the loader's own packer, whose pool is bounded. The stream is read in shard-name order (no shuffle), as
+the data was written, so a schedule written into the data shows up as drift.
+"""
 
 from __future__ import annotations
 
-import math
+import time
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from omni_core.data.dataset import ManifestDataset
-from omni_core.data.loader import epoch_order
-from omni_core.data.packing import pack_sequences
-from omni_core.data.sample import segment_tokens
-from omni_core.data.synthetic import ensure_dataset
-from omni_core.recipe.schema import Recipe
+from omni_core.data.dataset import CorruptSample, ManifestDataset
+from omni_core.data.flops import FORMULA, FlopModel
+from omni_core.data.packing import BatchPacker
+from omni_core.data.sample import KINDS
+from omni_core.data.sources import Record, View
+from omni_core.data.synthetic import DynamicSource, ensure_dataset
+from omni_core.recipe.schema import DataConfig, Recipe
 from omni_core.results import Result
 
 HIST_BINS = 20
+KS_CRITICAL = 1.949  # c(alpha) of the two-sample Kolmogorov-Smirnov test at alpha = 0.001
+MIN_KS_SAMPLES = 20  # per-modality KS only when both windows hold at least this many of the modality
 
 
 class ModalityProfile(Result):
     count: int
     share: float  # of profiled samples
     tokens: int  # LLM tokens, placeholders included
-    encoder_tokens_mean: float  # image patches / audio embeddings per sample: the encoders' share of the work
+    encoder_tokens_mean: float  # image/frame patches and audio embeddings per sample: the encoders' share
     mean: float
     p50: float
     p90: float
@@ -33,38 +43,303 @@ class ModalityProfile(Result):
     max: int
     hist_edges: list[float]
     hist_counts: list[int]
+    encoder_flops_mean: float  # training FLOPs per sample (flops.FORMULA)
+    llm_flops_mean: float
+
+
+class SequenceProfile(Result):
+    """Packed sequences of the profiled samples (held-out ones too: same distribution), as a loader on one
+    rank packs them."""
+
+    count: int
+    capacity: int  # seq_len
+    real_tokens_mean: float
+    real_tokens_p50: float
+    real_tokens_min: int
+    padding_mean: float
+    padding_p90: float
+    padding_max: int
+    documents_mean: float
+
+
+class DriftWindow(Result):
+    start: int  # index of its first sample in the profiled stream
+    count: int
+    shares: dict[str, float]
+    tokens_mean: float
+    ks: float  # Kolmogorov-Smirnov statistic of all token lengths against the first window
+    ks_by_modality: dict[str, float]  # the same within each modality present in both windows
+    mix_distance: float  # total-variation distance of the mix against the first window
+    drift: bool
 
 
 class DatasetProfile(Result):
-    manifest: str
-    manifest_samples: int  # valid samples in the manifest
-    total_samples: int  # samples profiled (<= manifest_samples when data.profile_max_samples caps it)
+    manifest: str  # the dataset's location
+    source: str  # jsonl | wds | dynamic
+    manifest_samples: int  # records met, skipped ones included
+    total_samples: int  # samples profiled
     total_tokens: int
     seq_len: int
     modalities: dict[str, ModalityProfile]
-    skipped: dict[str, int]  # reason -> count: "bad_line" (manifest), "too_long" (> seq_len)
-    packed_sequences: int  # the profiled train samples, packed as the loader's first epoch on one rank
+    skipped: dict[str, int]  # reason (sources.SKIP_REASONS) -> count; too_long samples are profiled too
+    packed_sequences: int
     packing_efficiency: float  # real tokens / (packed_sequences * seq_len)
+    sequences: SequenceProfile
+    encoder_flops: float  # all profiled samples, training
+    llm_flops: float
+    flops_formula: str
+    window: int  # samples per drift window
+    drift_threshold: float
+    drift_detected: bool
+    windows: list[DriftWindow]
+    decode_samples_per_s: dict[str, float]  # per modality, when the profile decoded (data.profile_decode)
 
 
-def _modality_profile(lengths: np.ndarray, encoder_tokens: np.ndarray, total: int) -> ModalityProfile:
-    lo, hi = int(lengths.min()), int(lengths.max())
-    width = math.ceil((hi - lo + 1) / HIST_BINS)  # whole tokens per bin, so no bin is empty by rounding
-    counts, edges = np.histogram(lengths, bins=np.arange(lo, hi + width + 1, width))
-    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
-    return ModalityProfile(
-        count=len(lengths),
-        share=len(lengths) / total,
-        tokens=int(lengths.sum()),
-        encoder_tokens_mean=float(encoder_tokens.mean()),
-        mean=float(lengths.mean()),
-        p50=float(p50),
-        p90=float(p90),
-        p99=float(p99),
-        max=int(lengths.max()),
-        hist_edges=edges.tolist(),
-        hist_counts=counts.tolist(),
-    )
+class Counts:
+    """Exact counts of non-negative integers: memory grows with the largest value, never with how many."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, values: np.ndarray) -> None:
+        added = np.bincount(values)
+        if len(added) > len(self.counts):
+            self.counts = np.concatenate([self.counts, np.zeros(len(added) - len(self.counts), dtype=np.int64)])
+        self.counts[: len(added)] += added
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.sum())
+
+    def total(self) -> int:
+        return int(np.dot(np.arange(len(self.counts)), self.counts))
+
+    def min(self) -> int:
+        return int(np.flatnonzero(self.counts)[0])
+
+    def max(self) -> int:
+        return int(np.flatnonzero(self.counts)[-1])
+
+    def quantile(self, q: float) -> float:
+        """numpy's default (linear) percentile of the values counted."""
+        cumulative = np.cumsum(self.counts)
+        h = (cumulative[-1] - 1) * q
+        lo, hi = np.searchsorted(cumulative, [np.floor(h), np.ceil(h)], side="right")
+        return float(lo + (h - np.floor(h)) * (hi - lo))
+
+    def histogram(self) -> tuple[list[float], list[int]]:
+        """HIST_BINS bins of whole-token width over [min, max], so no bin is empty by rounding."""
+        lo, hi = self.min(), self.max()
+        width = -(-(hi - lo + 1) // HIST_BINS)
+        edges = np.arange(lo, hi + width + 1, width)
+        values = np.arange(lo, hi + 1)
+        counts = np.bincount((values - lo) // width, weights=self.counts[lo : hi + 1], minlength=len(edges) - 1)
+        return edges.astype(float).tolist(), counts.astype(np.int64).tolist()
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic of two count arrays over the same integer values."""
+    size = max(len(a), len(b))
+    cdf_a = np.cumsum(np.pad(a, (0, size - len(a)))) / a.sum()
+    cdf_b = np.cumsum(np.pad(b, (0, size - len(b)))) / b.sum()
+    return float(np.abs(cdf_a - cdf_b).max())
+
+
+def significant(n: int, m: int) -> float:
+    """Smallest KS statistic significant at alpha = 0.001 for samples of n and m."""
+    return KS_CRITICAL * float(np.sqrt((n + m) / (n * m)))
+
+
+class _Window:
+    """Per-modality token-length counts of one window."""
+
+    def __init__(self, modality: np.ndarray, tokens: np.ndarray) -> None:
+        self.count = len(tokens)
+        self.pooled = np.bincount(tokens)
+        self.by_modality = {m: np.bincount(tokens[modality == code]) for code, m in enumerate(KINDS)
+                            if (modality == code).any()}
+        self.sizes = {m: int(c.sum()) for m, c in self.by_modality.items()}
+        self.tokens_mean = float(tokens.mean())
+
+    def shares(self) -> np.ndarray:
+        return np.array([self.sizes.get(m, 0) / self.count for m in KINDS])
+
+
+class Profiler:
+    """Feeds on records one at a time; `result()` summarises. Buffers at most one window of samples."""
+
+    COLUMNS = ("modality", "tokens", "vision_tokens", "vision_sq", "audio_frames", "audio_tokens", "audio_sq")
+
+    def __init__(self, cfg: DataConfig, flops: FlopModel) -> None:
+        self.cfg, self.flops = cfg, flops
+        self.window, self.threshold = cfg.profile_window, cfg.drift_threshold
+        self.buffer: list[tuple[int, ...]] = []  # one row of COLUMNS per sample of the current window
+        self.lengths = {m: Counts() for m in KINDS}
+        self.sums = {m: np.zeros(4) for m in KINDS}  # encoder tokens, encoder FLOPs, LLM FLOPs, samples
+        self.reference: _Window | None = None
+        self.windows: list[DriftWindow] = []
+        self.seen = 0
+        self.packer: BatchPacker[Record] = BatchPacker(cfg.micro_batch, cfg.seq_len, cfg.pack_lookahead)
+        self.real, self.docs = Counts(), 0
+        self.batches = 0
+        self.code = {m: i for i, m in enumerate(KINDS)}
+
+    def add(self, record: Record, *, packable: bool) -> None:
+        """Counts a sample; a packable one (it fits seq_len) also goes through the packer."""
+        self.buffer.append((self.code[record.modality], record.tokens, record.vision_tokens, record.vision_sq,
+                            record.audio_frames, record.audio_tokens, record.audio_sq))
+        if len(self.buffer) == self.window:
+            self._flush()
+        if packable:
+            self.packer.add(record)
+            while self.packer.ready:
+                self._sequences(self.packer.pack())
+
+    def _sequences(self, sequences: list[list[Record]]) -> None:
+        self.batches += 1
+        self.real.add(np.array([sum(r.tokens for r in seq) for seq in sequences]))
+        self.docs += sum(len(seq) for seq in sequences)
+
+    def _flush(self) -> None:
+        if not self.buffer:
+            return
+        columns = dict(zip(self.COLUMNS, np.array(self.buffer, dtype=np.int64).T))
+        self.buffer.clear()
+        modality, tokens = columns["modality"], columns["tokens"]
+        encoder = self.flops.encoder(columns["vision_tokens"], columns["vision_sq"], columns["audio_frames"],
+                                     columns["audio_sq"])
+        llm = self.flops.llm(tokens)
+        encoder_tokens = columns["vision_tokens"] + columns["audio_tokens"]
+        for code, m in enumerate(KINDS):
+            mine = modality == code
+            if mine.any():
+                self.lengths[m].add(tokens[mine])
+                self.sums[m] += [encoder_tokens[mine].sum(), encoder[mine].sum(), llm[mine].sum(), mine.sum()]
+        self._window(_Window(modality, tokens))
+        self.seen += len(tokens)
+
+    def _window(self, window: _Window) -> None:
+        if self.reference is None:
+            self.reference = window
+        if window.count < self.window // 2 and self.windows:
+            return  # a short last window is all noise
+        ref = self.reference
+        ks = ks_statistic(window.pooled, ref.pooled)
+        ks_by = {m: ks_statistic(c, ref.by_modality[m]) for m, c in window.by_modality.items()
+                 if m in ref.by_modality and min(window.sizes[m], ref.sizes[m]) >= MIN_KS_SAMPLES}
+        mix = 0.5 * float(np.abs(window.shares() - ref.shares()).sum())
+        drift = (ks > max(self.threshold, significant(window.count, ref.count))
+                 or mix > max(self.threshold, significant(window.count, ref.count))
+                 or any(v > max(self.threshold, significant(window.sizes[m], ref.sizes[m])) for m, v in ks_by.items()))
+        self.windows.append(DriftWindow(
+            start=self.seen, count=window.count, shares={m: float(s) for m, s in zip(KINDS, window.shares()) if s},
+            tokens_mean=window.tokens_mean, ks=ks, ks_by_modality=ks_by, mix_distance=mix, drift=drift,
+        ))
+
+    def result(self, *, location: str, source: str, skipped: dict[str, int],
+               decode_rates: dict[str, float]) -> DatasetProfile:
+        self._flush()
+        while self.packer.pool:
+            self._sequences(self.packer.pack())
+        total = self.seen
+        if not total:
+            raise ValueError(f"{location} holds no valid sample to profile (skipped: {skipped or 'none'})")
+        modalities = {}
+        for m in KINDS:
+            counts = self.lengths[m]
+            if not counts.n:
+                continue
+            edges, hist = counts.histogram()
+            enc_tokens, enc_flops, llm_flops, n = self.sums[m]
+            modalities[m] = ModalityProfile(
+                count=counts.n, share=counts.n / total, tokens=counts.total(), encoder_tokens_mean=enc_tokens / n,
+                mean=counts.total() / counts.n, p50=counts.quantile(0.5), p90=counts.quantile(0.9),
+                p99=counts.quantile(0.99), max=counts.max(), hist_edges=edges, hist_counts=hist,
+                encoder_flops_mean=enc_flops / n, llm_flops_mean=llm_flops / n,
+            )
+        sequences = self._sequence_profile()
+        return DatasetProfile(
+            manifest=location, source=source, manifest_samples=total + sum(v for k, v in skipped.items()
+                                                                            if k != "too_long"),
+            total_samples=total, total_tokens=sum(p.tokens for p in modalities.values()), seq_len=self.cfg.seq_len,
+            modalities=modalities, skipped=skipped, packed_sequences=sequences.count,
+            packing_efficiency=sequences.real_tokens_mean / sequences.capacity, sequences=sequences,
+            encoder_flops=float(sum(self.sums[m][1] for m in KINDS)),
+            llm_flops=float(sum(self.sums[m][2] for m in KINDS)), flops_formula=FORMULA,
+            window=self.window, drift_threshold=self.threshold, drift_detected=any(w.drift for w in self.windows),
+            windows=self.windows, decode_samples_per_s=decode_rates,
+        )
+
+
+    def _sequence_profile(self) -> SequenceProfile:
+        capacity, count = self.cfg.seq_len, self.real.n
+        if not count:  # every sample was longer than seq_len
+            return SequenceProfile(count=0, capacity=capacity, real_tokens_mean=0, real_tokens_p50=0,
+                                   real_tokens_min=0, padding_mean=capacity, padding_p90=capacity,
+                                   padding_max=capacity, documents_mean=0)
+        mean = self.real.total() / count
+        return SequenceProfile(
+            count=count, capacity=capacity, real_tokens_mean=mean, real_tokens_p50=self.real.quantile(0.5),
+            real_tokens_min=self.real.min(), padding_mean=capacity - mean,
+            padding_p90=capacity - self.real.quantile(0.1), padding_max=capacity - self.real.min(),
+            documents_mean=self.docs / count,
+        )
+
+
+def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: FlopModel,
+                   limit: int | None = None, decode: bool = False) -> DatasetProfile:
+    """One pass over (at most `limit` samples of) the dataset's stream."""
+    dynamic = isinstance(dataset.source, DynamicSource)
+    view = View(0, 1, "train" if dynamic else "all", seed, one_pass=True, shuffle=False)
+    skipped: dict[str, int] = {}
+
+    def count(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    stream = dataset.source.stream(view, None, count)
+    profiler = Profiler(cfg, flops)
+    decode_s = {m: [0.0, 0] for m in KINDS}
+    met = 0
+    while limit is None or met < limit:
+        record = stream.next(profiler.batches)  # a scheduled source is drawn at the simulated training step
+        if record is None:
+            break
+        met += 1
+        if decode:
+            started = time.perf_counter()
+            try:
+                dataset.decode(record)
+            except CorruptSample as err:
+                count(err.reason)
+                continue
+            decode_s[record.modality][0] += time.perf_counter() - started
+            decode_s[record.modality][1] += 1
+        fits = record.tokens <= cfg.seq_len
+        if not fits:
+            count("too_long")
+        profiler.add(record, packable=fits)
+    rates = {m: n / s for m, (s, n) in decode_s.items() if n}
+    kind = "dynamic" if dynamic else type(dataset.source).__name__.removesuffix("Source").lower()
+    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates)
+
+
+def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list[Path]]:
+    """Profiles the recipe's dataset (generated first if synthetic) into out_dir/profile.json and figures.
+
+    At most data.profile_max_samples samples (in stream order) when set; a dynamic source is profiled over
+    data.synthetic.num_samples samples unless capped lower."""
+    cfg = recipe.data
+    dataset = ManifestDataset(ensure_dataset(recipe), cfg)
+    flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    profile = profile_source(dataset, cfg, recipe.experiment.seed, flops, cfg.profile_max_samples or None,
+                             decode=cfg.profile_decode)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile.save(out_dir / "profile.json")
+    return profile, figures(profile, out_dir)
+
+
+# --- figures ---------------------------------------------------------------------------------------------
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -75,13 +350,16 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _figures(profile: DatasetProfile, out_dir: Path) -> list[Path]:
+def figures(profile: DatasetProfile, out_dir: Path) -> list[Path]:
+    """Length histograms per modality, modality shares, mix over time, drift per window, sequence fill."""
     names = list(profile.modalities)
     lengths = Figure(figsize=(4 * len(names), 3))
     for ax, name in zip(lengths.subplots(1, len(names), squeeze=False)[0], names):
         mod = profile.modalities[name]
         ax.stairs(mod.hist_counts, mod.hist_edges, fill=True)
         ax.set(title=f"{name} (n={mod.count})", xlabel="tokens per sample", ylabel="samples")
+        if max(mod.hist_counts) > 100 * min(c for c in mod.hist_counts if c):
+            ax.set_yscale("log")  # a long tail (long documents) would not show on a linear scale
 
     shares = Figure(figsize=(4, 3))
     ax = shares.subplots()
@@ -90,47 +368,33 @@ def _figures(profile: DatasetProfile, out_dir: Path) -> list[Path]:
     ax.bar(x + 0.2, [profile.modalities[n].tokens / profile.total_tokens for n in names], width=0.4, label="tokens")
     ax.set(title="modality shares", ylabel="share", xticks=x, xticklabels=names)
     ax.legend()
-    return [_save(lengths, out_dir / "token_lengths.png"), _save(shares, out_dir / "modality_shares.png")]
 
+    starts = [w.start for w in profile.windows]
+    mix = Figure(figsize=(6, 3))
+    ax = mix.subplots()
+    ax.stackplot(starts, [[w.shares.get(n, 0.0) for w in profile.windows] for n in names], labels=names, step="post")
+    ax.set(title=f"mix over time (windows of {profile.window})", xlabel="sample", ylabel="share", ylim=(0, 1))
+    ax.legend(loc="upper right", fontsize="small")
 
-def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list[Path]]:
-    """Profiles the recipe's dataset (generated first if synthetic) into out_dir/profile.json and figures.
+    drift = Figure(figsize=(6, 3))
+    ax = drift.subplots()
+    ax.plot(starts, [w.ks for w in profile.windows], marker=".", label="KS, all lengths")
+    ax.plot(starts, [max(w.ks_by_modality.values(), default=0.0) for w in profile.windows], marker=".",
+            label="KS, worst modality")
+    ax.plot(starts, [w.mix_distance for w in profile.windows], marker=".", label="mix distance")
+    ax.axhline(profile.drift_threshold, color="red", linestyle="--", label="threshold")
+    for w in profile.windows:
+        if w.drift:
+            ax.axvspan(w.start, w.start + w.count, color="red", alpha=0.1)
+    ax.set(title="drift against the first window", xlabel="sample", ylim=(0, 1))
+    ax.legend(loc="upper left", fontsize="small")
 
-    With data.profile_max_samples > 0, a seeded random subset of that size stands for the whole manifest."""
-    cfg = recipe.data
-    dataset = ManifestDataset(ensure_dataset(recipe), cfg)
-    if not len(dataset):
-        raise ValueError(f"{dataset.manifest_path} holds no valid sample to profile")
-    indices = np.arange(len(dataset))
-    if 0 < cfg.profile_max_samples < len(dataset):
-        rng = np.random.default_rng(recipe.experiment.seed)
-        indices = np.sort(rng.choice(len(dataset), size=cfg.profile_max_samples, replace=False))
-    lengths = np.array([dataset.token_count(i) for i in indices], dtype=np.int64)
-    encoder = np.array(
-        [sum(segment_tokens(s, cfg) for s in dataset.samples[i].segments if s.kind != "text") for i in indices]
-    )
-    modality = np.array([dataset.samples[i].modality for i in indices])
-    fits = lengths <= cfg.seq_len
-    train = set(dataset.splits["train"])
-    packable = epoch_order([int(i) for i, ok in zip(indices, fits) if ok and i in train], recipe.experiment.seed, 0)
-    packed_tokens = sum(dataset.token_count(i) for i in packable)
-    sequences = len(pack_sequences(((i, dataset.token_count(i)) for i in packable), cfg.seq_len))
-    skipped = {"bad_line": len(dataset.bad_lines), "too_long": int((~fits).sum())}
-    profile = DatasetProfile(
-        manifest=str(dataset.manifest_path),
-        manifest_samples=len(dataset),
-        total_samples=len(indices),
-        total_tokens=int(lengths.sum()),
-        seq_len=cfg.seq_len,
-        modalities={
-            m: _modality_profile(lengths[modality == m], encoder[modality == m], len(indices))
-            for m in sorted(set(modality.tolist()))
-        },
-        skipped={reason: count for reason, count in skipped.items() if count},
-        packed_sequences=sequences,
-        packing_efficiency=packed_tokens / (sequences * cfg.seq_len) if sequences else 0.0,
-    )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    profile.save(out_dir / "profile.json")
-    return profile, _figures(profile, out_dir)
+    packing = Figure(figsize=(4, 3))
+    ax = packing.subplots()
+    seqs = profile.sequences
+    ax.bar(["real", "padding"], [seqs.real_tokens_mean, seqs.padding_mean])
+    ax.set(title=f"packing efficiency {profile.packing_efficiency:.3f} ({seqs.count} sequences)",
+           ylabel=f"tokens per sequence (of {seqs.capacity})")
+    return [_save(lengths, out_dir / "token_lengths.png"), _save(shares, out_dir / "modality_shares.png"),
+            _save(mix, out_dir / "mix_over_time.png"), _save(drift, out_dir / "drift.png"),
+            _save(packing, out_dir / "packing.png")]

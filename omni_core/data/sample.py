@@ -1,121 +1,214 @@
-"""The sample model: a sample is an ordered list of segments (text, image, audio) whose token layout is
-computable from manifest metadata alone, so packing and profiling never decode a file.
+"""The sample model: a sample is an ordered list of segments (text, image, audio, video) whose token layout is
+computable from metadata alone, so packing and profiling never decode a file.
 
-Manifest line (one JSON object per line of manifest.jsonl; paths relative to the manifest's folder):
+Metadata record (a line of a JSONL manifest, or a WebDataset sample's `key.json`):
     {"id": "image-000001", "modality": "image", "segments": [
         {"type": "image", "path": "images/image-000001.png", "width": 40, "height": 24},
         {"type": "text", "text": "a red circle on white."}]}
-    audio segments carry "num_samples" and "sample_rate" instead of width/height.
-A sample's sequence is BOS + segments + EOS, where text is UTF-8 bytes and every image/audio embedding is one
-IMAGE_ID/AUDIO_ID placeholder.
+Media segments name their file by `path`: relative to the manifest's folder in a JSONL manifest, the member's
+extension ("png", "0.jpg", "txt") in a WebDataset sample. Audio carries "num_samples" and "sample_rate",
+video (an animated GIF/WebP: sampled frames) "width", "height" and "num_frames".
+
+A sample's sequence is BOS + segments + EOS: text as tokenizer ids, every image patch, video frame patch or
+audio embedding as one placeholder (video frames go through the vision path, so they use IMAGE_ID).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from omni_core.data.audio import mel_frames, resampled_length
 from omni_core.data.batch import audio_tokens
-from omni_core.data.image import patch_grid
-from omni_core.data.tokenizer import BOS_ID, EOS_ID, PLACEHOLDER_IDS
-from omni_core.recipe.schema import DataConfig
+from omni_core.data.image import patch_grid, sampled_frames
+from omni_core.data.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PLACEHOLDER_IDS, ByteTokenizer
+from omni_core.recipe.schema import MODALITIES, DataConfig
 
-SEGMENT_KINDS = ("text", "image", "audio")
-_SIZE_FIELDS = {"text": (), "image": ("width", "height"), "audio": ("num_samples", "sample_rate")}
+KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment
+_SIZE_FIELDS = {"text": (), "image": ("width", "height"), "audio": ("num_samples", "sample_rate"),
+                "video": ("width", "height", "num_frames")}
+TOKENIZER = ByteTokenizer()
+PLACEHOLDERS = {**PLACEHOLDER_IDS, "video": IMAGE_ID}  # frames take the vision path: the model has no video input
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Segment:
-    kind: str  # "text" | "image" | "audio"
+    kind: str  # one of KINDS
     text: str = ""  # text segments
-    path: str = ""  # image/audio segments, relative to the manifest's folder
-    width: int = 0  # image
+    path: str = ""  # media file (see the module docstring); for text, a WebDataset member holding it
+    width: int = 0  # image, video
     height: int = 0
     num_samples: int = 0  # audio, at sample_rate
     sample_rate: int = 0
+    num_frames: int = 0  # video
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "text":
-            return {"type": "text", "text": self.text}
+            return {"type": "text", "path": self.path} if self.path else {"type": "text", "text": self.text}
         return {"type": self.kind, "path": self.path} | {key: getattr(self, key) for key in _SIZE_FIELDS[self.kind]}
 
     @classmethod
     def from_json(cls, obj: Any) -> Segment:
         """Raises ValueError naming the first missing or ill-typed field."""
-        if not isinstance(obj, dict) or obj.get("type") not in SEGMENT_KINDS:
-            raise ValueError(f"segment needs a 'type' in {SEGMENT_KINDS}")
-        kind = obj["type"]
+        kind = obj.get("type") if type(obj) is dict else None
+        path = obj.get("path", "") if kind else ""
         if kind == "text":
-            if not isinstance(obj.get("text"), str):
-                raise ValueError("text segment needs a string 'text'")
-            return cls(kind, text=obj["text"])
-        if not isinstance(obj.get("path"), str) or not obj["path"]:
-            raise ValueError(f"{kind} segment needs a 'path'")
-        sizes = {key: obj.get(key) for key in _SIZE_FIELDS[kind]}
-        for key, value in sizes.items():
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{kind} segment needs a positive integer '{key}'")
-        return cls(kind, path=obj["path"], **sizes)
+            text = obj.get("text")
+            if type(text) is str and not path:
+                return cls("text", text)
+            if type(path) is str and path and text is None:
+                return cls("text", "", path)
+            raise ValueError("text segment needs a string 'text' (or, in a WebDataset sample, a member 'path')")
+        fields = _SIZE_FIELDS.get(kind)
+        if fields is None:
+            raise ValueError(f"segment needs a 'type' in {KINDS}")
+        if type(path) is not str or not path:
+            raise ValueError(f"{kind} segment needs a string 'path'")
+        values = [obj.get(key) for key in fields]
+        if not all(type(v) is int and v > 0 for v in values):  # num_samples may be 0: skipped as empty_audio
+            for key, value in zip(fields, values):
+                least = 0 if key == "num_samples" else 1
+                if type(value) is not int or value < least:
+                    raise ValueError(f"{kind} segment needs an integer '{key}' >= {least}")
+        if kind == "image":
+            return cls(kind, "", path, *values)
+        if kind == "audio":
+            return cls(kind, "", path, 0, 0, *values)
+        return cls(kind, "", path, values[0], values[1], 0, 0, values[2])
 
 
-def modality_of(segments: tuple[Segment, ...]) -> str:
+def modality_of(segments: Sequence[Segment]) -> str:
     """A sample's modality is its first non-text segment's kind ("text" if none): it selects the loss bucket."""
-    return next((seg.kind for seg in segments if seg.kind != "text"), "text")
+    for seg in segments:
+        if seg.kind != "text":
+            return seg.kind
+    return "text"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Sample:
     id: str
     modality: str
-    segments: tuple[Segment, ...]
-
-    def __post_init__(self) -> None:
-        if self.modality != modality_of(self.segments):
-            raise ValueError(f"modality '{self.modality}' does not match its segments ('{modality_of(self.segments)}')")
+    segments: list[Segment]
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "modality": self.modality, "segments": [seg.to_json() for seg in self.segments]}
 
     @classmethod
     def from_json(cls, obj: Any) -> Sample:
-        """Raises ValueError for a malformed line; "modality" may be omitted (it follows from the segments)."""
-        if not isinstance(obj, dict):
-            raise ValueError("line is not a JSON object")
-        if not isinstance(obj.get("id"), str) or not obj["id"]:
+        """Raises ValueError for a malformed record; "modality" may be omitted (it follows from the segments)."""
+        if type(obj) is not dict:
+            raise ValueError("record is not a JSON object")
+        sample_id, segments = obj.get("id"), obj.get("segments")
+        if type(sample_id) is not str or not sample_id:
             raise ValueError("needs a non-empty string 'id'")
-        if not isinstance(obj.get("segments"), list) or not obj["segments"]:
+        if type(segments) is not list or not segments:
             raise ValueError("needs a non-empty list 'segments'")
-        segments = tuple(Segment.from_json(seg) for seg in obj["segments"])
-        return cls(obj["id"], obj.get("modality", modality_of(segments)), segments)
+        parsed = [Segment.from_json(seg) for seg in segments]
+        modality = modality_of(parsed)
+        if "modality" in obj and obj["modality"] != modality:
+            raise ValueError(f"modality '{obj['modality']}' does not match its segments ('{modality}')")
+        return cls(sample_id, modality, parsed)
 
 
-def segment_tokens(seg: Segment, cfg: DataConfig) -> int:
-    """Tokens a segment occupies in the LLM sequence (bytes for text, one per embedding otherwise)."""
-    if seg.kind == "text":
-        return len(seg.text.encode("utf-8"))
-    if seg.kind == "image":
-        rows, cols = patch_grid(seg.width, seg.height, cfg.patch_size, cfg.max_image_patches)
-        return rows * cols
-    return audio_tokens(audio_frames(seg, cfg))
+@dataclass
+class Segments:
+    """Metadata columns over the segments of a chunk of samples, sample after sample: what `measure` prices.
+    Sources fill it from parsed samples (`of`); the generator fills it vectorized, before any text exists."""
+
+    owner: np.ndarray  # index of the segment's sample within the chunk (non-decreasing)
+    kind: np.ndarray  # codes into KINDS
+    width: np.ndarray
+    height: np.ndarray
+    num_samples: np.ndarray
+    sample_rate: np.ndarray
+    num_frames: np.ndarray
+    text_bytes: np.ndarray  # tokens of text segments under the byte tokenizer
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample]) -> Segments:
+        code = {k: i for i, k in enumerate(KINDS)}
+        rows = [(i, code[s.kind], s.width, s.height, s.num_samples, s.sample_rate, s.num_frames,
+                 text_length(s.text) if s.kind == "text" else 0)
+                for i, sample in enumerate(samples) for s in sample.segments]
+        columns = np.array(rows, dtype=np.int64).reshape(-1, 8).T
+        return cls(*columns)
 
 
-def audio_frames(seg: Segment, cfg: DataConfig) -> int:
-    """Log-mel frames of an audio segment once resampled to cfg.sample_rate."""
-    return mel_frames(resampled_length(seg.num_samples, seg.sample_rate, cfg.sample_rate), cfg.sample_rate)
+@dataclass
+class Measures:
+    """Sizes of a chunk of samples, from metadata alone (one array entry per sample)."""
+
+    tokens: np.ndarray  # LLM tokens: BOS + text tokens + placeholders + EOS
+    vision_tokens: np.ndarray  # patches of its images and sampled video frames
+    vision_sq: np.ndarray  # sum over images and frames of patches^2: the ViT's attention work
+    audio_tokens: np.ndarray  # audio encoder outputs (= its LLM placeholders)
+    audio_sq: np.ndarray  # sum over clips of outputs^2
+    audio_frames: np.ndarray  # log-mel frames: the audio encoder's convolution input
+    segment_tokens: list[list[int]]  # per sample, LLM tokens of each segment
+    problem: list[str]  # per sample: "" or why it cannot be used ("oversized_image", "empty_audio")
+
+    @property
+    def encoder_tokens(self) -> np.ndarray:
+        return self.vision_tokens + self.audio_tokens
 
 
-def sample_tokens(sample: Sample, cfg: DataConfig) -> int:
-    return 2 + sum(segment_tokens(seg, cfg) for seg in sample.segments)
+def text_length(text: str) -> int:
+    """Tokens of a text under the byte tokenizer, without encoding ASCII text."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
-def token_ids(sample: Sample, cfg: DataConfig) -> list[int]:
-    """BOS + text bytes / placeholders + EOS: the sample's input ids, built without touching its files."""
+def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
+    """Token counts of the chunk's `size` samples, vectorized: the one token rule that packing, profiling and
+    decoding share."""
+    code = {k: i for i, k in enumerate(KINDS)}
+    w, h, n, f = segs.width, segs.height, segs.num_samples, segs.num_frames
+    llm = segs.text_bytes.copy()
+    vision, vision_sq, aud, aud_sq, mels = (np.zeros_like(llm) for _ in range(5))
+
+    img = segs.kind == code["image"]
+    rows, cols = patch_grid(w[img], h[img], cfg.patch_size, cfg.max_image_patches, cfg.min_image_patches)
+    llm[img] = vision[img] = rows * cols
+    vision_sq[img] = (rows * cols) ** 2
+
+    vid = segs.kind == code["video"]
+    rows, cols = patch_grid(w[vid], h[vid], cfg.patch_size, cfg.video_frame_patches)
+    shown = sampled_frames(f[vid], cfg.video_max_frames)
+    llm[vid] = vision[vid] = shown * rows * cols
+    vision_sq[vid] = shown * (rows * cols) ** 2
+
+    au = segs.kind == code["audio"]
+    mels[au] = mel_frames(resampled_length(n[au], segs.sample_rate[au], cfg.sample_rate), cfg.sample_rate)
+    llm[au] = aud[au] = audio_tokens(mels[au])
+    aud_sq[au] = aud[au] ** 2
+
+    def per_sample(values: np.ndarray) -> np.ndarray:
+        return np.bincount(segs.owner, weights=values, minlength=size).astype(np.int64)
+
+    oversized = per_sample(((img | vid) & (w * h > cfg.max_image_pixels)).astype(np.int64)) > 0
+    empty = per_sample((au & (n == 0)).astype(np.int64)) > 0
+    problem = [""] * size
+    for i in np.flatnonzero(oversized | empty).tolist():
+        problem[i] = "oversized_image" if oversized[i] else "empty_audio"
+    bounds = np.searchsorted(segs.owner, np.arange(size + 1)).tolist()
+    flat = llm.tolist()
+    return Measures(
+        tokens=2 + per_sample(llm), vision_tokens=per_sample(vision), vision_sq=per_sample(vision_sq),
+        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels),
+        segment_tokens=[flat[a:b] for a, b in zip(bounds, bounds[1:])], problem=problem,
+    )
+
+
+def token_ids(sample: Sample, segment_tokens: Sequence[int]) -> list[int]:
+    """BOS + text ids / placeholders + EOS: the sample's input ids, given its measured segment sizes."""
     ids = [BOS_ID]
-    for seg in sample.segments:
+    for seg, count in zip(sample.segments, segment_tokens, strict=True):
         if seg.kind == "text":
-            ids.extend(seg.text.encode("utf-8"))
+            ids.extend(TOKENIZER.encode(seg.text))
         else:
-            ids.extend([PLACEHOLDER_IDS[seg.kind]] * segment_tokens(seg, cfg))
+            ids.extend([PLACEHOLDERS[seg.kind]] * count)
     ids.append(EOS_ID)
     return ids

@@ -1,141 +1,368 @@
-"""A seeded, learnable on-disk multimodal dataset, so every stage can run end to end with nothing downloaded.
+"""Learnable synthetic samples, so every stage can run end to end with nothing downloaded: drawn on the fly
+(`DynamicSource`, data.source=dynamic) or written to disk as a JSONL manifest or WebDataset shards.
 
 Each sample's content is a deterministic function of what its text says, so a tiny model can learn it in a
-few hundred steps: images show one filled shape and are captioned "a red circle on white."; audio clips
-are sequences of pure tones from a four-pitch alphabet and are transcribed "do mi la."; text is templated
-arithmetic and counting. Same recipe -> byte-identical files (per-sample RNG streams, no timestamps).
+few hundred steps: images show one filled shape and are captioned "a red circle on white."; video clips show
+one moving ("a red circle moves left."); audio clips are 160 ms pure tones from a four-pitch alphabet,
+transcribed "do mi la."; text counts in fixed-width numbers ("count by 3: 05 08 11."). Lengths and the mix come
+from `workload.py`; contents are rendered from a per-sample seed only when a sample is decoded or written, so
+the same recipe gives byte-identical files and identical on-the-fly samples.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+import tarfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import soundfile as sf
+import torch
 from PIL import Image, ImageDraw
 
-from omni_core.data.dataset import MANIFEST
-from omni_core.data.sample import Sample, Segment
-from omni_core.recipe.schema import Recipe, SyntheticConfig
+from omni_core.data.sample import KINDS, Measures, Sample, Segment, measure
+from omni_core.data.sources import Record, Source, Stream, View
+from omni_core.data.storage import is_s3
+from omni_core.data.workload import (
+    BACKGROUNDS,
+    COLORS,
+    DIRECTIONS,
+    MODALITY_CODE,
+    MODALITY_FIELD,
+    SHAPES,
+    TONE_MS,
+    TONES,
+    MixSchedule,
+    Spec,
+    Specs,
+    check_templates,
+    draw_at_steps,
+    draw_specs,
+    pick_modality,
+    segments_of,
+    uniforms,
+)
+from omni_core.recipe.schema import DataConfig, Recipe, SyntheticConfig
 
 log = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 1  # bump when the generated content changes, so stale datasets get regenerated
+GENERATOR_VERSION = 2  # bump when the generated content changes, so stale datasets get regenerated
 FINGERPRINT = "synthetic.json"
-SHAPES = ("circle", "square", "triangle")
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}
-BACKGROUNDS = {"white": (245, 245, 245), "black": (20, 20, 20), "gray": (128, 128, 128)}
-TONES = {"do": 300.0, "mi": 700.0, "so": 1500.0, "la": 3200.0}  # several mel bins apart
-# 160 ms = 16 mel hops = 4 audio embeddings: tone k is embeddings 4k..4k+3, an alignment a debug model picks
-# up within ~200 steps (tones of random length, or 6 pitches, were not learned from the audio that fast).
-TONE_MS = 160
+MANIFEST = "manifest.jsonl"
 FADE_MS = 5  # ramps keep repeated tones ("mi mi") audibly separate and clicks out of the spectrum
+TRAIN, HELDOUT = 0, 1  # hash streams: held-out samples are drawn apart from training ones
+WRITE_CHUNK = 4096
+DRAW_CHUNK = 256  # samples a dynamic stream draws at once (for each modality they may get)
+
+# --- content ---------------------------------------------------------------------------------------------
 
 
-def _text(rng: np.random.Generator, cfg: SyntheticConfig) -> str:
-    """Exactly n words: optionally "a plus b is c," then "count by s: x x+s x+2s ... ."."""
-    n_words = int(rng.integers(cfg.text_words.min, cfg.text_words.max + 1))
+def text_document(rng: np.random.Generator, tokens: int) -> str:
+    """Exactly `tokens` bytes: optionally "a plus b is cc, ", then "count by s:" and two-digit numbers counting
+    up modulo 100, then one to three dots."""
     words = []
-    if n_words >= 9 and rng.random() < 0.5:
+    if tokens >= 32 and rng.random() < 0.5:
         a, b = (int(v) for v in rng.integers(0, 10, size=2))
-        words += [str(a), "plus", str(b), "is", f"{a + b},"]
-    step, start = int(rng.integers(1, 4)), int(rng.integers(0, 50))
-    count = n_words - len(words) - 3
-    words += ["count", "by", f"{step}:"] + [str(start + k * step) for k in range(count)]
-    return " ".join(words) + "."
+        words.append(f"{a} plus {b} is {a + b:02d},")
+    step, start = int(rng.integers(1, 4)), int(rng.integers(0, 100))
+    words.append(f"count by {step}:")
+    head = " ".join(words)
+    count = (tokens - len(head) - 1) // 3
+    numbers = "".join(f" {(start + k * step) % 100:02d}" for k in range(count))
+    return head + numbers + "." * (tokens - len(head) - 3 * count)
 
 
-def _image(rng: np.random.Generator, cfg: SyntheticConfig) -> tuple[Image.Image, str]:
-    """One filled shape, 60-90% of the shorter side, at a random spot of a randomly sized canvas."""
-    width, height = (int(v) for v in rng.integers(cfg.image_side_px.min, cfg.image_side_px.max + 1, size=2))
-    shape = SHAPES[rng.integers(len(SHAPES))]
-    color = list(COLORS)[rng.integers(len(COLORS))]
-    background = list(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))]
-    side = max(3, int(min(width, height) * rng.uniform(0.6, 0.9)))
-    x0, y0 = int(rng.integers(0, width - side + 1)), int(rng.integers(0, height - side + 1))
-    x1, y1 = x0 + side - 1, y0 + side - 1
-    img = Image.new("RGB", (width, height), BACKGROUNDS[background])
-    draw = ImageDraw.Draw(img)
+def caption(spec: Spec) -> str:
+    color, shape = list(COLORS)[spec.color], SHAPES[spec.shape]
+    if KINDS[spec.modality] == "video":
+        return f"a {color} {shape} moves {DIRECTIONS[spec.direction]}."
+    return f"a {color} {shape} on {list(BACKGROUNDS)[spec.background]}."
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill: tuple) -> None:
+    x0, y0, x1, y1 = box
     if shape == "circle":
-        draw.ellipse((x0, y0, x1, y1), fill=COLORS[color])
+        draw.ellipse(box, fill=fill)
     elif shape == "square":
-        draw.rectangle((x0, y0, x1, y1), fill=COLORS[color])
+        draw.rectangle(box, fill=fill)
     else:
-        draw.polygon([((x0 + x1) / 2, y0), (x0, y1), (x1, y1)], fill=COLORS[color])
-    return img, f"a {color} {shape} on {background}."
+        draw.polygon([((x0 + x1) / 2, y0), (x0, y1), (x1, y1)], fill=fill)
 
 
-def _audio(rng: np.random.Generator, cfg: SyntheticConfig, sample_rate: int) -> tuple[np.ndarray, str]:
-    """int16 PCM of pure tones and their names in order; tones last TONE_MS unless audio_ms holds no
-    multiple of it (then they share the nearest allowed duration evenly)."""
-    lo = max(1, math.ceil(cfg.audio_ms.min / TONE_MS))
-    hi = max(lo, cfg.audio_ms.max // TONE_MS)
-    names = [list(TONES)[k] for k in rng.integers(len(TONES), size=int(rng.integers(lo, hi + 1)))]
-    duration_ms = min(max(len(names) * TONE_MS, cfg.audio_ms.min), cfg.audio_ms.max)
-    total = duration_ms * sample_rate // 1000
-    bounds = [total * k // len(names) for k in range(len(names) + 1)]
-    pieces = []
-    for name, start, stop in zip(names, bounds, bounds[1:]):
-        t = np.arange(stop - start) / sample_rate
-        fade = np.clip(np.minimum(t, t[::-1]) * 1000 / FADE_MS, 0.0, 1.0)
-        pieces.append(0.5 * fade * np.sin(2 * np.pi * TONES[name] * t))
-    return np.round(np.concatenate(pieces) * 32767).astype(np.int16), " ".join(names) + "."
+def image(spec: Spec, rng: np.random.Generator) -> Image.Image:
+    """One filled shape, 60-90% of the shorter side, at a random spot."""
+    img = Image.new("RGB", (spec.width, spec.height), list(BACKGROUNDS.values())[spec.background])
+    side = max(3, int(min(spec.width, spec.height) * rng.uniform(0.6, 0.9)))
+    x0, y0 = int(rng.integers(0, spec.width - side + 1)), int(rng.integers(0, spec.height - side + 1))
+    _draw_shape(ImageDraw.Draw(img), SHAPES[spec.shape], (x0, y0, x0 + side - 1, y0 + side - 1),
+                list(COLORS.values())[spec.color])
+    return img
 
 
-def _modalities(recipe: Recipe) -> list[str]:
-    """Exactly the mix's shares (largest remainder), in a seeded order."""
-    cfg, n = recipe.data.synthetic, recipe.data.synthetic.num_samples
-    total = sum(cfg.mix.values())
-    quotas = {m: n * share / total for m, share in cfg.mix.items()}
-    counts = {m: math.floor(q) for m, q in quotas.items()}
-    for m in sorted(quotas, key=lambda m: counts[m] - quotas[m])[: n - sum(counts.values())]:
-        counts[m] += 1
-    order = [m for m, c in counts.items() for _ in range(c)]
-    return [order[j] for j in np.random.default_rng(recipe.experiment.seed).permutation(n)]
+def video(spec: Spec, rng: np.random.Generator) -> list[Image.Image]:
+    """The shape (half the shorter side) crossing the frame in its direction. The corner pixel blinks, so no
+    two consecutive frames are equal: GIF/WebP writers would merge them and change the frame count."""
+    side = max(2, min(spec.width, spec.height) // 2)
+    travel_x, travel_y = spec.width - side, spec.height - side
+    across = rng.uniform(0, 1)
+    frames = []
+    for k in range(spec.frames):
+        t = k / max(1, spec.frames - 1)
+        t = {"left": 1 - t, "right": t, "up": 1 - t, "down": t}[DIRECTIONS[spec.direction]]
+        horizontal = DIRECTIONS[spec.direction] in ("left", "right")
+        x0 = round((t if horizontal else across) * travel_x)
+        y0 = round((across if horizontal else t) * travel_y)
+        frame = Image.new("RGB", (spec.width, spec.height), list(BACKGROUNDS.values())[spec.background])
+        _draw_shape(ImageDraw.Draw(frame), SHAPES[spec.shape], (x0, y0, x0 + side - 1, y0 + side - 1),
+                    list(COLORS.values())[spec.color])
+        frame.putpixel((0, 0), (255, 255, 255) if k % 2 else (0, 0, 0))
+        frames.append(frame)
+    return frames
 
 
-def _check_ranges(cfg: SyntheticConfig) -> None:
-    least = {"text": ("text_words", 4), "image": ("image_side_px", 4), "audio": ("audio_ms", 20)}
-    for modality, (name, minimum) in least.items():
-        if cfg.mix.get(modality, 0) > 0 and getattr(cfg, name).min < minimum:
-            raise ValueError(f"data.synthetic.{name}.min must be >= {minimum} for the generator's templates")
+def tones(names: list[str], sample_rate: int) -> np.ndarray:
+    """int16 PCM: each name's pure tone for TONE_MS, with short fades."""
+    length = TONE_MS * sample_rate // 1000
+    t = np.arange(length) / sample_rate
+    fade = np.clip(np.minimum(t, t[::-1]) * 1000 / FADE_MS, 0.0, 1.0)
+    wave = np.concatenate([0.5 * fade * np.sin(2 * np.pi * TONES[name] * t) for name in names])
+    return np.round(wave * 32767).astype(np.int16)
 
 
-def _fingerprint(recipe: Recipe) -> dict[str, Any]:
-    """Everything the generated bytes depend on."""
-    return {
-        "version": GENERATOR_VERSION,
-        "seed": recipe.experiment.seed,
-        "sample_rate": recipe.data.sample_rate,
-        "synthetic": recipe.data.synthetic.model_dump(mode="json"),
-    }
+def content(spec: Spec, seed: int, stream: int, sample_rate: int, with_media: bool) -> tuple[str, Any]:
+    """(the sample's text, its media or None): a PIL image, a list of frames, or int16 PCM."""
+    rng = np.random.default_rng([seed, stream, spec.index])
+    modality = KINDS[spec.modality]
+    if modality == "text":
+        return text_document(rng, spec.text_tokens), None
+    if modality == "audio":
+        names = [list(TONES)[k] for k in rng.integers(len(TONES), size=spec.tones)]
+        return " ".join(names) + ".", tones(names, sample_rate) if with_media else None
+    if not with_media:
+        return caption(spec), None
+    return caption(spec), image(spec, rng) if modality == "image" else video(spec, rng)
 
 
-def _write_sample(root: Path, sample_id: str, modality: str, rng: np.random.Generator, recipe: Recipe) -> Sample:
-    cfg, rate = recipe.data.synthetic, recipe.data.sample_rate
-    if modality == "image":
-        img, caption = _image(rng, cfg)
-        path = f"images/{sample_id}.png"
-        img.save(root / path)
-        image = Segment("image", path=path, width=img.width, height=img.height)
-        segments = (image, Segment("text", text=caption))
+def sample_of(spec: Spec, sample_id: str, text: str, sample_rate: int, path: str = "") -> Sample:
+    """The metadata record of a generated sample: its media segment (if any, at `path`), then its text."""
+    modality = KINDS[spec.modality]
+    segments = [Segment("text", text=text)]
+    if modality in ("image", "video"):
+        frames = spec.frames if modality == "video" else 0
+        segments.insert(0, Segment(modality, path=path, width=spec.width, height=spec.height, num_frames=frames))
     elif modality == "audio":
-        wave, transcript = _audio(rng, cfg, rate)
-        path = f"audio/{sample_id}.wav"
-        sf.write(root / path, wave, rate, subtype="PCM_16")
-        audio = Segment("audio", path=path, num_samples=len(wave), sample_rate=rate)
-        segments = (audio, Segment("text", text=transcript))
-    else:
-        segments = (Segment("text", text=_text(rng, cfg)),)
+        samples = spec.tones * TONE_MS * sample_rate // 1000
+        segments.insert(0, Segment("audio", path=path, num_samples=samples, sample_rate=sample_rate))
     return Sample(sample_id, modality, segments)
+
+
+# --- on the fly ------------------------------------------------------------------------------------------
+
+
+class DynamicSource(Source):
+    """Samples drawn on the fly, never stored. Training streams are endless and follow the mix schedule by the
+    training step each sample is drawn for; the held-out stream is a fixed pool (heldout_fraction of
+    num_samples) at the stationary `mix`. Sample g of a stream (consumer c of C draws g = c, c + C, ...) is a
+    pure function of (seed, stream, g, the step it was drawn at)."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        check_templates(cfg.synthetic)
+        self.cfg, self.syn = cfg, cfg.synthetic
+        self.schedules = {TRAIN: MixSchedule(self.syn),
+                          HELDOUT: MixSchedule(self.syn.model_copy(update={"schedule": [], "bursts": []}))}
+        self.identity = f"dynamic {json.dumps(self.syn.model_dump(mode='json'), sort_keys=True)}"
+
+    def size(self, view: View) -> int | None:
+        """Samples of a one-pass stream over all consumers (None: endless)."""
+        if view.split == "heldout":
+            return max(1, round(self.syn.num_samples * self.cfg.heldout_fraction))
+        return self.syn.num_samples if view.one_pass else None
+
+    def stream(self, view: View, position: list[int] | None, on_skip: Callable[[str], None]) -> Stream:
+        return _DynamicStream(self, view, position[0] if position else 0, on_skip)
+
+    def refetch(self, view: View, ref: list[int]) -> Record:
+        ordinal, step = ref
+        return _DynamicStream(self, view, ordinal).draw(ordinal, step)[0]
+
+    def sample(self, record: Record) -> Sample:
+        spec, seed, stream = record.payload
+        text, _ = content(spec, seed, stream, self.cfg.sample_rate, with_media=False)
+        return sample_of(spec, record.id, text, self.cfg.sample_rate)
+
+    def media(self, record: Record, seg: Segment) -> Any:
+        spec, seed, stream = record.payload
+        _, media = content(spec, seed, stream, self.cfg.sample_rate, with_media=True)
+        if seg.kind == "audio":
+            return torch.from_numpy(media.astype(np.float32) / 32768.0), self.cfg.sample_rate  # as soundfile reads
+        return (media, spec.frames) if seg.kind == "video" else media
+
+
+class _DynamicStream(Stream):
+    """A consumer's samples in order. They are drawn DRAW_CHUNK at a time for every modality they could be
+    given (vectorized, and only for the modalities the schedule asks for); the step a sample is drawn at then
+    picks which of them it is, so the schedule is followed sample by sample. The position is the next
+    sample's ordinal; a pending sample is found again by (ordinal, step)."""
+
+    def __init__(self, source: DynamicSource, view: View, ordinal: int,
+                 on_skip: Callable[[str], None] | None = None) -> None:
+        self.source, self.view, self.ordinal, self.on_skip = source, view, ordinal, on_skip
+        self.stream = HELDOUT if view.split == "heldout" else TRAIN
+        self.total = source.size(view)
+        self.chunk_start = -1
+        self.variants: dict[int, tuple[list[Spec], list[list[int]], Measures]] = {}
+        self.cumulative: tuple[int, list[float]] = (-1, [])
+
+    def _shares(self, step: int) -> list[float]:
+        if self.cumulative[0] != step:
+            self.cumulative = (step, np.cumsum(self.source.schedules[self.stream].at(step)).tolist())
+        return self.cumulative[1]
+
+    def draw(self, ordinal: int, step: int) -> tuple[Record, str]:
+        """Sample `ordinal` as drawn at `step`, and its skip reason ("" if usable)."""
+        start = ordinal - ordinal % DRAW_CHUNK
+        view, syn, cfg = self.view, self.source.syn, self.source.cfg
+        if start != self.chunk_start:
+            self.chunk_start, self.variants = start, {}
+            self.index = view.consumer + np.arange(start, start + DRAW_CHUNK) * view.consumers
+            self.u = uniforms(view.seed, self.stream, self.index, MODALITY_FIELD).tolist()
+        i = ordinal - start
+        modality = pick_modality(self.u[i], self._shares(step))
+        if modality not in self.variants:
+            specs = draw_specs(syn, view.seed, self.stream, self.index, np.full(DRAW_CHUNK, modality))
+            sizes = measure(segments_of(specs, cfg.sample_rate), DRAW_CHUNK, cfg)
+            columns = [a.tolist() for a in (sizes.tokens, sizes.vision_tokens, sizes.vision_sq, sizes.audio_tokens,
+                                            sizes.audio_sq, sizes.audio_frames)]
+            self.variants[modality] = (specs.rows(), columns, sizes)
+        specs, columns, sizes = self.variants[modality]
+        spec, kind = specs[i], KINDS[modality]
+        name = f"{'heldout-' if self.stream == HELDOUT else ''}{kind}-{spec.index:09d}"
+        record = Record([ordinal, step], ordinal, name, kind, *(c[i] for c in columns), sizes.segment_tokens[i],
+                        (spec, view.seed, self.stream))
+        return record, sizes.problem[i]
+
+    def next(self, step: int) -> Record | None:
+        while self.total is None or self.view.consumer + self.ordinal * self.view.consumers < self.total:
+            record, problem = self.draw(self.ordinal, step)
+            self.ordinal += 1
+            if not problem:
+                return record
+            if self.on_skip is not None:
+                self.on_skip(problem)
+        return None
+
+    def position(self) -> list[int]:
+        return [self.ordinal]
+
+
+# --- on disk ---------------------------------------------------------------------------------------------
+
+
+def exact_modalities(mix: dict[str, float], num: int, seed: int) -> np.ndarray:
+    """Modality codes with exactly the mix's shares (largest remainder), in a seeded order."""
+    total = sum(mix.values())
+    quotas = {m: num * share / total for m, share in mix.items()}
+    counts = {m: int(np.floor(q)) for m, q in quotas.items()}
+    for m in sorted(quotas, key=lambda m: counts[m] - quotas[m])[: num - sum(counts.values())]:
+        counts[m] += 1
+    order = np.concatenate([np.full(c, MODALITY_CODE[m], dtype=np.int64) for m, c in counts.items()])
+    return order[np.random.default_rng(seed).permutation(num)]
+
+
+def dataset_specs(syn: SyntheticConfig, seed: int, num: int) -> Iterator[Specs]:
+    """A written dataset's samples in order, chunk by chunk. Without a schedule the shares are exact; with one,
+    sample i is drawn at step i * horizon / num, so reading the data in order replays the schedule."""
+    schedule = MixSchedule(syn)
+    exact = exact_modalities(syn.mix, num, seed) if schedule.stationary else None
+    for start in range(0, num, WRITE_CHUNK):
+        index = np.arange(start, min(num, start + WRITE_CHUNK))
+        if exact is not None:
+            yield draw_specs(syn, seed, TRAIN, index, exact[index])
+        else:
+            yield draw_at_steps(syn, schedule, seed, TRAIN, index, index * schedule.horizon / num)
+
+
+def encode_media(kind: str, media: Any, sample_rate: int) -> tuple[str, bytes]:
+    """(file extension, file bytes) of generated media: PNG, animated GIF (1 frame/s), 16-bit WAV."""
+    out = io.BytesIO()
+    if kind == "image":
+        media.save(out, "PNG")
+        return "png", out.getvalue()
+    if kind == "video":
+        media[0].save(out, "GIF", save_all=True, append_images=media[1:], duration=1000, loop=0)
+        return "gif", out.getvalue()
+    sf.write(out, media, sample_rate, format="WAV", subtype="PCM_16")
+    return "wav", out.getvalue()
+
+
+class _JsonlWriter:
+    """manifest.jsonl beside images/, video/ and audio/ folders."""
+
+    FOLDERS = {"image": "images", "video": "video", "audio": "audio"}
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for folder in self.FOLDERS.values():
+            (root / folder).mkdir()
+        self.manifest = (root / MANIFEST).open("w", encoding="utf-8")
+
+    def add(self, sample: Sample, media: tuple[str, bytes] | None) -> None:
+        if media is not None:
+            ext, data = media
+            sample.segments[0].path = f"{self.FOLDERS[sample.modality]}/{sample.id}.{ext}"
+            (self.root / sample.segments[0].path).write_bytes(data)
+        self.manifest.write(json.dumps(sample.to_json(), ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.manifest.close()
+
+
+class _WdsWriter:
+    """shard-000000.tar, ...: per sample `id.json` (segments naming members), `id.<media>` and `id.txt`."""
+
+    def __init__(self, root: Path, shard_size: int) -> None:
+        self.root, self.shard_size = root, shard_size
+        self.tar: tarfile.TarFile | None = None
+        self.count = 0
+
+    def _member(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), 0o644, 0  # fixed metadata: byte-identical shards
+        self.tar.addfile(info, io.BytesIO(data))
+
+    def add(self, sample: Sample, media: tuple[str, bytes] | None) -> None:
+        if self.count % self.shard_size == 0:
+            self.close()
+            self.tar = tarfile.open(self.root / f"shard-{self.count // self.shard_size:06d}.tar", "w",
+                                    format=tarfile.USTAR_FORMAT)
+        self.count += 1
+        text = sample.segments[-1]
+        members = {"txt": text.text.encode("utf-8")}
+        text.path, text.text = "txt", ""
+        if media is not None:
+            sample.segments[0].path = media[0]
+            members[media[0]] = media[1]
+        self._member(f"{sample.id}.json", json.dumps(sample.to_json()).encode())
+        for ext, data in members.items():
+            self._member(f"{sample.id}.{ext}", data)
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+
+def _fingerprint(recipe: Recipe, fmt: str, num: int) -> dict[str, Any]:
+    """Everything the generated bytes depend on."""
+    syn = recipe.data.synthetic.model_copy(update={"format": fmt, "num_samples": num})
+    return {"version": GENERATOR_VERSION, "seed": recipe.experiment.seed, "sample_rate": recipe.data.sample_rate,
+            "synthetic": syn.model_dump(mode="json")}
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -147,56 +374,72 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     try:
         tmp.rename(out_dir)
     except OSError:
-        if not (out_dir / MANIFEST).is_file():
+        if not (out_dir / FINGERPRINT).is_file():
             raise
         shutil.rmtree(tmp)  # another process (rank) published the same deterministic dataset first
     if old is not None:
         shutil.rmtree(old)
 
 
-def generate_dataset(recipe: Recipe, out_dir: Path, progress: Callable[[int, int], None] | None = None) -> Path:
-    """Writes the recipe's synthetic dataset to out_dir and returns its manifest path; progress(done, total)
-    is called after each sample.
+def generate_dataset(recipe: Recipe, out_dir: Path, progress: Callable[[int, int], None] | None = None, *,
+                     fmt: str | None = None, num: int | None = None) -> Path:
+    """Writes the recipe's synthetic dataset (data.synthetic.format and num_samples unless given) to out_dir
+    and returns its location: the manifest for JSONL, the folder of shards for WebDataset. progress(done,
+    total) is called after each sample.
 
     Everything is written into a temporary folder beside out_dir and renamed into place at the end, so a
-    crash leaves no out_dir/manifest.jsonl behind that could pass for a complete dataset."""
-    cfg, seed = recipe.data.synthetic, recipe.experiment.seed
-    _check_ranges(cfg)
+    crash leaves nothing at out_dir that could pass for a complete dataset."""
+    syn, seed, rate = recipe.data.synthetic, recipe.experiment.seed, recipe.data.sample_rate
+    check_templates(syn)
+    fmt, num = fmt or syn.format, num or syn.num_samples
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir()
-        (tmp / "images").mkdir()
-        (tmp / "audio").mkdir()
-        (tmp / FINGERPRINT).write_text(json.dumps(_fingerprint(recipe), indent=2, sort_keys=True) + "\n")
-        with (tmp / MANIFEST).open("w", encoding="utf-8") as manifest:
-            for i, modality in enumerate(_modalities(recipe)):
-                sample = _write_sample(tmp, f"{modality}-{i:06d}", modality, np.random.default_rng([seed, i]), recipe)
-                manifest.write(json.dumps(sample.to_json(), ensure_ascii=False) + "\n")
+        (tmp / FINGERPRINT).write_text(json.dumps(_fingerprint(recipe, fmt, num), indent=2, sort_keys=True) + "\n")
+        writer = _JsonlWriter(tmp) if fmt == "jsonl" else _WdsWriter(tmp, syn.shard_size)
+        done = 0
+        for specs in dataset_specs(syn, seed, num):
+            for spec in specs.rows():
+                text, media = content(spec, seed, TRAIN, rate, with_media=True)
+                kind = KINDS[spec.modality]
+                writer.add(sample_of(spec, f"{kind}-{spec.index:06d}", text, rate),
+                           None if media is None else encode_media(kind, media, rate))
+                done += 1
                 if progress is not None:
-                    progress(i + 1, cfg.num_samples)
+                    progress(done, num)
+        writer.close()
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir / MANIFEST
+    return out_dir / MANIFEST if fmt == "jsonl" else out_dir
 
 
-def ensure_dataset(recipe: Recipe) -> Path:
-    """Manifest path of the recipe's dataset, generating a synthetic one on first use.
+def ensure_dataset(recipe: Recipe) -> str:
+    """Location of the recipe's dataset ("dynamic" for on-the-fly data), generating a synthetic one on first use.
 
-    A synthetic dataset generated from other settings is regenerated; a manifest without a generator
-    fingerprint is someone's real data and is used as it is."""
-    root = Path(recipe.data_dir())
-    manifest = root / MANIFEST
-    if recipe.data.source == "jsonl":
-        if not manifest.is_file():
-            raise FileNotFoundError(f"data.source is 'jsonl' but the manifest {manifest} does not exist")
-        return manifest
-    stamp = root / FINGERPRINT
-    if manifest.is_file():
-        if not stamp.is_file() or json.loads(stamp.read_text()) == _fingerprint(recipe):
-            return manifest
+    A synthetic dataset generated from other settings is regenerated; data without a generator fingerprint is
+    someone's real data and is used as it is."""
+    cfg = recipe.data
+    if cfg.source == "dynamic":
+        return "dynamic"
+    root = recipe.data_dir()
+    if cfg.source != "synthetic":
+        if not is_s3(root) and not Path(root).exists():
+            raise FileNotFoundError(f"data.source is '{cfg.source}' but {root} does not exist")
+        manifest = Path(root) / MANIFEST
+        return str(manifest) if cfg.source == "jsonl" and not is_s3(root) and manifest.is_file() else root
+    if is_s3(root):
+        raise ValueError(f"data.path {root}: data.source 'synthetic' generates locally; upload the generated "
+                         "folder and read it with data.source 'jsonl' or 'wds'")
+    fmt = cfg.synthetic.format
+    location = Path(root) / MANIFEST if fmt == "jsonl" else Path(root)
+    present = location.is_file() if fmt == "jsonl" else any(Path(root).glob("*.tar"))
+    stamp = Path(root) / FINGERPRINT
+    if present:
+        if not stamp.is_file() or json.loads(stamp.read_text()) == _fingerprint(recipe, fmt, cfg.synthetic.num_samples):
+            return str(location)
         log.warning("%s was generated from other settings; regenerating it", root)
-    return generate_dataset(recipe, root)
+    return str(generate_dataset(recipe, Path(root)))

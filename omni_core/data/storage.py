@@ -1,0 +1,115 @@
+"""Where dataset bytes come from: local paths, or `s3://bucket/key` through boto3 on any S3-compatible endpoint
+(AWS, MinIO). Shards are streamed from a byte offset with a ranged GET, never downloaded whole; a missing
+object raises FileNotFoundError exactly like a missing local file, so callers handle one error."""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+def is_s3(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def join(folder: str, relative: str) -> str:
+    """`relative` resolved against a folder location (local or s3://)."""
+    if not is_s3(folder):
+        return str(Path(folder) / relative)
+    bucket, key = _bucket_key(folder)
+    return f"s3://{bucket}/{posixpath.normpath(posixpath.join(key, relative)).lstrip('/')}"
+
+
+def parent(location: str) -> str:
+    return posixpath.dirname(location) if is_s3(location) else str(Path(location).parent)
+
+
+def _bucket_key(location: str) -> tuple[str, str]:
+    bucket, _, key = location[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"{location}: an S3 location needs a bucket: s3://bucket/key")
+    return bucket, key
+
+
+class Storage:
+    """Reads locations; the boto3 client is made lazily, once per process (loader workers fork)."""
+
+    def __init__(self, endpoint_url: str = "") -> None:
+        self.endpoint_url = endpoint_url
+        self._client: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint_url, "_client": None, "_pid": -1}
+
+    def s3(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            import boto3
+
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url or None)
+            self._pid = os.getpid()
+        return self._client
+
+    def shards(self, location: str, suffix: str) -> list[str]:
+        """The location itself if it ends with `suffix`, else the files ending with it directly inside the
+        folder (or S3 prefix taken as a folder), sorted by name."""
+        if location.endswith(suffix):
+            if not (self._exists_s3(location) if is_s3(location) else Path(location).is_file()):
+                raise FileNotFoundError(f"{location}: no such file")
+            return [location]
+        if not is_s3(location):
+            folder = Path(location)
+            if not folder.is_dir():
+                raise FileNotFoundError(f"{location}: no such file or folder")
+            return sorted(str(p) for p in folder.iterdir() if p.name.endswith(suffix) and p.is_file())
+        bucket, prefix = _bucket_key(location)
+        prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        keys = []
+        for page in self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+            keys += [obj["Key"] for obj in page.get("Contents", []) if obj["Key"].endswith(suffix)]
+        return [f"s3://{bucket}/{key}" for key in sorted(keys)]
+
+    def _exists_s3(self, location: str) -> bool:
+        bucket, key = _bucket_key(location)
+        try:
+            self.s3().head_object(Bucket=bucket, Key=key)
+        except Exception as err:
+            if _error_code(err) in ("404", "NoSuchKey", "NoSuchBucket"):
+                return False
+            raise
+        return True
+
+    def open(self, location: str, offset: int = 0) -> BinaryIO:
+        """A binary stream from byte `offset` to the end."""
+        if not is_s3(location):
+            stream = open(location, "rb")  # noqa: SIM115 - the caller closes it
+            stream.seek(offset)
+            return stream
+        bucket, key = _bucket_key(location)
+        try:
+            return self.s3().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-")["Body"]
+        except Exception as err:
+            code = _error_code(err)
+            if code == "InvalidRange":  # offset at the very end: nothing left to read
+                return io.BytesIO()
+            if code in ("NoSuchKey", "404", "NoSuchBucket"):
+                raise FileNotFoundError(location) from err
+            raise
+
+    def read(self, location: str) -> bytes:
+        """A whole (small) file: one image or audio clip."""
+        if not is_s3(location):
+            return Path(location).read_bytes()
+        body = self.open(location)
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+
+def _error_code(err: Exception) -> str:
+    response = getattr(err, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))

@@ -1,0 +1,220 @@
+"""Sources: WebDataset shards (with and without metadata members), sharding over consumers and epochs, S3
+through a real S3-compatible server on loopback, and bad data that is skipped and counted, never fatal."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+
+from omni_core.data.dataset import ManifestDataset
+from omni_core.data.loader import ConsumerStream, PackedLoader
+from omni_core.data.profile import profile_dataset
+from omni_core.data.sources import Record, View, in_heldout
+from omni_core.data.synthetic import ensure_dataset
+from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.recipe.schema import DataConfig, Recipe
+
+MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}
+
+
+def make_recipe(tmp_path: Path, num_samples: int = 40, fmt: str = "wds", **data) -> Recipe:
+    return Recipe(
+        experiment={"name": "s", "seed": 5, "output_dir": str(tmp_path)},
+        data={"synthetic": {"num_samples": num_samples, "mix": MIX, "format": fmt, "shard_size": 7}, **data},
+    )
+
+
+def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, consumers: int = 1, epoch_seed: int = 0,
+            skipped: list[str] | None = None) -> list[Record]:
+    view = View(consumer, consumers, split, epoch_seed, one_pass=True, shuffle=split == "train")
+    stream = dataset.source.stream(view, None, (skipped if skipped is not None else []).append)
+    return list(iter(lambda: stream.next(0), None))
+
+
+def same_docs(a, b) -> bool:
+    return (a.input_ids == b.input_ids and a.modality == b.modality and a.image_grids == b.image_grids
+            and all(torch.equal(x, y) for x, y in zip(a.image_patches + a.audio_mels, b.image_patches + b.audio_mels))
+            and len(a.image_patches) == len(b.image_patches) and len(a.audio_mels) == len(b.audio_mels))
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> tuple[ManifestDataset, ManifestDataset]:
+    """The same generated samples as a JSONL manifest and as WebDataset shards."""
+    root = tmp_path_factory.mktemp("both")
+    jsonl, wds = make_recipe(root / "j", fmt="jsonl"), make_recipe(root / "w")
+    return ManifestDataset(ensure_dataset(jsonl), jsonl.data), ManifestDataset(ensure_dataset(wds), wds.data)
+
+
+def test_webdataset_round_trip_equals_the_jsonl_manifest(both):
+    jsonl, wds = both
+    assert len(wds.source.shards) == 6  # 40 samples, 7 per shard
+    a, b = records(jsonl), records(wds)
+    assert [(r.id, r.modality, r.tokens, r.segment_tokens) for r in a] == \
+           [(r.id, r.modality, r.tokens, r.segment_tokens) for r in b]
+    assert {r.modality for r in a} == set(MIX)
+    for x, y in zip(a, b):
+        assert same_docs(jsonl.decode(x), wds.decode(y)), x.id
+    video = next(r for r in b if r.modality == "video")
+    doc = wds.decode(video)
+    assert len(doc.image_grids) == min(8, wds.source.sample(video).segments[0].num_frames)  # frames -> vision path
+    assert doc.modality == "image" and doc.input_ids.count(IMAGE_ID) == video.vision_tokens
+
+
+def test_webdataset_without_metadata_members_is_sized_from_headers(tmp_path):
+    members = {}
+    for name, size in [("a", (30, 20)), ("b", (8, 40))]:
+        out = io.BytesIO()
+        Image.new("RGB", size, (10, 200, 10)).save(out, "JPEG" if name == "a" else "PNG")
+        members[f"{name}.{'jpg' if name == 'a' else 'png'}"] = out.getvalue()
+        members[f"{name}.txt"] = f"caption {name}".encode()
+    out = io.BytesIO()
+    sf.write(out, np.zeros(8000), 16000, format="FLAC")
+    members["c.flac"] = out.getvalue()
+    out = io.BytesIO()
+    frames = [Image.new("RGB", (24, 16), (k * 60, 0, 0)) for k in range(3)]
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=1000)
+    members["d.gif"], members["e.txt"] = out.getvalue(), b"just text"
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cfg = DataConfig(source="wds")
+    dataset = ManifestDataset(tmp_path / "shard.tar", cfg)
+    got = {r.id: r for r in records(dataset)}
+    assert {k: r.modality for k, r in got.items()} == {"a": "image", "b": "image", "c": "audio", "d": "video",
+                                                       "e": "text"}
+    assert [(s.kind, s.width, s.height) for s in dataset.source.sample(got["a"]).segments] == [("image", 30, 20),
+                                                                                               ("text", 0, 0)]
+    assert dataset.source.sample(got["a"]).segments[1].text == "caption a"
+    assert got["b"].vision_tokens == 5 and got["d"].vision_tokens == 3 * 6  # 1x5 patches; 3 frames of 2x3
+    assert got["c"].tokens == 2 + 25 and got["e"].tokens == 2 + len("just text")
+    docs = {k: dataset.decode(r) for k, r in got.items()}
+    assert docs["c"].input_ids.count(AUDIO_ID) == 25 and docs["c"].audio_mels[0].shape == (50, cfg.n_mels)
+    assert len(docs["d"].image_patches) == 3
+
+
+def test_webdataset_shards_are_dealt_to_consumers_and_reshuffled_per_epoch(both):
+    _, wds = both
+    all_ids = [r.id for r in records(wds, "train")]
+    for epoch in (0, 1):
+        shares = [[r.id for r in records(wds, "train", c, 4, epoch_seed=epoch)] for c in range(4)]
+        assert sorted(sum(shares, [])) == sorted(all_ids)  # disjoint and covering: whole shards each
+    plans = [wds.source.plan(View(0, 4, "train", 0, one_pass=False, shuffle=True), e)[0] for e in range(4)]
+    assert all(len(p) in (1, 2) for p in plans) and len({tuple(p) for p in plans}) > 1
+
+
+def test_webdataset_loader_resumes_mid_shard(tmp_path):
+    recipe = make_recipe(tmp_path, 60, micro_batch=1, seq_len=256)
+    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    reference = PackedLoader(dataset, recipe.data, "train", 0, 1, 3)
+    stream = iter(reference)
+    [next(stream) for _ in range(4)]
+    state = json.loads(json.dumps(reference.state_dict()))
+    assert state["consumers"][0]["position"][2] > 0  # a byte offset inside a shard
+    expected = [next(stream) for _ in range(12)]
+    resumed = PackedLoader(dataset, recipe.data, "train", 0, 1, 3)
+    resumed.load_state_dict(state)
+    for a, b in zip(expected, [x for _, x in zip(range(12), resumed)]):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.image_patches, b.image_patches)
+
+
+def upload(client, bucket: str, root: Path, prefix: str) -> None:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root)}")
+
+
+def test_s3_sources_stream_from_a_real_s3_server(both, s3_endpoint, monkeypatch):
+    jsonl, wds = both
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="data")
+    upload(client, "data", Path(jsonl.location).parent, "jsonl")
+    upload(client, "data", Path(wds.location), "wds")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the recipe's endpoint setting alone must find the server
+    cfg = DataConfig(source="wds", s3_endpoint_url=s3_endpoint)
+    remote = {"jsonl": ManifestDataset("s3://data/jsonl/manifest.jsonl", cfg.model_copy(update={"source": "jsonl"})),
+              "wds": ManifestDataset("s3://data/wds", cfg)}
+    assert remote["wds"].source.shards == [f"s3://data/wds/shard-{k:06d}.tar" for k in range(6)]
+    for name, local in (("jsonl", jsonl), ("wds", wds)):
+        a, b = records(local), records(remote[name])
+        assert [(r.id, r.tokens) for r in a] == [(r.id, r.tokens) for r in b] and len(a) == 40
+        for x, y in list(zip(a, b))[:6]:
+            assert same_docs(local.decode(x), remote[name].decode(y)), (name, x.id)
+    loader = PackedLoader(remote["wds"], cfg, "train", 0, 1, 1)
+    stream = iter(loader)
+    [next(stream) for _ in range(3)]
+    state = loader.state_dict()
+    assert state["consumers"][0]["position"][2] > 0
+    expected = [next(stream).input_ids for _ in range(3)]
+    resumed = PackedLoader(remote["wds"], cfg, "train", 0, 1, 1)
+    resumed.load_state_dict(state)  # resumes with ranged GETs from the saved offsets
+    assert all(torch.equal(x, y.input_ids) for x, (_, y) in zip(expected, zip(range(3), resumed)))
+    with pytest.raises(FileNotFoundError, match="s3://data/nothing.jsonl"):
+        ManifestDataset("s3://data/nothing.jsonl", cfg.model_copy(update={"source": "jsonl"}))
+
+
+def member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, "PNG")
+    return out.getvalue()
+
+
+def image_sample(tar: tarfile.TarFile, key: str, width: int, height: int, data: bytes | None) -> None:
+    meta = {"segments": [{"type": "image", "path": "png", "width": width, "height": height},
+                         {"type": "text", "path": "txt"}]}
+    member(tar, f"{key}.json", json.dumps(meta).encode())
+    if data is not None:
+        member(tar, f"{key}.png", data)
+    member(tar, f"{key}.txt", b"a red square on white.")
+
+
+def test_bad_members_and_shards_are_skipped_and_counted_never_fatal(tmp_path):
+    with tarfile.open(tmp_path / "shard-0.tar", "w") as tar:
+        image_sample(tar, "good-1", 16, 16, png(16, 16))
+        image_sample(tar, "corrupt", 16, 16, b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+        image_sample(tar, "missing", 16, 16, None)
+        image_sample(tar, "oversized", 20000, 20000, png(16, 16))
+        meta = {"segments": [{"type": "audio", "path": "wav", "num_samples": 1600, "sample_rate": 16000},
+                             {"type": "text", "text": "do."}]}
+        member(tar, "empty.json", json.dumps(meta).encode())
+        member(tar, "empty.wav", b"")
+        image_sample(tar, "good-2", 24, 8, png(24, 8))
+    with tarfile.open(tmp_path / "shard-1.tar", "w") as tar:
+        image_sample(tar, "good-3", 16, 16, png(16, 16))
+        image_sample(tar, "lost", 40, 40, png(40, 40))
+    whole = (tmp_path / "shard-1.tar").read_bytes()
+    (tmp_path / "shard-1.tar").write_bytes(whole[: len(whole) // 2 + 700])  # cut inside lost.png
+    cfg = DataConfig(source="wds", path=str(tmp_path), heldout_fraction=0.01, profile_decode=True, profile_window=10)
+    recipe = Recipe(experiment={"name": "bad", "output_dir": str(tmp_path / "out")}, data=cfg.model_dump())
+
+    profile, _ = profile_dataset(recipe, tmp_path / "profile")
+    assert profile.total_samples == 3 and profile.modalities["image"].count == 3
+    assert profile.skipped == {"unreadable_file": 1, "missing_file": 1, "oversized_image": 1, "empty_audio": 1,
+                               "truncated_shard": 1}
+    assert profile.manifest_samples == 8
+
+    dataset = ManifestDataset(tmp_path, cfg)
+    stream = ConsumerStream(dataset, cfg, View(0, 1, "train", 0, one_pass=True, shuffle=False), lambda b: b)
+    batches = list(iter(stream.next_batch, None))
+    assert sum(b.num_samples for b in batches) == 3
+    decode_failures = {"corrupt": "unreadable_file", "empty": "empty_audio"}
+    expected = {"missing_file": 1, "oversized_image": 1, "truncated_shard": 1}
+    for key, reason in decode_failures.items():
+        if not in_heldout(key, cfg.heldout_fraction):
+            expected[reason] = 1
+    assert stream.stats == expected

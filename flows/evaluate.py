@@ -19,32 +19,43 @@ def eval_metrics(report: EvalReport) -> dict[str, float]:
     for modality, score in report.per_modality.items():
         metrics[f"eval/{modality}/loss"] = score.loss
         metrics[f"eval/{modality}/perplexity"] = score.perplexity
+    for modality, task in report.task.items():
+        metrics[f"eval/{modality}/word_accuracy"] = task.word_accuracy
+        metrics[f"eval/{modality}/exact_match"] = task.exact_match
     return metrics
 
 
-def loss_bar_chart(report: EvalReport, path: Path) -> Path:
+def eval_chart(report: EvalReport, path: Path) -> Path:
+    """Held-out loss per modality, and word accuracy of greedy captions/transcripts per modality."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
+    fig = Figure(figsize=(8, 3.2), layout="constrained")
+    loss_ax, task_ax = fig.subplots(1, 2)
     names = list(report.per_modality)
-    fig = Figure(figsize=(4.5, 3.2), layout="constrained")
-    ax = fig.add_subplot()
-    bars = ax.bar(names, [report.per_modality[m].loss for m in names], color="tab:blue")
-    ax.bar_label(bars, fmt="%.3f")
-    ax.axhline(report.loss, color="tab:red", linestyle="--", label=f"all: {report.loss:.3f}")
-    ax.set_ylabel("held-out loss")
-    ax.set_title(f"eval loss by modality (step {report.step})")
-    ax.legend()
+    bars = loss_ax.bar(names, [report.per_modality[m].loss for m in names], color="tab:blue")
+    loss_ax.bar_label(bars, fmt="%.3f")
+    loss_ax.axhline(report.loss, color="tab:red", linestyle="--", label=f"all: {report.loss:.3f}")
+    loss_ax.set_ylabel("held-out loss")
+    loss_ax.set_title(f"eval loss by modality (step {report.step})")
+    loss_ax.legend()
+    tasks = list(report.task)
+    bars = task_ax.bar(tasks, [report.task[m].word_accuracy for m in tasks], color="tab:green")
+    task_ax.bar_label(bars, labels=[f"{report.task[m].word_accuracy:.2f} (n={report.task[m].samples})" for m in tasks])
+    task_ax.set_ylim(0, 1.05)
+    task_ax.set_ylabel("word accuracy")
+    task_ax.set_title("greedy captions / transcripts")
     fig.savefig(path, dpi=120)
     return path
 
 
 @flow(name="evaluate")
 def evaluate_flow(recipe: str, overrides: list[str] | None = None) -> EvalReport:
-    """Evaluate the newest complete checkpoint; log eval_report.json, eval/* metrics and a per-modality chart."""
+    """Evaluate the newest complete checkpoint; log eval_report.json, eval/* metrics (loss, perplexity and
+    word accuracy of greedy captions per modality) and a chart of both."""
     r = load_recipe(recipe, overrides or ())
     with stage_run("evaluate", r, flow_run_id=flow_run.id) as run:
         report = evaluate(r)
         run.log_dict(report.model_dump(mode="json"), "eval_report.json")
         run.log_metrics(eval_metrics(report), step=report.step)
-        run.log_artifact(loss_bar_chart(report, stage_dir(r, run.run_id) / "eval_loss_by_modality.png"))
+        run.log_artifact(eval_chart(report, stage_dir(r, run.run_id) / "eval_by_modality.png"))
         return report

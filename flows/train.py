@@ -9,13 +9,15 @@ from flows import stage_dir
 from flows.launcher import run_torchrun
 from omni_core.recipe import dump_recipe, load_recipe
 from omni_core.results import TrainResult
-from omni_core.tracking import stage_run
+from omni_core.runtime.checkpoint import local_manifest
+from omni_core.tracking import log_checkpoint, register_checkpoint, stage_run
 
 
 @flow(name="train")
 def train_flow(recipe: str, overrides: list[str] | None = None) -> TrainResult:
     """Run `torchrun -m omni_core.runtime.launch` on the resolved recipe (overrides applied), with the
-    "train" run's id in MLFLOW_RUN_ID; then log the newest checkpoint and train_result.json."""
+    "train" run's id in MLFLOW_RUN_ID; then log the checkpoint (copied, or referenced when on S3),
+    register it in the Model Registry under tracking.model_alias, and log train_result.json."""
     r = load_recipe(recipe, overrides or ())
     with stage_run("train", r, flow_run_id=flow_run.id) as run:
         run_dir = stage_dir(r, run.run_id)
@@ -29,6 +31,9 @@ def train_flow(recipe: str, overrides: list[str] | None = None) -> TrainResult:
             {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri},
             r.train.timeout_s,
         )
-        run.log_artifacts(result.checkpoint, "checkpoint")
+        source = log_checkpoint(run, result.checkpoint, local_manifest(r, result.checkpoint))
+        register_checkpoint(
+            run, name=r.tracking.registered_model or r.experiment.name, source=source, alias=r.tracking.model_alias
+        )
         run.log_artifact(result_path)
         return result

@@ -44,6 +44,8 @@ class TrainResult(Result):
     samples_per_s: float
     wall_s: float  # seconds in training steps over the whole run (resumes included), checkpoints excluded
     logging_overhead_pct: float  # share of step time spent inside metric-logging calls on rank 0
+    mfu_pct: float | None  # model FLOPs / (step time x peak of all ranks' devices); None: peak unknown
+    peak_mem_mb: float  # rank 0: peak allocated GPU memory, or peak resident memory on CPU
     checkpoint: str  # directory of the newest complete checkpoint
     resumed_from_step: int = 0
 
@@ -58,6 +60,15 @@ class ModalityScore(Result):
     tokens: int
 
 
+class TaskScore(Result):
+    """Greedy captions/transcripts of held-out documents against their references."""
+
+    samples: int
+    word_accuracy: float  # share of reference words (attributes) reproduced at their position
+    exact_match: float
+    examples: list[tuple[str, str]]  # a few (decoded, reference) pairs, for people reading the report
+
+
 class EvalReport(Result):
     checkpoint: str
     step: int
@@ -65,3 +76,4 @@ class EvalReport(Result):
     loss: float
     perplexity: float
     per_modality: dict[str, ModalityScore]
+    task: dict[str, TaskScore] = {}  # per modality with media (image, audio)

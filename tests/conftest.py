@@ -53,3 +53,27 @@ def prefect_harness() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's standalone S3 server on a free loopback port: a real HTTP endpoint, as MinIO would be."""
+    import sys
+
+    from tests.servers import free_port, server_process
+
+    url = f"http://127.0.0.1:{free_port()}"
+    port = url.rsplit(":", 1)[1]
+    moto = Path(sys.executable).parent / "moto_server"
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with server_process([str(moto), "-H", "127.0.0.1", "-p", port], f"{url}/moto-api/", log=log):
+        yield url
+
+
+@pytest.fixture
+def s3_endpoint(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """boto3 clients made in the test (and the code under test) reach the loopback server."""
+    for key, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "test",
+                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -16,11 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from omni_core.data.batch import MODALITY_IDS
+from omni_core.data.batch import MODALITY_IDS, audio_tokens
 from omni_core.parallel import PlanError
 from omni_core.recipe.schema import ParallelConfig, Recipe
 from omni_core.results import TrainResult
-from omni_core.runtime.checkpoint import MANIFEST, latest_checkpoint, step_dir
+from omni_core.runtime.checkpoint import checkpoint_store, latest_checkpoint
+from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, step_name
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.evaluate import evaluate
 from omni_core.runtime.loss import summarize, token_loss_sums
@@ -69,6 +70,35 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
     assert set(means) == {"loss", "loss/text", "loss/image", "loss/audio"}
 
 
+def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
+    from omni_core.data.dataset import ManifestDataset
+    from omni_core.data.loader import PackedLoader
+    from omni_core.data.synthetic import ensure_dataset
+    from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
+    from omni_core.runtime.generate import documents
+
+    recipe = tiny_recipe(tmp_path)
+    batch = next(iter(PackedLoader(ManifestDataset(ensure_dataset(recipe), recipe.data), recipe.data, "train")))
+    docs = list(documents(batch, lambda rows, cols: rows * cols))
+    assert len(docs) == batch.num_samples
+    assert {d.modality for d in docs} == {"text", "image", "audio"}
+    for doc in docs:
+        assert int((doc.input_ids == IMAGE_ID).sum()) == len(doc.image_patches) == int(doc.image_grids.prod(1).sum())
+        assert int((doc.input_ids == AUDIO_ID).sum()) == sum(audio_tokens(int(f)) for f in doc.audio_frames)
+        assert len(doc.audio_mels) == int(doc.audio_frames.sum())
+    assert torch.equal(torch.cat([d.image_patches for d in docs]), batch.image_patches)
+    assert torch.equal(torch.cat([d.audio_mels for d in docs]), batch.audio_mels)
+
+
+def test_word_accuracy_counts_reference_words_in_place():
+    from omni_core.runtime.generate import word_accuracy
+
+    assert word_accuracy("a red circle on blue.", "a red circle on blue.") == 1.0
+    assert word_accuracy("a red square on blue.", "a red circle on blue.") == 0.8
+    assert word_accuracy("red circle", "a red circle on blue.") == 0.0
+    assert word_accuracy("", "do mi") == 0.0
+
+
 def test_lr_schedule_warms_up_then_decays_to_floor():
     values = [lr_lambda(s, warmup=4, total=20, floor=0.1) for s in range(21)]
     assert values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
@@ -96,12 +126,17 @@ def test_training_lowers_loss_and_evaluates(tmp_path):
     assert sorted(tracker.metrics) == list(range(1, 31))
     assert tracker.metrics[1]["train/loss"] == pytest.approx(result.initial_loss)
     assert tracker.metrics[30]["perf/tokens_per_s"] > 0
-    assert Path(result.checkpoint) == step_dir(Path(recipe.checkpoint_dir()), 30)
+    assert "train/aux_loss" not in tracker.metrics[30]  # dense model: no MoE term
+    assert result.checkpoint == str(Path(recipe.checkpoint_dir()) / step_name(30))
 
     report = evaluate(recipe)
     assert report.step == 30 and report.samples > 0
     assert report.perplexity == pytest.approx(math.exp(report.loss))
     assert set(report.per_modality) <= set(MODALITY_IDS) and report.per_modality
+    assert report.task and set(report.task) <= {"image", "audio"}
+    for score in report.task.values():
+        assert 0 < score.samples <= recipe.eval.generate_samples and 0 <= score.word_accuracy <= 1
+        assert score.examples and all(reference for _, reference in score.examples)
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
@@ -135,6 +170,28 @@ def test_resume_when_an_encoder_never_saw_input(tmp_path):
     assert train(recipe, CPU, log=lambda _: None).resumed_from_step == 2
 
 
+def test_activation_checkpointing_and_bf16_keep_the_numerics(tmp_path):
+    plain, recomputed, bf16 = RecordingTracker(), RecordingTracker(), RecordingTracker()
+    result = train(tiny_recipe(tmp_path / "a", steps=3), CPU, tracker=plain, log=lambda _: None)
+    train(tiny_recipe(tmp_path / "b", steps=3, activation_checkpointing=True), CPU, tracker=recomputed,
+          log=lambda _: None)
+    train(tiny_recipe(tmp_path / "c", steps=3, dtype="bfloat16"), CPU, tracker=bf16, log=lambda _: None)
+    for step in (1, 2, 3):
+        assert recomputed.metrics[step]["train/loss"] == pytest.approx(plain.metrics[step]["train/loss"], abs=1e-5)
+        assert bf16.metrics[step]["train/loss"] == pytest.approx(plain.metrics[step]["train/loss"], rel=0.02)
+    assert bf16.metrics[1]["train/loss"] != plain.metrics[1]["train/loss"]  # autocast really ran
+    assert 0 < result.mfu_pct < 100 and 0 < plain.metrics[3]["perf/mfu_pct"] < 100
+    assert result.peak_mem_mb > 0 and plain.metrics[3]["perf/peak_mem_mb"] > 0
+
+
+def test_moe_model_trains_with_its_load_balancing_loss(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=2)
+    recipe.model.flavor = "debug-moe"
+    tracker = RecordingTracker()
+    train(recipe, CPU, tracker=tracker, log=lambda _: None)
+    assert tracker.metrics[2]["train/aux_loss"] > 0
+
+
 def test_changed_training_recipe_gets_its_own_checkpoints(tmp_path):
     base = tiny_recipe(tmp_path)
     assert base.checkpoint_dir() == tiny_recipe(tmp_path, log_every=3, ckpt_every=2).checkpoint_dir()
@@ -144,12 +201,46 @@ def test_changed_training_recipe_gets_its_own_checkpoints(tmp_path):
 def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
     recipe = tiny_recipe(tmp_path, steps=2)
     train(recipe, CPU, log=lambda _: None)
-    ckpt_dir = Path(recipe.checkpoint_dir())
-    half = step_dir(ckpt_dir, 9)
+    store = checkpoint_store(recipe)
+    assert isinstance(store, LocalStore)
+    half = store.local_dir(9)
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"partial")
-    assert latest_checkpoint(ckpt_dir) == step_dir(ckpt_dir, 2)
-    assert json.loads((step_dir(ckpt_dir, 2) / MANIFEST).read_text())["step"] == 2
+    assert latest_checkpoint(store) == store.location(2)
+    assert json.loads((store.local_dir(2) / MANIFEST).read_text())["step"] == 2
+    with pytest.raises(CheckpointError, match=r"step_000009 has no manifest.json: an incomplete save, refusing"):
+        evaluate(recipe, checkpoint=store.location(9))
+
+
+def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3_endpoint, monkeypatch):
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="ckpt")
+    straight = RecordingTracker()
+    train(tiny_recipe(tmp_path / "local", steps=4), CPU, tracker=straight, log=lambda _: None)
+
+    recipe = tiny_recipe(tmp_path / "s3", steps=4, ckpt_every=2, ckpt_dir="s3://ckpt/runs/tiny")
+    train(recipe, CPU, log=lambda _: None, stop_after=2)
+    store = checkpoint_store(recipe)
+    assert store.steps() == [2]
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="ckpt")["Contents"]}
+    assert {"runs/tiny/step_000002/manifest.json", "runs/tiny/step_000002/.metadata",
+            "runs/tiny/step_000002/rank0.pt"} <= keys
+
+    import shutil
+
+    shutil.rmtree(store.cache)  # a fresh machine: everything must come back from S3
+    resumed = RecordingTracker()
+    result = train(recipe, CPU, tracker=resumed, log=lambda _: None)
+    assert result.resumed_from_step == 2 and result.checkpoint == "s3://ckpt/runs/tiny/step_000004"
+    for step in (3, 4):
+        assert resumed.metrics[step]["train/loss"] == pytest.approx(straight.metrics[step]["train/loss"], abs=1e-6)
+
+    boto3.client("s3").delete_object(Bucket="ckpt", Key="runs/tiny/step_000004/manifest.json")
+    shutil.rmtree(store.cache)
+    assert store.steps() == [2]
+    with pytest.raises(CheckpointError, match=r"s3://ckpt/runs/tiny/step_000004 has no manifest.json"):
+        evaluate(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")
 
 
 def _dp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -220,7 +311,7 @@ train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = TrainResult.load(result_path)
     assert result.world_size == 2 and result.plan == "dp2" and result.steps == 4
-    manifest = json.loads((Path(result.checkpoint) / MANIFEST).read_text())
+    manifest = json.loads((Path(result.checkpoint) / MANIFEST).read_text())  # a local store
     assert manifest["world_size"] == 2 and manifest["step"] == 4
     assert (Path(result.checkpoint) / "rank1.pt").is_file()
     assert "step 4/4" in proc.stdout

@@ -1,19 +1,18 @@
 """Checkpoints with torch.distributed.checkpoint (DCP) and a JSON manifest written last.
 
-Layout: <ckpt_dir>/step_000050/ holds the DCP shards (model + optimizer), one `rank<r>.pt` per rank with
-what is private to a rank (data-loader position, RNG), and `manifest.json`. The manifest is written only
-after every rank has finished writing, so a directory without it is an interrupted save and is never
-taken for a checkpoint.
+A step holds the DCP shards (model + optimizer), one `rank<r>.pt` per rank with what is private to a rank
+(data-loader position, RNG), and `manifest.json`. The manifest is written only after every rank's files
+are durable in the store (ckpt_store: a local directory or S3), so a step without it is an interrupted save
+and is never taken for a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from omni_core.recipe.schema import Recipe
+from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, CheckpointStore, open_store, split_location
 from omni_core.runtime.dist import DistInfo, barrier
 
-MANIFEST = "manifest.json"
 # Evaluation and single-process tests use DCP without a process group on purpose; DCP warns about it each time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 @dataclass
@@ -41,28 +40,35 @@ class Manifest:
 
     @classmethod
     def read(cls, ckpt: Path) -> Manifest:
-        return cls(**json.loads((ckpt / MANIFEST).read_text()))
+        path = ckpt / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(f"{ckpt} has no {MANIFEST}: an incomplete save, refusing to load it")
+        return cls(**json.loads(path.read_text()))
 
 
-def step_dir(ckpt_dir: Path, step: int) -> Path:
-    return ckpt_dir / f"step_{step:06d}"
+def checkpoint_store(recipe: Recipe) -> CheckpointStore:
+    """The recipe's store; S3 checkpoints are staged and cached under the experiment's output directory."""
+    return open_store(recipe.checkpoint_dir(), checkpoint_cache(recipe))
 
 
-def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints (those with a manifest), oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = [p for p in ckpt_dir.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+def checkpoint_cache(recipe: Recipe) -> Path:
+    return Path(recipe.experiment.output_dir) / recipe.experiment.name / f"ckpt-cache-{recipe.training_hash()}"
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    found = complete_checkpoints(ckpt_dir)
-    return found[-1] if found else None
+def local_manifest(recipe: Recipe, location: str) -> Path:
+    """This machine's copy of a saved checkpoint's manifest (S3 stores keep one in the staging cache)."""
+    root, step = split_location(location)
+    return open_store(root, checkpoint_cache(recipe)).local_dir(step) / MANIFEST
+
+
+def latest_checkpoint(store: CheckpointStore) -> str | None:
+    """Location of the newest complete checkpoint in the store, or None."""
+    steps = store.steps()
+    return store.location(steps[-1]) if steps else None
 
 
 def save_checkpoint(
-    ckpt_dir: Path,
+    store: CheckpointStore,
     *,
     step: int,
     model: torch.nn.Module,
@@ -74,42 +80,47 @@ def save_checkpoint(
     plan: str,
     recipe_hash: str,
     keep_last: int,
-) -> Path:
-    target = step_dir(ckpt_dir, step)
-    if info.is_main:
+) -> str:
+    """Save collectively; returns the checkpoint's location once it is complete on every rank."""
+    target = store.local_dir(step)
+    if info.local_rank == 0:
         shutil.rmtree(target, ignore_errors=True)  # leftovers of an interrupted save of this step
         target.mkdir(parents=True)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
     torch.save(rank_state, target / f"rank{info.rank}.pt")
+    store.publish(step, info.rank)
     barrier()
     if info.is_main:
-        manifest = Manifest(
-            step, info.world_size, plan, recipe_hash, scheduler.state_dict(), history, time.time()
-        )
-        tmp = target / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest.__dict__, indent=2))
-        tmp.replace(target / MANIFEST)
-        for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        manifest = Manifest(step, info.world_size, plan, recipe_hash, scheduler.state_dict(), history, time.time())
+        store.write_manifest(step, asdict(manifest))
+        for old in store.steps()[:-keep_last]:
+            store.delete(old)
     barrier()
-    return target
+    return store.location(step)
 
 
 def load_checkpoint(
-    ckpt: Path,
+    location: str,
     *,
+    cache: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     info: DistInfo,
 ) -> tuple[Manifest, dict[str, Any] | None]:
-    """Restore model (+ optimizer and LR schedule when given) in place.
+    """Restore model (+ optimizer and LR schedule when given) in place from a complete checkpoint.
 
     Returns the manifest and this rank's private state, or None for the latter when the checkpoint was
     written by a different world size (rank-private state such as the data position does not carry over).
     """
+    root, step = split_location(location)
+    store = open_store(root, cache)
+    if info.local_rank == 0:
+        store.fetch(step)
+    barrier()
+    ckpt = store.local_dir(step)
     manifest = Manifest.read(ckpt)
     if optimizer is None:
         model_state = get_state_dict(model, [])[0]

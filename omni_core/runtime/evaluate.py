@@ -1,9 +1,9 @@
-"""Held-out evaluation of a checkpoint: loss and perplexity, total and per modality."""
+"""Held-out evaluation of a checkpoint: loss and perplexity, total and per modality, and the task metric
+(greedy captions and transcripts scored word by word, see `generate`)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -12,30 +12,40 @@ from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.omni import build_model
+from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
-from omni_core.results import EvalReport, ModalityScore
-from omni_core.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from omni_core.results import EvalReport, ModalityScore, TaskScore
+from omni_core.runtime.checkpoint import checkpoint_cache, checkpoint_store, latest_checkpoint, load_checkpoint
+from omni_core.runtime.ckpt_store import CheckpointError
 from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
 from omni_core.runtime.loss import summarize, token_loss_sums
 
 
-def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> EvalReport:
-    """Evaluate `checkpoint` (default: the newest complete one of the recipe) on the held-out split."""
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(Path(recipe.checkpoint_dir()))
+def evaluate(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
+    """Evaluate `checkpoint` (a location; default: the recipe's newest complete one) on the held-out split."""
+    ckpt = checkpoint or latest_checkpoint(checkpoint_store(recipe))
     if ckpt is None:
-        raise FileNotFoundError(f"no complete checkpoint in {recipe.checkpoint_dir()} (train first)")
+        raise CheckpointError(f"no complete checkpoint in {recipe.checkpoint_dir()} (train first)")
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(
         recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,
         seed=recipe.experiment.seed,
     )
-    manifest, _ = load_checkpoint(ckpt, model=model, optimizer=None, scheduler=None, info=info)
+    manifest, _ = load_checkpoint(
+        ckpt, cache=checkpoint_cache(recipe), model=model, optimizer=None, scheduler=None, info=info
+    )
     model.eval()
 
     dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
     loader = PackedLoader(dataset, recipe.data, "heldout", 0, 1, recipe.experiment.seed)
+
+    def tokens_per_image(rows: int, cols: int) -> int:
+        return math.prod(merged_grid(rows, cols, model.args.spatial_merge))
+
     stats = None
     samples = 0
+    captions: dict[str, list[tuple[str, str]]] = {}
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if index >= recipe.eval.max_batches:
@@ -43,6 +53,12 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> EvalReport
             sums = token_loss_sums(model(batch), batch).stats()
             stats = sums if stats is None else stats + sums
             samples += batch.num_samples
+            for doc in documents(batch, tokens_per_image):
+                done = captions.setdefault(doc.modality, [])
+                if len(done) < recipe.eval.generate_samples:
+                    pair = greedy_caption(model, doc, recipe.eval.max_new_tokens)
+                    if pair is not None:
+                        done.append(pair)
     if stats is None:
         raise ValueError(f"held-out split of {dataset} is empty: raise data.heldout_fraction")
 
@@ -54,7 +70,17 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> EvalReport
         for name, idx in MODALITY_IDS.items()
         if f"loss/{name}" in means
     }
+    task = {
+        modality: TaskScore(
+            samples=len(pairs),
+            word_accuracy=sum(word_accuracy(*pair) for pair in pairs) / len(pairs),
+            exact_match=sum(decoded == reference for decoded, reference in pairs) / len(pairs),
+            examples=pairs[:3],
+        )
+        for modality, pairs in captions.items()
+        if pairs
+    }
     return EvalReport(
         checkpoint=str(ckpt), step=manifest.step, samples=samples, loss=means["loss"],
-        perplexity=math.exp(means["loss"]), per_modality=per_modality,
+        perplexity=math.exp(means["loss"]), per_modality=per_modality, task=task,
     )

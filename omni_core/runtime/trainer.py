@@ -18,7 +18,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -30,12 +29,19 @@ from omni_core.data.synthetic import ensure_dataset
 from omni_core.data.tokenizer import PAD_ID
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel import ParallelPlan, PlanError
-from omni_core.recipe.loader import recipe_hash
-from omni_core.recipe.schema import ParallelConfig, Recipe
+from omni_core.parallel.parallelize import parallelize_omni
+from omni_core.recipe.schema import ParallelConfig, Recipe, recipe_hash
 from omni_core.results import TrainResult
-from omni_core.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from omni_core.runtime.checkpoint import (
+    checkpoint_cache,
+    checkpoint_store,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
 from omni_core.runtime.loss import summarize, token_loss_sums
+from omni_core.runtime.perf import device_peak_flops, peak_memory_mb
 from omni_core.tracking import NullTracker, Tracker
 
 Log = Callable[[str], None]
@@ -102,6 +108,7 @@ class StepStats:
     metrics: dict[str, float]
     tokens: int  # real (non-padding) tokens processed by all ranks
     samples: int
+    flops: float  # model FLOPs (forward + backward) of the step over all ranks
 
 
 def train_step(
@@ -111,6 +118,7 @@ def train_step(
     batches: list[PackedBatch],
     *,
     grad_clip: float,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> StepStats:
     """One optimizer step over this rank's micro-batches (gradient accumulation) and all ranks' data."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,14 +127,22 @@ def train_step(
             sum(b.num_loss_tokens for b in batches),
             sum(b.num_samples for b in batches),
             sum(int((b.input_ids != PAD_ID).sum()) for b in batches),
+            sum(model.train_flops(b) for b in batches),
         ],
         dtype=torch.float64,
     )
-    global_targets, global_samples, global_tokens = all_reduce_sum(local).tolist()
-    stats = None
+    global_targets, global_samples, global_tokens, global_flops = all_reduce_sum(local).tolist()
+    device_type = batches[0].input_ids.device.type
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    stats, aux_total = None, 0.0
     for batch in batches:
-        sums = token_loss_sums(model(batch), batch)
-        (sums.total / max(global_targets, 1.0)).backward()
+        with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            logits = model(batch)
+        sums = token_loss_sums(logits, batch)
+        # MoE load balancing: its mean over micro-batches and ranks joins the global token-mean loss
+        aux = model.aux_loss / (len(batches) * world)
+        (sums.total / max(global_targets, 1.0) + aux).backward()
+        aux_total += float(aux.detach())
         stats = sums.stats() if stats is None else stats + sums.stats()
     synchronize_gradients(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -134,9 +150,11 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = summarize(all_reduce_sum(stats))
+    if model.args.llm.moe is not None:
+        metrics["aux_loss"] = float(all_reduce_sum(torch.tensor([aux_total], dtype=torch.float64)))
     metrics["grad_norm"] = float(grad_norm)
     metrics["lr"] = scheduler.get_last_lr()[0]
-    return StepStats(metrics=metrics, tokens=int(global_tokens), samples=int(global_samples))
+    return StepStats(metrics=metrics, tokens=int(global_tokens), samples=int(global_samples), flops=global_flops)
 
 
 def train(
@@ -150,7 +168,7 @@ def train(
     """Train to `recipe.train.steps` (or stop early after `stop_after` steps of this call)."""
     tracker = tracker or NullTracker()
     cfg = recipe.train
-    plan = executable_plan(recipe.parallel, info.world_size).name
+    plan = executable_plan(recipe.parallel, info.world_size)
     torch.manual_seed(recipe.experiment.seed)
 
     if info.is_main:
@@ -164,19 +182,23 @@ def train(
         seed=recipe.experiment.seed,
     ).to(info.device)
     freeze(model, recipe.model.freeze)
+    parallelize_omni(model, plan, activation_checkpointing=cfg.activation_checkpointing)
+    compute_dtype = resolve_dtype(cfg.dtype, info.device)
+    peak_flops = device_peak_flops(info.device, compute_dtype)
     optimizer = build_optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: lr_lambda(s, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.min_lr_ratio),
     )
 
-    ckpt_dir = Path(recipe.checkpoint_dir())
+    store = checkpoint_store(recipe)
     history = RunHistory()
     start_step = 0
-    resume_from = latest_checkpoint(ckpt_dir) if cfg.resume else None
+    resume_from = latest_checkpoint(store) if cfg.resume else None
     if resume_from is not None:
         manifest, rank_state = load_checkpoint(
-            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, info=info
+            resume_from, cache=checkpoint_cache(recipe), model=model, optimizer=optimizer, scheduler=scheduler,
+            info=info,
         )
         start_step, history = manifest.step, RunHistory(**manifest.history)
         if rank_state is None:
@@ -191,20 +213,21 @@ def train(
 
     rhash = recipe_hash(recipe)
     if info.is_main:
-        tracker.set_tags({"plan": plan, "recipe.hash": rhash})
+        tracker.set_tags({"plan": plan.name, "recipe.hash": rhash})
         tracker.log_params({"model.num_params": model.num_params(), "runtime.world_size": info.world_size})
         log(f"training {recipe.model.flavor} ({model.num_params():,} params) plan {plan} "
-            f"steps {start_step + 1}..{cfg.steps}, checkpoints in {ckpt_dir}")
+            f"steps {start_step + 1}..{cfg.steps}, checkpoints in {recipe.checkpoint_dir()}")
 
-    def checkpoint(step: int) -> Path:
+    def checkpoint(step: int) -> str:
         return save_checkpoint(
-            ckpt_dir, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+            store, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
             rank_state={"loader": loader.state_dict(), "rng": torch.get_rng_state()},
-            history=asdict(history), info=info, plan=plan, recipe_hash=rhash, keep_last=cfg.keep_last,
+            history=asdict(history), info=info, plan=plan.name, recipe_hash=rhash, keep_last=cfg.keep_last,
         )
 
     batches: Iterator[PackedBatch] = iter(loader)
-    window = Window()
+    cluster_peak = peak_flops * info.world_size if peak_flops else None
+    window = Window(cluster_peak)
     last_ckpt, saved_step = resume_from, start_step
     step = start_step
     logging_s_before = tracker.logging_s
@@ -213,16 +236,19 @@ def train(
         step += 1
         step_start = time.perf_counter()
         micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)]
-        result = train_step(model, optimizer, scheduler, micro, grad_clip=cfg.grad_clip)
+        result = train_step(
+            model, optimizer, scheduler, micro, grad_clip=cfg.grad_clip, compute_dtype=compute_dtype
+        )
         window.add(result)
         if step % cfg.log_every == 0 or step == cfg.steps:
             metrics = {f"train/{k}": v for k, v in result.metrics.items()}
             metrics.update(window.rates())
             metrics.update({f"data/skipped_{reason}": n for reason, n in loader.stats.items()})
+            metrics["perf/peak_mem_mb"] = peak_memory_mb(info.device)
             tracker.log_metrics(metrics, step=step)
             log(f"step {step}/{cfg.steps} loss {result.metrics['loss']:.4f} "
                 f"tokens/s {metrics['perf/tokens_per_s']:.0f} lr {result.metrics['lr']:.2e}")
-            window = Window()
+            window = Window(cluster_peak)
         history.record(result, time.perf_counter() - step_start, tracker.logging_s - logging_s_before)
         logging_s_before = tracker.logging_s
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
@@ -230,25 +256,39 @@ def train(
     if last_ckpt is None or saved_step != step:
         last_ckpt = checkpoint(step)  # stopped early (or nothing saved yet): keep what was trained
     return history.result(
-        steps=step, world_size=info.world_size, plan=plan, checkpoint=str(last_ckpt), resumed_from_step=start_step
+        cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt),
+        resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device),
     )
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 @dataclass
 class Window:
-    """Throughput since the last log line."""
+    """Throughput since the last log line; MFU against the peak of all ranks' devices when it is known."""
 
+    peak_flops: float | None
     started: float = field(default_factory=time.perf_counter)
     tokens: int = 0
     samples: int = 0
+    flops: float = 0.0
 
     def add(self, stats: StepStats) -> None:
         self.tokens += stats.tokens
         self.samples += stats.samples
+        self.flops += stats.flops
 
     def rates(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return {"perf/tokens_per_s": self.tokens / elapsed, "perf/samples_per_s": self.samples / elapsed}
+        rates = {"perf/tokens_per_s": self.tokens / elapsed, "perf/samples_per_s": self.samples / elapsed}
+        if self.peak_flops:
+            rates["perf/mfu_pct"] = 100.0 * self.flops / elapsed / self.peak_flops
+        return rates
 
 
 @dataclass
@@ -259,6 +299,7 @@ class RunHistory:
     recent_losses: list[float] = field(default_factory=list)  # the last RECENT steps
     tokens: int = 0
     samples: int = 0
+    flops: float = 0.0
     step_s: float = 0.0  # time in steps (data, forward, backward, optimizer, logging); checkpoints excluded
     logging_s: float = 0.0  # of which the caller's time inside tracker calls
 
@@ -270,13 +311,15 @@ class RunHistory:
         self.recent_losses = (self.recent_losses + [stats.metrics["loss"]])[-self.RECENT:]
         self.tokens += stats.tokens
         self.samples += stats.samples
+        self.flops += stats.flops
         self.step_s += step_s
         self.logging_s += logging_s
 
-    def result(self, **fields: object) -> TrainResult:
+    def result(self, peak_flops: float | None, **fields: object) -> TrainResult:
         recent = self.recent_losses or [math.nan]
         seconds = max(self.step_s, 1e-9)
         return TrainResult(
+            mfu_pct=100.0 * self.flops / seconds / peak_flops if peak_flops else None,
             initial_loss=self.initial_loss,
             final_loss=sum(recent) / len(recent),
             tokens_per_s=self.tokens / seconds,

@@ -2,6 +2,7 @@
 package stays cheap): tracking URI and health check, trackers (async batched metrics on rank 0, no-op
 elsewhere), and the parent/stage run tree of a flow run."""
 
+from omni_core.tracking.models import log_checkpoint, register_checkpoint
 from omni_core.tracking.runs import current_parent_run_id, git_sha, parent_run, stage_run
 from omni_core.tracking.store import (
     DEFAULT_TRACKING_URI,
@@ -24,7 +25,9 @@ __all__ = [
     "current_parent_run_id",
     "disable_telemetry",
     "git_sha",
+    "log_checkpoint",
     "parent_run",
+    "register_checkpoint",
     "resolve_tracking_uri",
     "sanitize_metric_name",
     "stage_run",

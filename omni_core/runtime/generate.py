@@ -1,0 +1,98 @@
+"""Greedy captioning/transcription of held-out documents: the task metric of evaluation.
+
+A held-out image or audio document is `BOS, placeholders..., caption bytes..., EOS`. The model sees
+everything up to the last placeholder and decodes greedily; the decoded text is compared with the caption
+word by word. On the synthetic data each caption word is an attribute of the input (colour, shape,
+background; the names of the tones), so word accuracy is attribute accuracy.
+
+Works on `PackedBatch` alone: a batch is split into its documents by `cu_seqlens`, and each document's
+images and clips are found by counting its placeholders, so nothing here depends on the data source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
+from omni_core.data.tokenizer import AUDIO_ID, EOS_ID, IMAGE_ID, NUM_BYTES, PAD_ID, ByteTokenizer
+from omni_core.models.omni import OmniModel
+
+MODALITY_NAMES = {index: name for name, index in MODALITY_IDS.items()}
+
+
+@dataclass
+class Document:
+    modality: str
+    input_ids: torch.Tensor
+    image_patches: torch.Tensor
+    image_grids: torch.Tensor
+    audio_mels: torch.Tensor
+    audio_frames: torch.Tensor
+
+    def prefix(self, length: int) -> PackedBatch:
+        """The first `length` tokens as a one-document batch (with all of the document's encoder inputs)."""
+        ids = self.input_ids[:length]
+        return PackedBatch(
+            input_ids=ids, labels=torch.full_like(ids, -100), position_ids=torch.arange(length),
+            cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
+            loss_modality=torch.full_like(ids, MODALITY_IDS[self.modality]),
+            image_patches=self.image_patches, image_grids=self.image_grids,
+            audio_mels=self.audio_mels, audio_frames=self.audio_frames, num_samples=1,
+        )
+
+
+def documents(batch: PackedBatch, tokens_per_image: Callable[[int, int], int]) -> Iterator[Document]:
+    """The batch's real documents, each with its own images and clips (padding documents are skipped)."""
+    bounds = batch.cu_seqlens.tolist()
+    image, patch, clip, frame = 0, 0, 0, 0
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        ids = batch.input_ids[start:end]
+        n_images, n_audio_tokens = int((ids == IMAGE_ID).sum()), int((ids == AUDIO_ID).sum())
+        first_image, first_patch = image, patch
+        while n_images > 0:
+            rows, cols = batch.image_grids[image].tolist()
+            n_images -= tokens_per_image(rows, cols)
+            patch, image = patch + rows * cols, image + 1
+        first_clip, first_frame = clip, frame
+        while n_audio_tokens > 0:
+            frames = int(batch.audio_frames[clip])
+            n_audio_tokens -= audio_tokens(frames)
+            frame, clip = frame + frames, clip + 1
+        if int(ids[0]) == PAD_ID:
+            continue
+        yield Document(
+            MODALITY_NAMES[int(batch.loss_modality[start])], ids,
+            batch.image_patches[first_patch:patch], batch.image_grids[first_image:image],
+            batch.audio_mels[first_frame:frame], batch.audio_frames[first_clip:clip],
+        )
+
+
+@torch.no_grad()
+def greedy_caption(model: OmniModel, doc: Document, max_new: int) -> tuple[str, str] | None:
+    """(decoded, reference) for a document whose caption follows its media; None for text-only ones."""
+    media = ((doc.input_ids == IMAGE_ID) | (doc.input_ids == AUDIO_ID)).nonzero()
+    if len(media) == 0:
+        return None
+    prompt = int(media[-1]) + 1
+    tokenizer = ByteTokenizer()
+    reference = tokenizer.decode([t for t in doc.input_ids[prompt:].tolist() if t < NUM_BYTES])
+    generated: list[int] = []
+    ids = doc.input_ids[:prompt]
+    for _ in range(max_new):
+        batch = Document(doc.modality, ids, doc.image_patches, doc.image_grids, doc.audio_mels,
+                         doc.audio_frames).prefix(len(ids))
+        token = int(model(batch)[-1].argmax())
+        if token == EOS_ID or token >= NUM_BYTES:
+            break
+        generated.append(token)
+        ids = torch.cat([ids, ids.new_tensor([token])])
+    return tokenizer.decode(generated), reference
+
+
+def word_accuracy(decoded: str, reference: str) -> float:
+    """Share of reference words reproduced at their position."""
+    ref, got = reference.split(), decoded.split()
+    return sum(a == b for a, b in zip(ref, got, strict=False)) / max(len(ref), 1)

@@ -1,0 +1,59 @@
+"""Hardware figures for MFU and memory: the device's peak FLOP/s and this process's peak memory.
+
+GPU peaks come from the estimator's datasheet catalogue; a CPU has no datasheet, so its peak is measured
+once per process with a short matmul probe (the best of a few shapes), which is what MFU on CPU means here.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import resource
+import time
+
+import torch
+
+PROBE_SHAPES = (512, 1024)
+
+
+@functools.cache
+def cpu_peak_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
+    """Best matmul FLOP/s over a few square shapes with this process's thread count (about a second)."""
+    best = 0.0
+    for n in PROBE_SHAPES:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up: allocation and kernel selection
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak dense FLOP/s of one device for `dtype`, or None for a GPU the catalogue does not know."""
+    if device.type != "cuda":
+        return cpu_peak_flops(dtype)
+    spec = catalog_gpu(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None
+    return spec.peak_flops({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+
+
+def catalog_gpu(device_name: str):
+    """The catalogue entry whose name tokens all appear in a CUDA device name, most specific first:
+    "NVIDIA A100-SXM4-80GB" -> a100-80gb, "NVIDIA GeForce RTX 4090" -> rtx4090, "NVIDIA H200" -> h200."""
+    from omni_core.estimator.catalog import GpuCatalog
+
+    words = re.split(r"[\s_-]+", device_name.lower())
+    tokens = set(words) | {a + b for a, b in zip(words, words[1:])}
+    catalog = GpuCatalog()
+    matches = [key for key in catalog if set(key.split("-")) <= tokens]
+    return catalog[max(matches, key=lambda k: len(k.split("-")))] if matches else None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -1,4 +1,4 @@
-"""The experiment flow: profile -> train -> evaluate under one MLflow parent run."""
+"""The experiment flow: profile -> estimate -> train -> evaluate under one MLflow parent run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.estimate import estimate_flow
 from flows.evaluate import evaluate_flow
 from flows.profile import profile_flow
 from flows.train import train_flow
@@ -21,6 +22,7 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
     name = f"{r.experiment.name}-{flow_run.name}"
     with parent_run(r, flow_run_id=flow_run.id, run_name=name) as run:
         profile = profile_flow(recipe, overrides)
+        cells = estimate_flow(recipe, overrides, profile)
         train = train_flow(recipe, overrides)
         report = evaluate_flow(recipe, overrides)
     return {
@@ -30,6 +32,7 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
         "experiment_name": r.mlflow_experiment(),
         "recipe_hash": recipe_hash(r),
         "profile": profile.model_dump(mode="json"),
+        "estimate": cells.model_dump(mode="json"),
         "train": train.model_dump(mode="json"),
         "evaluate": report.model_dump(mode="json"),
     }

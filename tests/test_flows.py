@@ -47,11 +47,15 @@ def test_experiment_flow_logs_a_parent_run_with_three_stage_runs(tmp_path, monke
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     stages = {r.info.run_name: r for r in children}
-    assert set(stages) == {"profile", "train", "evaluate"}
+    assert set(stages) == {"profile", "estimate", "train", "evaluate"}
     for run in children:
         assert run.info.status == "FINISHED"
         assert run.data.tags["recipe.hash"] == summary["recipe_hash"]
         assert run.data.tags["prefect.flow_run_id"] not in ("", tags["prefect.flow_run_id"])  # its own subflow
+
+    estimate = stages["estimate"]
+    assert {"cells.json", "cells.png"} <= artifact_paths(client, estimate.info.run_id)
+    assert summary["estimate"]["cells"] and not summary["estimate"]["unfit"]
 
     profile = stages["profile"]
     files = artifact_paths(client, profile.info.run_id)
@@ -65,6 +69,10 @@ def test_experiment_flow_logs_a_parent_run_with_three_stage_runs(tmp_path, monke
     assert {"checkpoint", "train_result.json"} <= artifact_paths(client, train.info.run_id)
     assert artifact_paths(client, train.info.run_id, "checkpoint")
     assert summary["train"]["steps"] == 20
+    assert train.data.tags["checkpoint.uri"] == summary["train"]["checkpoint"]
+    assert "manifest.json" in {p.rsplit("/", 1)[-1] for p in artifact_paths(client, train.info.run_id, "checkpoint")}
+    registered = client.get_model_version_by_alias("flow-test", "current")
+    assert registered.run_id == train.info.run_id and registered.source.endswith("checkpoint")
 
     evaluate = stages["evaluate"]
     files = artifact_paths(client, evaluate.info.run_id)

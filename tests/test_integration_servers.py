@@ -64,7 +64,7 @@ def test_omni_run_tracks_to_an_mlflow_server_with_s3_artifacts_and_a_prefect_ser
             parent = client.get_run(summary["parent_run_id"])
             children = client.search_runs([parent.info.experiment_id],
                                           f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-            assert {r.info.run_name for r in children} == {"profile", "train", "evaluate"}
+            assert {r.info.run_name for r in children} == {"profile", "estimate", "train", "evaluate"}
             train = next(r for r in children if r.info.run_name == "train")
             assert [m.step for m in client.get_metric_history(train.info.run_id, "train/loss")] == [2, 4, 6]
 

@@ -1,0 +1,38 @@
+"""Estimate stage: the recipe's jobs on every Cell of its cluster (Crius), logged as a CellTable."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from flows import stage_dir
+from omni_core.data.profile import DatasetProfile
+from omni_core.estimator.search import CellTable
+from omni_core.estimator.stage import cell_figure, estimate_recipe
+from omni_core.recipe import load_recipe
+from omni_core.tracking import stage_run
+
+
+@flow(name="estimate")
+def estimate_flow(recipe: str, overrides: list[str] | None = None, profile: DatasetProfile | None = None) -> CellTable:
+    """Enumerate Cells, search the best plan in each (document lengths and encoder tokens from `profile`
+    when given); log cells.json, a step-time/memory figure and each job's best predicted throughput."""
+    r = load_recipe(recipe, overrides or ())
+    with stage_run("estimate", r, flow_run_id=flow_run.id) as run:
+        out_dir = stage_dir(r, run.run_id)
+        table = estimate_recipe(r, profile)
+        table.save(out_dir / "cells.json")
+        if table.cells:
+            cell_figure(table, out_dir / "cells.png")
+        metrics = {}
+        for job in dict.fromkeys(c.job for c in table.cells):
+            best = table.best(job)
+            metrics[f"estimate/{job}/samples_per_s"] = best.samples_per_s
+            metrics[f"estimate/{job}/step_time_s"] = best.step_time_s
+            run.set_tags({f"estimate.{job}.plan": f"{best.gpu_type}x{best.num_gpus}:{best.plan}"})
+        metrics["estimate/cells"] = len(table.cells)
+        metrics["estimate/unfit_jobs"] = len(table.unfit)
+        run.log_metrics(metrics, step=0)
+        run.log_artifacts(out_dir)
+        return table
+

@@ -1,0 +1,142 @@
+"""GPU catalogue: peak compute, memory and links per GPU type, each number next to its source.
+
+Peaks are dense (no 2:4 sparsity) datasheet figures; what a training step reaches of them is the
+`Efficiency` of the cost model, corrected per device by the micro-profile (`calibrate.py`). Link figures
+are per GPU and per direction. Latencies (alpha of the alpha-beta model) are typical NCCL per-hop
+latencies (nccl-tests on NVLink ~ 3-5 us, PCIe ~ 10 us, InfiniBand ~ 5-10 us), not datasheet values.
+Recipes add or override types through `estimate.gpus` (see `GpuCatalog.with_overrides`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+TFLOPS = 1e12
+GBps = 1e9
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    bf16_flops: float  # dense tensor-core peak, FLOP/s (0: no bf16; fp16 is used instead)
+    fp16_flops: float
+    fp32_flops: float
+    mem_gb: float
+    mem_bw: float  # bytes/s
+    gpus_per_node: int
+    intra_link: str  # "nvlink3", "pcie4", ... (for humans)
+    intra_bw: float  # bytes/s per GPU per direction inside a node
+    intra_lat: float  # seconds per collective step inside a node
+    inter_bw: float  # bytes/s per GPU per direction across nodes
+    inter_lat: float
+    source: str = ""
+    reserved_gb: float = 2.0  # context, allocator fragmentation and workspaces, never available to tensors
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak matmul FLOP/s at a precision; bf16 falls back to fp16 on GPUs without bf16 (V100)."""
+        if precision == "fp32":
+            return self.fp32_flops
+        if precision == "bf16" and self.bf16_flops:
+            return self.bf16_flops
+        return self.fp16_flops
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.mem_gb - self.reserved_gb) * GB
+
+
+_NVLINK3 = {"intra_link": "nvlink3", "intra_bw": 300 * GBps, "intra_lat": 5e-6}  # A100: 600 GB/s bidirectional
+_NVLINK4 = {"intra_link": "nvlink4", "intra_bw": 450 * GBps, "intra_lat": 4e-6}  # H100/H200: 900 GB/s bidirectional
+_PCIE4 = {"intra_link": "pcie4", "intra_bw": 25 * GBps, "intra_lat": 10e-6}  # x16: 32 GB/s/dir theoretical, ~25 achieved
+_HDR_IB = {"inter_bw": 25 * GBps, "inter_lat": 8e-6}  # 200 Gb/s HDR InfiniBand per GPU
+_NDR_IB = {"inter_bw": 50 * GBps, "inter_lat": 8e-6}  # 400 Gb/s NDR InfiniBand per GPU
+_ETH100 = {"inter_bw": 12.5 * GBps, "inter_lat": 15e-6}  # 100 Gb/s Ethernet/EDR per node (PCIe servers)
+
+BUILTIN: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("a100-40gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 40, 1555 * GBps, 8, **_NVLINK3, **_HDR_IB,
+                source="NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 1,555 GB/s HBM2, "
+                "NVLink3 600 GB/s"),
+        GpuSpec("a100-80gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 80, 2039 * GBps, 8, **_NVLINK3, **_HDR_IB,
+                source="NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 2,039 GB/s HBM2e, "
+                "NVLink3 600 GB/s"),
+        GpuSpec("h100", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 80, 3350 * GBps, 8, **_NVLINK4, **_NDR_IB,
+                source="NVIDIA H100 datasheet (SXM5): 989 TF bf16/fp16 dense (1,979 sparse), 67 TF fp32, "
+                "3.35 TB/s HBM3, NVLink4 900 GB/s; ConnectX-7 400 Gb/s per GPU"),
+        GpuSpec("h200", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 141, 4800 * GBps, 8, **_NVLINK4, **_NDR_IB,
+                source="NVIDIA H200 datasheet (SXM): 989 TF bf16/fp16 dense, 67 TF fp32, 141 GB HBM3e 4.8 TB/s, "
+                "NVLink4 900 GB/s"),
+        GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 32, 900 * GBps, 8, intra_link="nvlink2",
+                intra_bw=150 * GBps, intra_lat=6e-6, inter_bw=12.5 * GBps, inter_lat=10e-6,
+                source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
+                "NVLink2 300 GB/s; no bf16; 100 Gb/s EDR IB per GPU"),
+        GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
+                source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
+                "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s"),
+        GpuSpec("a10", 125 * TFLOPS, 125 * TFLOPS, 31.2 * TFLOPS, 24, 600 * GBps, 4, **_PCIE4, **_ETH100,
+                source="NVIDIA A10 datasheet: 125 TF bf16/fp16 tensor dense (250 sparse), 31.2 TF fp32, "
+                "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s"),
+        GpuSpec("l20", 119.5 * TFLOPS, 119.5 * TFLOPS, 59.8 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
+                source="NVIDIA L20 product brief: 119.5 TF bf16/fp16 tensor dense (239 sparse), 59.8 TF fp32, "
+                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16"),
+        GpuSpec("l40s", 362.05 * TFLOPS, 362.05 * TFLOPS, 91.6 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
+                source="NVIDIA L40S datasheet: 362 TF bf16/fp16 tensor dense (733 sparse), 91.6 TF fp32, "
+                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s"),
+        GpuSpec("rtx3090", 71 * TFLOPS, 71 * TFLOPS, 35.6 * TFLOPS, 24, 936 * GBps, 4, **_PCIE4, **_ETH100,
+                source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 TF fp16/bf16 tensor with fp32 accumulate "
+                "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4"),
+        GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 24, 1008 * GBps, 4, **_PCIE4, **_ETH100,
+                source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
+                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4"),
+        # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real
+        # ones. Ranks are processes, "links" are gloo over loopback shared memory.
+        GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,
+                intra_link="gloo-loopback", intra_bw=1 * GBps, intra_lat=50e-6, inter_bw=0.1 * GBps,
+                inter_lat=1e-3, reserved_gb=4.0,
+                source="placeholder; replaced by the on-device micro-profile (omni_core.estimator.calibrate)"),
+    )
+}
+ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "l40": "l40s", "3090": "rtx3090", "4090": "rtx4090"}
+
+
+class GpuCatalog(Mapping[str, GpuSpec]):
+    """GPU types by lower-case name (with aliases such as `a100` -> `a100-80gb`)."""
+
+    def __init__(self, specs: Mapping[str, GpuSpec] | None = None):
+        self._specs = dict(BUILTIN if specs is None else specs)
+
+    def __getitem__(self, name: str) -> GpuSpec:
+        key = name.lower()
+        key = key if key in self._specs else ALIASES.get(key, key)
+        if key not in self._specs:
+            raise KeyError(f"unknown GPU type {name!r}; known: {', '.join(sorted(self._specs))}")
+        return self._specs[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]]) -> GpuCatalog:
+        """A catalogue with types added or fields changed, e.g. {"a100": {"inter_bw": 50e9}} or a new
+        type with every field; unknown fields are refused by name."""
+        known = {f.name for f in fields(GpuSpec)}
+        specs = dict(self._specs)
+        for name, values in overrides.items():
+            unknown = set(values) - known
+            if unknown:
+                raise ValueError(f"estimate.gpus.{name}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+            try:
+                base = self[name]
+                specs[base.name] = replace(base, **values)
+            except KeyError:
+                missing = known - set(values) - {"name", "source", "reserved_gb"}
+                if missing:
+                    raise ValueError(f"estimate.gpus.{name}: a new GPU type needs {sorted(missing)}") from None
+                specs[name.lower()] = GpuSpec(name=name.lower(), **values)
+        return GpuCatalog(specs)

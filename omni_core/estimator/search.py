@@ -1,0 +1,272 @@
+"""Cells and the plan search inside each.
+
+A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
+DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
+size (the largest that fits without pipelining; with it, from 1 up until memory runs out) and
+activation checkpointing (only for plans that fit no micro-batch without it), drops plans that do not fit memory, and keeps the fastest plus runners-up. `CellTable` is the stage's typed result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from omni_core.estimator.catalog import GpuCatalog, GpuSpec
+from omni_core.estimator.cost import Efficiency, Estimate, Layout, Options, evaluate
+from omni_core.estimator.workloads import Workload
+from omni_core.parallel import ParallelPlan, PlanError
+from omni_core.results import Result
+
+RUNNERS_UP = 3
+LONG_SEQ = 8192  # context parallelism is searched only from this many tokens per sample
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def candidate_plans(workload: Workload, num_gpus: int, gpus_per_node: int, pp: int, *,
+                    dp_only: bool = False) -> Iterator[ParallelPlan]:
+    """Every plan of `pp` stages on `num_gpus` GPUs the model can be split by (TP inside a node)."""
+    if num_gpus % pp:
+        return
+    per_stage = num_gpus // pp
+    shape = workload.shape
+    long = (shape.seq_len or 0) >= LONG_SEQ and not dp_only
+    for tp in ([1] if dp_only else powers_of_two(min(per_stage, gpus_per_node))):
+        for cp in (powers_of_two(per_stage // tp) if long else [1]):
+            dp = per_stage // (tp * cp)
+            if dp * tp * cp != per_stage:
+                continue
+            # FSDP over all of DP, or HSDP: shard inside a node, replicate across nodes; replicated DDP
+            splits = {(1, dp), (dp, 1)}
+            inside = max(1, gpus_per_node // (tp * cp))
+            if 1 < inside < dp and dp % inside == 0:
+                splits.add((dp // inside, inside))
+            for replicate, shard in sorted(splits):
+                eps = [e for e in powers_of_two(shard * cp) if shape.num_experts % e == 0] if shape.num_experts else [1]
+                for ep in ([1] if dp_only else eps):
+                    for kind in (("ulysses", "ring") if cp > 1 else ("ulysses",)):
+                        schedules = [("1F1B", 1)]
+                        if pp > 1 and shape.n_layers >= 2 * pp:
+                            schedules.append(("Interleaved1F1B", 2))
+                        for schedule, virtual in schedules:
+                            try:
+                                plan = ParallelPlan(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp,
+                                                    ep=ep, cp_kind=kind, pp_schedule=schedule,
+                                                    virtual_stages=virtual)
+                                plan.check_model(shape)
+                            except PlanError:
+                                continue
+                            yield plan
+
+
+def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan], *, gpus_per_node: int,
+                 eff: Efficiency, layout: Layout = "omni", max_micro_batch: int = 8) -> tuple[list[Estimate], str]:
+    """Fitting estimates, fastest first, and (when none fits) the reason of the plan closest to fitting."""
+    fits: list[Estimate] = []
+    closest: Estimate | None = None
+    for plan in plans:
+        local = workload.global_batch // plan.dp if workload.global_batch % plan.dp == 0 else 0
+        if not local:
+            closest = closest or Estimate(plan, Options(), peak_mem_bytes=math.inf, reason=(
+                f"global_batch={workload.global_batch} is not divisible by dp={plan.dp}"))
+            continue
+        sizes = [mb for mb in powers_of_two(min(local, max_micro_batch)) if local % mb == 0]
+        # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
+        # try them from 1 up until memory runs out. Without, the largest that fits is fastest (per-op costs
+        # amortise): try from the top down. Checkpointing only costs time: tried only when nothing fits
+        # without it.
+        descending = plan.pp == 1
+        options: list[Estimate] = []
+        for checkpoint in (False, True):
+            for mb in (sizes[::-1] if descending else sizes):
+                est = evaluate(workload, gpu, plan, Options(mb, checkpoint, layout), gpus_per_node=gpus_per_node,
+                               eff=eff)
+                if not est.fits:
+                    if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
+                        closest = est
+                    if descending:
+                        continue
+                    break
+                options.append(est)
+                if checkpoint or descending:
+                    break
+            if options:
+                fits.append(min(options, key=lambda e: e.step_time_s))  # one entry per plan
+                break
+    fits.sort(key=lambda e: e.step_time_s)
+    return fits, ("" if fits else (closest.reason if closest else "no plan divides the model on these GPUs"))
+
+
+@dataclass
+class CellResult:
+    gpu_type: str
+    num_gpus: int
+    nodes: int
+    gpus_per_node: int
+    pp: int
+    best: Estimate | None
+    runners_up: list[Estimate] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def plan(self) -> ParallelPlan | None:
+        return self.best.plan if self.best else None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.best.samples_per_s if self.best else 0.0
+
+
+def cell_shape(num_gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs used per node): whole nodes once a Cell needs more than one."""
+    return math.ceil(num_gpus / gpus_per_node), min(num_gpus, gpus_per_node)
+
+
+def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, pp: int, *,
+                eff: Efficiency, layout: Layout = "omni", dp_only: bool = False) -> CellResult:
+    nodes, per_node = cell_shape(num_gpus, gpus_per_node)
+    plans = candidate_plans(workload, num_gpus, per_node, pp, dp_only=dp_only)
+    fits, reason = search_plans(workload, gpu, plans, gpus_per_node=per_node, eff=eff, layout=layout)
+    return CellResult(gpu.name, num_gpus, nodes, per_node, pp, fits[0] if fits else None,
+                      fits[1:1 + RUNNERS_UP], reason)
+
+
+def pipeline_depths(workload: Workload, num_gpus: int) -> list[int]:
+    return [p for p in powers_of_two(num_gpus) if p <= workload.shape.n_layers]
+
+
+def best_for_gpus(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, *,
+                  eff: Efficiency | None = None, layout: Layout = "omni", dp_only: bool = False) -> CellResult | None:
+    """The fastest Cell over pipeline depths for this GPU count (pp=1 only when dp_only); None if none fits."""
+    if eff is None:
+        gpu, eff = calibrated(gpu)
+    best = None
+    for pp in ([1] if dp_only else pipeline_depths(workload, num_gpus)):
+        cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout, dp_only=dp_only)
+        if cell.best and (best is None or cell.best.step_time_s < best.best.step_time_s):
+            best = cell
+    return best
+
+
+def calibrated(gpu: GpuSpec) -> tuple[GpuSpec, Efficiency]:
+    """The stored micro-profile of this device type if there is one, else the catalogue entry and defaults."""
+    from omni_core.estimator.calibrate import load_calibration
+
+    return load_calibration(gpu.name) or (gpu, Efficiency())
+
+
+# --- the typed result --------------------------------------------------------------------------------------
+
+
+class PlanRow(Result):
+    plan: str  # ParallelPlan.name; ParallelPlan.parse(plan) is what the runtime executes
+    micro_batch: int
+    checkpoint: bool
+    step_time_s: float
+    samples_per_s: float
+    peak_mem_gb: float
+
+
+class CellRow(Result):
+    job: str
+    gpu_type: str
+    num_gpus: int
+    nodes: int
+    gpus_per_node: int
+    pp: int
+    layout: str
+    plan: str
+    micro_batch: int
+    checkpoint: bool
+    step_time_s: float
+    samples_per_s: float
+    peak_mem_gb: float
+    breakdown: dict[str, float]
+    runners_up: list[PlanRow]
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan.parse(self.plan)
+
+
+class Unfit(Result):
+    job: str
+    reason: str
+
+
+class CellTable(Result):
+    """Per job and Cell the best plan, its predicted step time, throughput and memory; jobs that fit no Cell
+    are listed in `unfit` with the reason."""
+
+    cells: list[CellRow]
+    unfit: list[Unfit]
+    seconds: float = 0.0  # time the search took
+
+    def best(self, job: str) -> CellRow | None:
+        rows = [c for c in self.cells if c.job == job]
+        return max(rows, key=lambda c: c.samples_per_s) if rows else None
+
+    def ranked(self) -> list[CellRow]:
+        return sorted(self.cells, key=lambda c: (c.job, -c.samples_per_s))
+
+
+def _plan_row(est: Estimate) -> PlanRow:
+    return PlanRow(plan=est.plan.name, micro_batch=est.options.micro_batch, checkpoint=est.options.checkpoint,
+                   step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
+                   peak_mem_gb=est.peak_mem_bytes / 1e9)
+
+
+def cell_row(job: str, cell: CellResult, layout: str = "omni") -> CellRow:
+    best = cell.best
+    assert best is not None
+    return CellRow(job=job, gpu_type=cell.gpu_type, num_gpus=cell.num_gpus, nodes=cell.nodes,
+                   gpus_per_node=cell.gpus_per_node, pp=cell.pp, layout=layout, **_plan_row(best).model_dump(),
+                   breakdown={k: float(v) for k, v in best.breakdown.items()},
+                   runners_up=[_plan_row(e) for e in cell.runners_up])
+
+
+def job_cells(job: str, workload: Workload, catalog: GpuCatalog, gpus: dict[str, int],
+              gpus_per_node: dict[str, int], layout: Layout = "omni") -> tuple[list[CellRow], Unfit | None]:
+    """One job's Cells on the cluster: GPU counts 1, 2, 4, ... up to what each type has, each pipeline
+    depth; the job is `Unfit` (with the reason of its largest Cell) when none of them holds it."""
+    rows: list[CellRow] = []
+    last_reason = "the cluster has no GPU"
+    for gpu_type, count in gpus.items():
+        gpu, eff = calibrated(catalog[gpu_type])
+        per_node = gpus_per_node.get(gpu_type, gpu.gpus_per_node)
+        for n in powers_of_two(count):
+            for pp in pipeline_depths(workload, n):
+                cell = search_cell(workload, gpu, n, per_node, pp, eff=eff, layout=layout)
+                if cell.best:
+                    rows.append(cell_row(job, cell, layout))
+                else:
+                    last_reason = f"{gpu.name} x{n} pp{pp}: {cell.reason}"
+    unfit = None if rows else Unfit(job=job, reason=f"fits no Cell of the cluster; e.g. {last_reason}")
+    return rows, unfit
+
+
+def _job_cells(args: tuple) -> tuple[list[CellRow], Unfit | None]:
+    return job_cells(*args)
+
+
+def build_cell_table(jobs: dict[str, Workload], catalog: GpuCatalog, gpus: dict[str, int], *,
+                     gpus_per_node: dict[str, int] | None = None, layout: Layout = "omni",
+                     workers: int = 1) -> CellTable:
+    """Every Cell of every job on the cluster `gpus` (GPU type -> GPUs of that type), jobs spread over
+    `workers` forked processes. A job no Cell can hold is reported in `unfit`, not dropped."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    start = time.perf_counter()
+    tasks = [(job, w, catalog, gpus, gpus_per_node or {}, layout) for job, w in jobs.items()]
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            results = list(pool.map(_job_cells, tasks, chunksize=max(1, len(tasks) // (4 * workers))))
+    else:
+        results = [_job_cells(t) for t in tasks]
+    rows = [row for job_rows, _ in results for row in job_rows]
+    unfit = [u for _, u in results if u is not None]
+    return CellTable(cells=rows, unfit=unfit, seconds=time.perf_counter() - start)

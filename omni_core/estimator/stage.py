@@ -1,0 +1,106 @@
+"""The estimate stage: a recipe's jobs -> their CellTable on the recipe's cluster, plus a figure.
+
+Jobs are `recipe.jobs` (trace model names or model flavors), or, when there are none, the recipe's own
+model at its own batch (micro_batch x grad_accum x nproc packed sequences). The cluster is
+`cluster.node_groups`, or, when empty, `estimate.max_gpus` of each of `estimate.gpu_types`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omni_core.estimator.catalog import GpuCatalog
+from omni_core.estimator.search import CellTable, build_cell_table
+from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
+
+if TYPE_CHECKING:
+    from omni_core.data.profile import DatasetProfile
+    from omni_core.recipe.schema import Recipe
+
+
+def recipe_workloads(recipe: Recipe, profile: DatasetProfile | None = None) -> dict[str, Workload]:
+    from omni_core.models.flavors import FLAVORS, get_flavor
+
+    def flavor_workload(name: str, flavor: str, batch: int) -> Workload:
+        args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
+        return omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile, name=name,
+                             precision=recipe.estimate.precision)
+
+    if not recipe.jobs:
+        batch = recipe.data.micro_batch * recipe.train.grad_accum * recipe.parallel.nproc
+        return {recipe.experiment.name: flavor_workload(recipe.experiment.name, recipe.model.flavor, batch)}
+    workloads = {}
+    for i, job in enumerate(recipe.jobs):
+        if job.model in FLAVORS:
+            workloads[job.name] = flavor_workload(job.name, job.model, job.global_batch)
+            continue
+        try:
+            workloads[job.name] = trace_workload(job.model, job.global_batch)
+        except ValueError as err:
+            raise ValueError(f"jobs[{i}].model: {err}; or a model flavor ({', '.join(sorted(FLAVORS))})") from None
+    return workloads
+
+
+def recipe_cluster(recipe: Recipe, catalog: GpuCatalog) -> tuple[dict[str, int], dict[str, int]]:
+    """(GPUs per type, GPUs per node per type) of the recipe's cluster."""
+    if recipe.cluster.node_groups:
+        gpus: dict[str, int] = {}
+        per_node: dict[str, int] = {}
+        for group in recipe.cluster.node_groups:
+            name = catalog[group.gpu_type].name
+            gpus[name] = gpus.get(name, 0) + group.nodes * group.gpus_per_node
+            per_node[name] = group.gpus_per_node
+        return gpus, per_node
+    return {catalog[t].name: recipe.estimate.max_gpus for t in recipe.estimate.gpu_types}, {}
+
+
+def estimate_recipe(recipe: Recipe, profile: DatasetProfile | None = None, *, workers: int = 1) -> CellTable:
+    catalog = GpuCatalog().with_overrides(recipe.estimate.gpus)
+    gpus, per_node = recipe_cluster(recipe, catalog)
+    return build_cell_table(recipe_workloads(recipe, profile), catalog, gpus, gpus_per_node=per_node,
+                            layout=recipe.estimate.layout, workers=workers)
+
+
+def format_table(table: CellTable, top: int = 10) -> str:
+    """Per job, its `top` Cells by throughput, then the jobs that fit nowhere."""
+    lines = []
+    for job in dict.fromkeys(c.job for c in table.cells):
+        lines.append(f"{job}")
+        lines.append(f"  {'gpu':<10}{'gpus':>5}{'nodes':>6}{'pp':>4}  {'plan':<24}{'mb':>3}{'ckpt':>5}"
+                     f"{'step s':>10}{'samples/s':>11}{'mem GB':>8}")
+        rows = sorted((c for c in table.cells if c.job == job), key=lambda c: -c.samples_per_s)[:top]
+        for c in rows:
+            lines.append(f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<24}{c.micro_batch:>3}"
+                         f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
+                         f"{c.peak_mem_gb:>8.2f}")
+    for u in table.unfit:
+        lines.append(f"{u.job}: {u.reason}")
+    return "\n".join(lines)
+
+
+def cell_figure(table: CellTable, path: Path) -> Path:
+    """Predicted step time and peak memory of each job's best plan per (GPU type, GPU count)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    time_ax, mem_ax = fig.subplots(1, 2)
+    best: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for c in table.cells:
+        key = (c.job, c.gpu_type, c.num_gpus)
+        if key not in best or c.step_time_s < best[key][0]:
+            best[key] = (c.step_time_s, c.peak_mem_gb)
+    for series in sorted({(job, gpu) for job, gpu, _ in best}):
+        points = sorted((n, *best[(*series, n)]) for job, gpu, n in best if (job, gpu) == series)
+        label = f"{series[0]} / {series[1]}"
+        time_ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        mem_ax.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=label)
+    time_ax.set(xscale="log", yscale="log", xlabel="GPUs in the Cell", ylabel="predicted step time (s)")
+    mem_ax.set(xscale="log", xlabel="GPUs in the Cell", ylabel="peak memory per GPU (GB)")
+    if len(best) <= 40:
+        time_ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path

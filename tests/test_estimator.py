@@ -1,0 +1,191 @@
+"""Estimator: hand-counted FLOPs and memory, monotonicity, infeasibility with reasons, Cells and the oracle."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from omni_core.estimator.catalog import GpuCatalog
+from omni_core.estimator.cost import Efficiency, Options, evaluate
+from omni_core.estimator.oracle import CellOracle, ThroughputOracle
+from omni_core.estimator.search import build_cell_table, candidate_plans, search_cell
+from omni_core.estimator.workloads import (
+    omni_workload,
+    paper_workload,
+    trace_workload,
+    transformer,
+    transformer_block,
+)
+from omni_core.parallel import ParallelPlan
+
+CATALOG = GpuCatalog()
+A100 = CATALOG["a100"]
+
+
+def test_transformer_block_flops_and_params_match_hand_counts():
+    d, tokens = 1024, 2048
+    block = transformer_block("b", dim=d, heads=16, kv_heads=16, ffn=4 * d, tokens=tokens, sum_sq=tokens**2,
+                              docs=1, causal=True, gated=False, bias=False)
+    assert block.params == 12 * d * d + 2 * d  # QKV + O (4 d^2), MLP (8 d^2), two norm weights
+    assert block.flops == 2 * tokens * 12 * d * d  # a multiply-add per weight per token
+    assert block.attn_flops == 4 * d * tokens**2 / 2  # QK^T and AV, causal half
+    # two documents of half the length: half the attention pairs
+    split = transformer_block("b", dim=d, heads=16, kv_heads=16, ffn=4 * d, tokens=tokens,
+                              sum_sq=2 * (tokens / 2) ** 2, docs=2, causal=True, gated=False, bias=False)
+    assert split.attn_flops == block.attn_flops / 2
+
+
+@pytest.mark.parametrize("name,billions", [("bert__760M", 0.76), ("bert__6.7B", 6.7), ("moe__690M", 0.69),
+                                           ("moe__10B", 10), ("wide_resnet__500M", 0.5), ("wide_resnet__6.8B", 6.8)])
+def test_trace_models_have_their_named_size(name, billions):
+    assert trace_workload(name, 256).params == pytest.approx(billions * 1e9, rel=0.06)
+
+
+def test_unknown_trace_model_is_refused_by_name():
+    with pytest.raises(ValueError, match="bert__3B"):
+        trace_workload("bert__3B", 8)
+    with pytest.raises(ValueError, match="unknown trace model"):
+        trace_workload("resnet50", 8)
+
+
+def test_model_state_memory_is_the_hand_count_and_shrinks_with_fsdp():
+    w = transformer("t", n_layers=4, dim=1024, heads=16, vocab=32000, seq_len=1024, global_batch=64)
+    peaks = []
+    for shards in (1, 2, 4, 8):
+        est = evaluate(w, A100, ParallelPlan(dp_shard=shards), Options(micro_batch=1), gpus_per_node=8)
+        # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam moments 8 = 18 bytes per parameter
+        assert est.breakdown["states_gb"] == pytest.approx(w.params * 18 / shards / 1e9)
+        peaks.append(est.peak_mem_bytes)
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+
+
+def test_checkpointing_cuts_activation_memory_and_costs_time():
+    w = trace_workload("bert__1.3B", 64)
+    plain = evaluate(w, A100, ParallelPlan(dp_shard=8), Options(4), gpus_per_node=8)
+    ckpt = evaluate(w, A100, ParallelPlan(dp_shard=8), Options(4, checkpoint=True), gpus_per_node=8)
+    assert ckpt.peak_mem_bytes < plain.peak_mem_bytes and ckpt.step_time_s > plain.step_time_s
+
+
+def test_faster_links_never_increase_step_time():
+    w = trace_workload("moe__10B", 512)
+    slow, fast = A100, replace(A100, intra_bw=A100.intra_bw * 4, inter_bw=A100.inter_bw * 4)
+    for pp in (1, 2, 4):
+        for plan in candidate_plans(w, 32, 4, pp):
+            for options in (Options(1), Options(2, checkpoint=True)):
+                a = evaluate(w, slow, plan, options, gpus_per_node=4)
+                b = evaluate(w, fast, plan, options, gpus_per_node=4)
+                assert b.step_time_s <= a.step_time_s * (1 + 1e-12), plan.name
+
+
+def test_infeasible_plans_carry_the_reason():
+    w = trace_workload("bert__6.7B", 128)
+    oom = evaluate(w, CATALOG["a10"], ParallelPlan(), Options(1), gpus_per_node=4)
+    assert not oom.fits and "out of memory" in oom.reason and "a10" in oom.reason
+    odd = evaluate(w, A100, ParallelPlan(dp_shard=3), Options(1), gpus_per_node=8)
+    assert not odd.fits and "global_batch=128" in odd.reason and "dp=3" in odd.reason
+    cell = search_cell(w, CATALOG["a10"], 1, 4, 1, eff=Efficiency())
+    assert cell.best is None and "out of memory" in cell.reason
+
+
+def test_a_job_no_cell_can_hold_is_reported_not_dropped():
+    jobs = {"huge": trace_workload("moe__70B", 256), "tiny": trace_workload("bert__760M", 128)}
+    table = build_cell_table(jobs, CATALOG, {"a10": 2})
+    assert [u.job for u in table.unfit] == ["huge"] and "out of memory" in table.unfit[0].reason
+    assert {c.job for c in table.cells} == {"tiny"}
+
+
+def test_cell_table_best_plan_is_a_plan_the_runtime_accepts():
+    w = trace_workload("moe__2.4B", 512)
+    table = build_cell_table({"moe": w}, CATALOG, {"a100": 16, "v100": 16}, gpus_per_node={"a100": 4})
+    assert table.cells and not table.unfit
+    for row in table.cells:
+        plan = row.parallel_plan()
+        plan.check_world(row.num_gpus)
+        plan.check_model(w.shape)
+        assert plan.pp == row.pp and row.nodes * row.gpus_per_node >= row.num_gpus
+        assert row.step_time_s == pytest.approx(w.global_batch / row.samples_per_s)
+        assert all(r.step_time_s >= row.step_time_s for r in row.runners_up)
+    assert json.loads(table.to_json())["cells"][0].keys() >= {
+        "gpu_type", "num_gpus", "nodes", "gpus_per_node", "pp", "plan", "step_time_s", "samples_per_s", "peak_mem_gb"}
+
+
+def test_more_gpus_give_more_throughput_for_a_large_model():
+    w = trace_workload("bert__2.6B", 512)
+    rates = [search_cell(w, A100, n, 8, 1, eff=Efficiency()).samples_per_s for n in (8, 16, 32)]
+    assert rates == sorted(rates)
+
+
+def test_oracle_protocol_memoises_and_answers_none_when_nothing_fits():
+    oracle = CellOracle(CATALOG, {"a100": 4, "a10": 2})
+    assert isinstance(oracle, ThroughputOracle)
+    best = oracle.throughput("moe__10B", 512, "a100", 8)
+    dp = oracle.throughput("moe__10B", 512, "a100", 8, dp_only=True)
+    assert best and dp and best >= dp
+    plan = oracle.best_plan("moe__10B", 512, "a100", 8)
+    plan.check_world(8)
+    assert oracle.cell("moe__10B", 512, "a100", 8, dp_only=True).plan.tp == 1
+    start = time.perf_counter()
+    for _ in range(1000):
+        oracle.throughput("moe__10B", 512, "a100", 8)
+    assert (time.perf_counter() - start) / 1000 < 1e-4
+    assert oracle.throughput("moe__70B", 256, "a10", 1) is None and oracle.best_plan("moe__70B", 256, "a10", 1) is None
+    assert oracle.throughput("wide_resnet__2B", 256, "v100", 4) > 0
+
+
+def test_catalog_overrides_name_unknown_fields_and_need_full_new_types():
+    faster = CATALOG.with_overrides({"a100": {"inter_bw": 1e11}})
+    assert faster["a100"].inter_bw == 1e11 and CATALOG["a100"].inter_bw != 1e11
+    with pytest.raises(ValueError, match="estimate.gpus.a100: unknown field.*nvlink"):
+        CATALOG.with_overrides({"a100": {"nvlink": 1.0}})
+    with pytest.raises(ValueError, match="estimate.gpus.b200: a new GPU type needs"):
+        CATALOG.with_overrides({"b200": {"mem_gb": 192}})
+    with pytest.raises(KeyError, match="unknown GPU type 'b300'"):
+        CATALOG["b300"]
+
+
+def test_omni_workload_prices_encoders_from_the_profile_and_layouts_differ():
+    from omni_core.models.flavors import get_flavor
+
+    args = get_flavor("debug", patch_size=8, n_mels=32)
+    text = omni_workload(args, seq_len=512, global_batch=4)
+    assert not text.encoder
+    w = paper_workload("A", 0.9)
+    assert w.encoder and w.encoder_cv > 0
+    omni = search_cell(w, CATALOG["h100"], 64, 8, 1, eff=Efficiency(), layout="omni")
+    coupled = search_cell(w, CATALOG["h100"], 64, 8, 1, eff=Efficiency(), layout="coupled")
+    assert omni.best.step_time_s < coupled.best.step_time_s  # balanced encoders beat unbalanced ones
+
+
+def test_omni_estimate_cli_prints_cells_as_json(tmp_path, capsys):
+    from omni_core.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "experiment: {name: est}\n"
+        "cluster: {node_groups: [{gpu_type: a100, nodes: 2, gpus_per_node: 4}]}\n"
+        "jobs: [{name: gpt, model: bert__760M, global_batch: 64, iterations: 10},"
+        " {name: big, model: moe__70B, global_batch: 256, iterations: 10}]\n"
+    )
+    out = tmp_path / "cells.json"
+    assert main(["estimate", str(recipe), "--json", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert {c["job"] for c in printed["cells"]} == {"gpt"} and printed["unfit"][0]["job"] == "big"
+    assert main(["estimate", str(recipe), "--set", "jobs.0.model=bert__1T"]) == 2
+    assert "jobs[0].model" in capsys.readouterr().err
+
+
+def test_calibration_is_stored_per_device_and_used_by_the_search(tmp_path, monkeypatch):
+    from omni_core.estimator.calibrate import calibrate, load_calibration
+    from omni_core.estimator.search import calibrated
+
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path))
+    cpu = CATALOG["cpu"]
+    assert load_calibration("cpu") is None and calibrated(cpu) == (cpu, Efficiency())
+    spec, eff, raw = calibrate(cpu, world=1, repeat=1)
+    assert (tmp_path / "cpu.json").exists() and raw["matmul_flops"] > 0
+    assert spec.fp32_flops == raw["matmul_flops"] and 0 < eff.attention
+    assert calibrated(cpu) == (spec, eff)

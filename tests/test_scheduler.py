@@ -1,0 +1,299 @@
+"""Scheduler: cluster placement, trace readers, policies on hand-made clusters with known best answers,
+simulator conservation and determinism, and `omni simulate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omni_core.parallel import ParallelPlan
+from omni_core.recipe.schema import ClusterConfig, NodeGroup
+from omni_core.scheduler import Cluster, GroupSpec, Job, ThroughputTable, make_policy, simulate
+from omni_core.scheduler.policies import View
+from omni_core.scheduler.traces import RawJob, detect_format, load_trace, map_raw_jobs, read_crius, read_raw
+
+
+class TableOracle:
+    """Known answers: rates[(model, gpu_type, n)] = (best samples/s, data-parallel samples/s or None)."""
+
+    def __init__(self, rates: dict[tuple[str, str, int], tuple[float, float | None]]):
+        self.rates = rates
+
+    def throughput(self, model, global_batch, gpu_type, num_gpus, *, dp_only=False):
+        best, dp = self.rates.get((model, gpu_type, num_gpus), (None, None))
+        return dp if dp_only else best
+
+    def best_plan(self, model, global_batch, gpu_type, num_gpus):
+        return ParallelPlan(dp_shard=num_gpus) if (model, gpu_type, num_gpus) in self.rates else None
+
+
+def linear(model: str, speeds: dict[str, float], counts=(1, 2, 4, 8), eff: float = 1.0) -> dict:
+    """Rates that scale by `eff` per doubling; data-parallel equals best."""
+    return {(model, t, n): (s * n * eff ** np.log2(n),) * 2 for t, s in speeds.items() for n in counts}
+
+
+def cluster(**groups: tuple[int, int]) -> Cluster:
+    return Cluster({t: GroupSpec(t, nodes, per) for t, (nodes, per) in groups.items()})
+
+
+def decide(policy: str, c: Cluster, oracle, jobs, current=None, remaining=None) -> dict:
+    table = ThroughputTable(oracle, c.capacity(), 8)
+    view = View(0.0, jobs, current or {}, remaining or {j.id: 1e9 for j in jobs}, table, c, restart_s=0.0)
+    return make_policy(policy).decide(view)
+
+
+# --- cluster ------------------------------------------------------------------------------------------------
+
+def test_placement_packs_into_fewest_nodes_and_repacks_fragmented_groups():
+    c = cluster(a=(4, 4))
+    assert c.place("small", "a", 2) == (0, 0)
+    assert c.place("fill", "a", 2) == (0, 0)  # best fit: the partly used node, not a fresh one
+    assert set(c.place("big", "a", 8)) == {1, 2}  # whole free nodes
+    assert c.place("odd", "a", 1) == (3,)
+    assert c.place("too-big", "a", 8) is None  # one whole node is left: 4 GPUs free but not 8 in two nodes
+    assert c.fragmentation() == pytest.approx(1.0)  # every free GPU sits on a partly used node
+    c.check()
+    c.release("small")
+    moved, left = c.apply({"fill": ("a", 2), "big": ("a", 8), "odd": ("a", 1), "new": ("a", 4)}, migrate=True)
+    assert not left and moved  # node 0 and 3 each had 2 and 3 free: "new" needs a whole node, so jobs moved
+    c.check()
+    assert sorted(len(nodes) for _, nodes in c.placements.values()) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("migrate", [False, True])
+def test_departures_fragment_a_group_and_only_migration_undoes_it(migrate):
+    c = cluster(a=(2, 2))
+    for job in "abcd":
+        c.place(job, "a", 1)  # a, b on node 0; c, d on node 1
+    c.release("b")
+    c.release("d")
+    moved, left = c.apply({"a": ("a", 1), "c": ("a", 1), "z": ("a", 2)}, migrate=migrate)
+    if migrate:
+        assert not left and len(moved) == 1 and len(set(c.placements["z"][1])) == 1
+    else:
+        assert left == {"z"} and not moved and set(c.placements) == {"a", "c"}
+    c.check()
+
+
+def test_conservation_check_catches_double_booking():
+    c = cluster(a=(1, 2))
+    c.place("x", "a", 2)
+    c.free["a"][0] = 1  # corrupt: a GPU both used and free
+    with pytest.raises(AssertionError, match="double-booked"):
+        c.check()
+
+
+def test_cluster_from_recipe_config_rejects_odd_node_sizes():
+    cfg = ClusterConfig(node_groups=[NodeGroup(gpu_type="a100", nodes=2, gpus_per_node=4, interconnect="ib")])
+    assert Cluster.from_config(cfg).total_gpus == 8
+    with pytest.raises(ValueError, match="power of two"):
+        Cluster.from_config(ClusterConfig(node_groups=[NodeGroup(gpu_type="x", nodes=1, gpus_per_node=3)]))
+
+
+# --- policies: known best answers ----------------------------------------------------------------------------
+
+def test_gavel_gives_the_fast_gpu_to_the_job_that_gains_most_from_it():
+    # B arrives first and is as fast anywhere; A is 4x faster on the fast GPU: max throughput puts A there.
+    oracle = TableOracle({**linear("A", {"fast": 4.0, "slow": 1.0}), **linear("B", {"fast": 1.2, "slow": 1.0})})
+    jobs = [Job("b", "B", 8, 100, 0, gpu_type="fast", num_gpus=1), Job("a", "A", 8, 100, 1, gpu_type="fast", num_gpus=1)]
+    assert decide("gavel", cluster(fast=(1, 1), slow=(1, 1)), oracle, jobs) == {"a": ("fast", 1), "b": ("slow", 1)}
+
+
+def test_fcfs_takes_the_user_request_in_arrival_order_and_never_preempts():
+    oracle = TableOracle(linear("M", {"a": 1.0, "b": 3.0}))
+    jobs = [Job("1", "M", 8, 100, 0, gpu_type="a", num_gpus=2), Job("2", "M", 8, 100, 1, gpu_type="a", num_gpus=4),
+            Job("3", "M", 8, 100, 2, gpu_type="a", num_gpus=2)]
+    # job 2 does not fit next to job 1 (4 GPUs of type a in all); job 3 does: no head-of-line blocking
+    assert decide("fcfs", cluster(a=(2, 2), b=(2, 2)), oracle, jobs) == {"1": ("a", 2), "3": ("a", 2)}
+    busy = cluster(a=(2, 2), b=(2, 2))
+    busy.place("2", "a", 4)
+    assert decide("fcfs", busy, oracle, jobs, current={"2": ("a", 4)}) == {"2": ("a", 4)}
+
+
+def test_crius_grows_a_lone_job_while_it_gains_and_uses_memory_hungry_plans():
+    # Big fits one GPU only with a non-DP plan; more GPUs help until 4 (8 is slower: communication).
+    rates = {("Big", "a", 1): (2.0, None), ("Big", "a", 2): (3.8, 3.0), ("Big", "a", 4): (7.0, 6.0),
+             ("Big", "a", 8): (6.5, 6.0)}
+    c = cluster(a=(2, 4))
+    job = [Job("j", "Big", 8, 100, 0, num_gpus=1)]
+    assert decide("crius", c, TableOracle(rates), job) == {"j": ("a", 4)}
+    # Gavel keeps the user's one GPU, where data parallelism does not fit: the job cannot start
+    assert decide("gavel", c, TableOracle(rates), job) == {}
+
+
+def test_crius_shrinks_a_running_job_so_a_waiting_one_can_start():
+    oracle = TableOracle(linear("M", {"a": 1.0}, eff=0.8))
+    jobs = [Job("old", "M", 8, 100, 0), Job("new", "M", 8, 100, 1)]
+    alloc = decide("crius", cluster(a=(1, 4)), oracle, jobs, current={"old": ("a", 4)})
+    assert alloc == {"old": ("a", 2), "new": ("a", 2)}
+
+
+def test_sia_ilp_spreads_gpus_by_its_concave_utility():
+    oracle = TableOracle({**linear("M", {"a": 1.0}), **linear("N", {"a": 1.0})})
+    jobs = [Job("m", "M", 8, 100, 0), Job("n", "N", 8, 100, 0)]
+    assert decide("sia", cluster(a=(1, 8)), oracle, jobs) == {"m": ("a", 4), "n": ("a", 4)}
+
+
+# --- simulator --------------------------------------------------------------------------------------------------
+
+def test_single_job_finishes_at_the_predicted_time():
+    oracle = TableOracle(linear("M", {"a": 2.0}))
+    c = cluster(a=(1, 1))
+    job = Job("j", "M", global_batch=4, iterations=1000, arrival_s=0.0)  # 4,000 samples at 2/s: 2,000 s
+    plan = simulate([job], c, make_policy("crius"), ThroughputTable(oracle, c.capacity(), 8), round_s=300,
+                    rounds=100, restart_s=60)
+    assert plan.jobs[0].finish_s == pytest.approx(2060.0)
+    assert plan.metrics.jobs_finished == 1 and plan.metrics.mean_jct_s == pytest.approx(2060.0)
+    assert plan.metrics.rounds == 7 and plan.segments[0].plan == "dp1"
+
+
+def toy_jobs(n: int, seed: int) -> list[Job]:
+    rng = np.random.default_rng(seed)
+    return [Job(f"j{i}", str(rng.choice(["M", "N"])), 8, int(rng.integers(50, 3000)), float(rng.integers(0, 20000)),
+                gpu_type=str(rng.choice(["a", "b"])), num_gpus=int(rng.choice([1, 2, 4]))) for i in range(n)]
+
+
+TOY = TableOracle({**linear("M", {"a": 2.0, "b": 1.0}, eff=0.9), **linear("N", {"a": 1.0, "b": 0.9}, eff=0.95)})
+
+
+@pytest.mark.parametrize("policy", ["crius", "fcfs", "gavel", "sia"])
+def test_conservation_every_job_accounted_and_no_gpu_double_booked(policy):
+    jobs = toy_jobs(60, seed=1) + [Job("ghost", "Unknown", 8, 10, 5.0)]
+    c = cluster(a=(2, 4), b=(4, 2))
+    plan = simulate(jobs, c, make_policy(policy), ThroughputTable(TOY, c.capacity(), 8), round_s=300, rounds=400)
+    m = plan.metrics
+    assert m.unmodelled == 1 and m.jobs == 61
+    assert m.jobs_finished + sum(r.finish_s is None for r in plan.jobs) == m.jobs
+    assert m.jobs_finished == 60  # enough rounds for everything modelled
+    for gpu_type, capacity in c.capacity().items():  # at no instant more GPUs of a type in use than exist
+        edges = sorted([(s.start_s, s.num_gpus) for s in plan.segments if s.gpu_type == gpu_type]
+                       + [(s.end_s, -s.num_gpus) for s in plan.segments if s.gpu_type == gpu_type],
+                       key=lambda e: (e[0], e[1]))
+        assert max(np.cumsum([d for _, d in edges]), default=0) <= capacity
+    assert c.placements == {}
+    assert m.p95_decision_s < 1.0 and m.decisions > 0
+
+
+def test_simulation_is_deterministic():
+    def run():
+        c = cluster(a=(2, 4), b=(4, 2))
+        p = simulate(toy_jobs(40, seed=3), c, make_policy("crius"), ThroughputTable(TOY, c.capacity(), 8), rounds=200)
+        return p.model_dump(exclude={"metrics": {"wall_s", "p50_decision_s", "p95_decision_s", "max_decision_s"}})
+
+    assert run() == run()
+
+
+def test_crius_beats_fcfs_when_users_ask_for_the_wrong_gpus():
+    jobs = [Job(f"j{i}", "M", 8, 2000, float(i * 100), gpu_type="b", num_gpus=4) for i in range(20)]
+    results = {}
+    for policy in ("crius", "fcfs"):
+        c = cluster(a=(2, 4), b=(1, 4))
+        results[policy] = simulate(jobs, c, make_policy(policy), ThroughputTable(TOY, c.capacity(), 8), rounds=300).metrics
+    assert results["crius"].mean_jct_s < results["fcfs"].mean_jct_s
+    assert results["crius"].mean_utilisation > results["fcfs"].mean_utilisation
+
+
+# --- traces -------------------------------------------------------------------------------------------------------
+
+CRIUS_HEADER = "job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,gpu_type\n"
+
+
+def test_malformed_rows_are_reported_with_file_and_line(tmp_path: Path):
+    crius = tmp_path / "crius.csv"
+    crius.write_text(CRIUS_HEADER + "ok,10,100,M,500,8,2,a\n"
+                     "missing,20,,M,500,8,2,a\n"            # line 3: no iterations
+                     "unknown,30,100,M,500,8,2,tpu\n"       # line 4: GPU type not in the cluster
+                     "neg,-5,100,M,500,8,2,a\n")            # line 5: negative arrival
+    trace = read_crius(crius, {"a", "b"})
+    assert [j.id for j in trace.jobs] == ["ok"] and trace.rows == 4
+    assert [(i.line, i.message.split()[0]) for i in trace.issues] == [(3, "missing"), (4, "unknown"), (5, "submission_time=-5")]
+    assert str(trace.issues[0]).startswith(f"{crius}:3: ")
+
+    itp = tmp_path / "itp.csv"
+    itp.write_text("job_id,submission_time,duration,num_gpu\nx,0,100,1\ny,5,-3,1\nz,9,100,two\n")
+    raw, issues, rows = read_raw(itp, "itp")
+    assert rows == 3 and [r.id for r in raw] == ["x"]
+    assert [(i.line, i.message) for i in issues] == [(3, "duration=-3 is negative"), (4, "num_gpu='two' is not a number")]
+
+    philly = tmp_path / "philly.csv"
+    philly.write_text("timestamp,duration,num_gpus,gpu_time,cluster\n2017-10-09 07:01:55,66.0,1,66.0,c\n"
+                      "yesterday,66.0,1,66.0,c\n")
+    assert detect_format(philly) == "philly"
+    raw, issues, _ = read_raw(philly, "philly")
+    assert len(raw) == 1 and issues[0].line == 3 and "timestamp" in issues[0].message
+
+
+def test_raw_trace_mapping_is_seeded_and_keeps_the_raw_duration():
+    oracle = TableOracle({**{(m, t, n): (float(n), float(n)) for m in ("moe__2.4B", "bert__1.3B")
+                             for t in ("a", "b") for n in (1, 2, 4, 8)}})
+    table = ThroughputTable(oracle, {"a": 8, "b": 8}, 8)
+    raw = [RawJob(f"r{i}", 100.0 * i + 50, 1000.0, 1 + i % 3) for i in range(200)]
+    first, again = map_raw_jobs(raw, table, seed=7, keep=0.5), map_raw_jobs(raw, table, seed=7, keep=0.5)
+    assert first == again and 60 < len(first) < 140
+    assert first != map_raw_jobs(raw, table, seed=8, keep=0.5)
+    assert first[0].arrival_s == 0.0
+    for job in first:
+        if table.modelled(job):
+            rate = table.rate(job, (job.gpu_type, job.num_gpus))
+            assert job.samples / rate == pytest.approx(1000.0, rel=0.01 + job.global_batch / (rate * 1000))
+            assert job.num_gpus in (1, 2, 4)
+
+
+def test_load_trace_reads_the_real_crius_trace():
+    path = Path(__file__).resolve().parents[1].parent / "shared/data/traces/crius/simulate_trace_philly.csv"
+    if not path.exists():
+        pytest.skip("shared traces not present")
+    table = ThroughputTable(TOY, {"a100": 320, "v100": 320, "a40": 320, "a10": 320}, 32)
+    trace = load_trace(path, table)
+    assert trace.format == "crius" and trace.rows == 1938 and len(trace.jobs) == 1938 and not trace.issues
+    assert trace.jobs[0].arrival_s == 0.0
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------------
+
+def test_omni_simulate_cli(tmp_path: Path, capsys):
+    from omni_core.cli import main
+
+    recipe = tmp_path / "sim.yaml"
+    recipe.write_text(f"""\
+experiment: {{name: sim-test, output_dir: {tmp_path}}}
+cluster:
+  node_groups: [{{gpu_type: a100, nodes: 2, gpus_per_node: 4}}, {{gpu_type: a10, nodes: 2, gpus_per_node: 2}}]
+jobs:
+  - {{name: a, model: bert__760M, global_batch: 128, iterations: 300, gpu_type: a10, num_gpus: 2}}
+  - {{name: b, model: moe__690M, global_batch: 128, iterations: 300, arrival_s: 400, gpu_type: a100, num_gpus: 4}}
+  - {{name: c, model: no_such__1B, global_batch: 128, iterations: 10}}
+schedule: {{policies: [crius, fcfs], max_rounds: 50}}
+""")
+    assert main(["simulate", str(recipe), "--no-track", "--json", "--out", str(tmp_path / "out")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"crius", "fcfs"}
+    for metrics in result.values():
+        assert metrics["jobs_finished"] == 2 and metrics["unmodelled"] == 1
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {
+        "schedule_crius.json", "schedule_fcfs.json", "throughput.png", "utilisation.png", "gantt_crius.png", "summary.txt"}
+    assert main(["simulate", str(recipe), "--no-track", "--trace", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_omni_simulate_logs_schedule_plans_and_figures_to_mlflow(tmp_path: Path, mlflow_uri: str, capsys):
+    from mlflow import MlflowClient
+
+    from omni_core.cli import main
+
+    recipe = tmp_path / "sim.yaml"
+    recipe.write_text(f"""\
+experiment: {{name: sim-mlflow, output_dir: {tmp_path}}}
+cluster: {{node_groups: [{{gpu_type: a100, nodes: 1, gpus_per_node: 4}}]}}
+jobs: [{{name: a, model: bert__760M, global_batch: 128, iterations: 100}}]
+schedule: {{max_rounds: 20}}
+""")
+    assert main(["simulate", str(recipe)]) == 0
+    assert "crius" in capsys.readouterr().out
+    client = MlflowClient(mlflow_uri)
+    run = client.search_runs([client.get_experiment_by_name("sim-mlflow").experiment_id])[0]
+    assert run.info.run_name == "simulate" and run.data.metrics["sim/crius/jobs_finished"] == 1
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"schedule_crius.json", "throughput.png", "gantt_crius.png", "summary.txt"} <= files

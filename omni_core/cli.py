@@ -33,6 +33,8 @@ RUN_EPILOG = f"""\
 stages (each a Prefect flow, each an MLflow child run of one parent run):
   profile   generate the synthetic dataset if it is not on disk yet (data.source=synthetic), then
             measure it: modality mix, token lengths per modality. Logs profile.json and figures.
+  estimate  predicted step time and memory of the recipe's jobs on every Cell (GPU type x count x
+            pipeline stages) with the best plan in each. Logs cells.json and cells.png.
   train     torchrun with parallel.nproc local ranks running omni_core.runtime.launch; rank 0
             logs train/* and perf/* metrics. Checkpoints every train.ckpt_every steps and at the end;
             continues from the newest complete checkpoint when train.resume is true (the default).
@@ -93,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         formatter_class=raw,
-        help="run the whole experiment: profile, train, evaluate",
-        description="Run the experiment flow on RECIPE: profile -> train -> evaluate.",
+        help="run the whole experiment: profile, estimate, train, evaluate",
+        description="Run the experiment flow on RECIPE: profile -> estimate -> train -> evaluate.",
         epilog=RUN_EPILOG,
     )
     _add_recipe_args(run)
@@ -117,6 +119,59 @@ def build_parser() -> argparse.ArgumentParser:
         _add_recipe_args(p)
         if name == "profile":
             p.add_argument("--out", metavar="PATH", help="also write the profile JSON to PATH")
+
+    estimate = sub.add_parser(
+        "estimate",
+        formatter_class=raw,
+        help="predict step time and memory of the recipe's jobs on every Cell of its cluster",
+        description="Enumerate Cells (GPU type x GPU count x nodes x pipeline stages) for the recipe's jobs "
+        "(`jobs:`, or its own model), search the best plan in each and print them ranked by throughput. "
+        "The cluster is `cluster.node_groups`, else `estimate.gpu_types` up to `estimate.max_gpus`. "
+        "No MLflow run (`omni run` logs the stage).",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(estimate)
+    estimate.add_argument("--profile", metavar="PATH", help="a DatasetProfile JSON (document lengths, encoder tokens)")
+    estimate.add_argument("--out", metavar="PATH", help="write the CellTable JSON to PATH")
+    estimate.add_argument("--json", action="store_true", help="print the CellTable as JSON instead of a table")
+
+    simulate = sub.add_parser(
+        "simulate",
+        formatter_class=raw,
+        help="replay a job trace on the recipe's cluster under scheduling policies, side by side",
+        description="Simulate the recipe's cluster in rounds of schedule.round_s seconds with the estimator as "
+        "the throughput oracle: the recipe's jobs, or a trace (Crius, ITP or Philly CSV; raw traces are mapped "
+        "to model jobs with schedule.trace_seed). Prints jobs finished, mean throughput, JCT, decision latency "
+        "per policy; writes SchedulePlan JSONs and figures to --out and logs them to MLflow (run `simulate`).",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(simulate)
+    simulate.add_argument("--trace", metavar="PATH", help="trace CSV instead of schedule.trace")
+    simulate.add_argument("--policy", dest="policies", action="append", metavar="NAME",
+                          choices=["crius", "fcfs", "gavel", "sia"], help="policy to run (repeatable); "
+                          "default: schedule.policies, else schedule.policy")
+    simulate.add_argument("--rounds", type=int, metavar="N", help="rounds to simulate (default schedule.max_rounds)")
+    simulate.add_argument("--out", metavar="DIR", help="directory for the JSONs and figures "
+                          "(default <output_dir>/<experiment>/simulate)")
+    simulate.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    simulate.add_argument("--json", action="store_true", help="print per-policy metrics as JSON instead of a table")
+
+    data = sub.add_parser("data", help="write the recipe's synthetic dataset to disk")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    generate = data_sub.add_parser(
+        "generate",
+        formatter_class=raw,
+        help="write data.synthetic's samples as a JSONL manifest with media files, or WebDataset shards",
+        description="Write the samples data.synthetic describes (length distributions, mix, schedule) to DIR: "
+        "manifest.jsonl beside images/, video/ and audio/, or shard-NNNNNN.tar WebDataset shards of "
+        "data.synthetic.shard_size samples. The same recipe writes the same bytes. With a schedule, the samples "
+        "replay it in file order (sample i at step i * horizon / N).",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(generate)
+    generate.add_argument("--out", required=True, metavar="DIR", help="folder to write (replaced if it exists)")
+    generate.add_argument("--format", choices=["jsonl", "wds"], help="default: data.synthetic.format")
+    generate.add_argument("--num", type=int, metavar="N", help="samples to write (default: data.synthetic.num_samples)")
 
     recipe = sub.add_parser("recipe", help="check or show a recipe without running anything")
     recipe_sub = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
@@ -207,6 +262,67 @@ def _flow_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate_command(args: argparse.Namespace) -> int:
+    from omni_core.estimator.stage import estimate_recipe, format_table
+
+    profile = None
+    if args.profile:
+        from omni_core.data.profile import DatasetProfile
+
+        profile = DatasetProfile.load(args.profile)
+    try:
+        table = estimate_recipe(_load(args), profile)
+    except (KeyError, ValueError) as e:
+        print(f"omni: estimate: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.out:
+        Path(args.out).write_text(table.to_json())
+    print(table.to_json() if args.json else format_table(table))
+    return 0
+
+
+def _simulate_command(args: argparse.Namespace) -> int:
+    from omni_core.scheduler import report
+    from omni_core.scheduler.study import compare, prepare
+
+    recipe = _load(args)
+    if not args.no_track:
+        from omni_core.tracking import check_tracking_uri, resolve_tracking_uri
+
+        check_tracking_uri(resolve_tracking_uri(recipe))
+    try:
+        study = prepare(recipe, trace=args.trace)
+    except ValueError as e:
+        print(f"omni: simulate: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    plans = compare(study, args.policies or recipe.schedule.policies or [recipe.schedule.policy], args.rounds)
+    out = args.out or f"{recipe.experiment.output_dir}/{recipe.experiment.name}/simulate"
+    if args.no_track:
+        report.save_study(plans, out)
+    else:
+        report.log_study(plans, recipe, out)
+    if args.json:
+        print(json.dumps({name: p.metrics.model_dump() for name, p in plans.items()}))
+    else:
+        print(report.format_table(plans))
+        for issue in study.trace.issues[:20] if study.trace else ():
+            print(f"  malformed row skipped: {issue}")
+        print(f"  files: {out}")
+    return 0
+
+
+def _data_command(args: argparse.Namespace) -> int:
+    from omni_core.data.synthetic import generate_dataset
+
+    if args.num is not None and args.num < 1:
+        print(f"omni: data generate: --num must be at least 1, got {args.num}", file=sys.stderr)
+        return USAGE_ERROR
+    recipe = _load(args)
+    location = generate_dataset(recipe, Path(args.out), fmt=args.format, num=args.num)
+    print(f"wrote {args.num or recipe.data.synthetic.num_samples} samples: {location}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from omni_core.recipe import RecipeError
@@ -215,6 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "recipe":
             return _recipe_command(args)
+        if args.command == "estimate":
+            return _estimate_command(args)
+        if args.command == "simulate":
+            return _simulate_command(args)
+        if args.command == "data":
+            return _data_command(args)
         return _flow_command(args)
     except (RecipeError, TrackingError) as e:
         print(f"omni: {e}", file=sys.stderr)

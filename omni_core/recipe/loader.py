@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_core.recipe.schema import Recipe, recipe_hash
+from omni_core.recipe.schema import Recipe
 
 EXTENDS_KEY = "extends"
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Modality = Literal["text", "image", "audio"]
-MODALITIES: tuple[str, ...] = ("text", "image", "audio")
+Modality = Literal["text", "image", "audio", "video"]
+MODALITIES: tuple[str, ...] = ("text", "image", "audio", "video")
 
 
 class Strict(BaseModel):
@@ -45,39 +46,165 @@ class Range(Strict):
         return self
 
 
-class SyntheticConfig(Strict):
-    """Seeded generator of a learnable on-disk multimodal dataset (JSONL + PNG + WAV)."""
+def _check_mix(mix: dict[str, float]) -> None:
+    if not mix or sum(mix.values()) <= 0 or min(mix.values()) < 0:
+        raise ValueError("mix needs non-negative shares with a positive sum")
 
-    num_samples: int = Field(2000, ge=1)
+
+class LengthDist(Range):
+    """An integer length: uniform on [min, max], or normal / log-normal clipped to [min, max]."""
+
+    kind: Literal["uniform", "normal", "lognormal"] = "uniform"
+    center: float = Field(0.0, ge=0, description="normal: mean; lognormal: median; unused by uniform")
+    spread: float = Field(0.0, ge=0, description="normal: standard deviation; lognormal: sigma of the log")
+
+    @model_validator(mode="after")
+    def _shaped(self) -> LengthDist:
+        if self.kind != "uniform" and not (self.min <= self.center <= self.max and self.spread > 0):
+            raise ValueError(f"{self.kind} needs min <= center <= max and spread > 0")
+        return self
+
+
+class MixPoint(Strict):
+    step: int = Field(ge=0, description="Training step: micro-batches a rank has drawn (= optimizer steps at 1 accum)")
+    mix: dict[Modality, float]
+
+    @model_validator(mode="after")
+    def _mix_positive(self) -> MixPoint:
+        _check_mix(self.mix)
+        return self
+
+
+class MixBurst(Strict):
+    """`modality` takes `share` of the samples for `steps` steps from `start`, again every `every` steps (0: once);
+    the other modalities keep their proportions in the rest."""
+
+    modality: Modality
+    share: float = Field(gt=0, le=1)
+    start: int = Field(ge=0)
+    steps: int = Field(ge=1)
+    every: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _period(self) -> MixBurst:
+        if self.every and self.every <= self.steps:
+            raise ValueError(f"every ({self.every}) must be 0 or longer than steps ({self.steps})")
+        return self
+
+
+class SyntheticConfig(Strict):
+    """Seeded generator of learnable multimodal samples, written to disk (data.source=synthetic, `omni data
+    generate`) or drawn on the fly (data.source=dynamic). The defaults are small, for CPU runs; each length
+    field names the public statistic that a real-scale setting mimics (see recipes/dynamic_mix.yaml)."""
+
+    num_samples: int = Field(2000, ge=1, description="Samples written; dynamic: samples profiled, and held-out pool")
     mix: dict[Modality, float] = Field(
         default_factory=lambda: {"text": 0.4, "image": 0.4, "audio": 0.2},
         description="Share of samples whose non-text segment is of each modality",
     )
-    text_words: Range = Field(default_factory=lambda: Range(min=4, max=24))
-    image_side_px: Range = Field(default_factory=lambda: Range(min=16, max=48))
-    audio_ms: Range = Field(default_factory=lambda: Range(min=200, max=800))
+    schedule: list[MixPoint] = Field(
+        default_factory=list,
+        description="Mix by training step, linear between points, held outside them; empty: `mix` throughout. "
+        "Written datasets spread the schedule's steps evenly over their samples, in order",
+    )
+    bursts: list[MixBurst] = Field(default_factory=list, description="Temporary surges of one modality")
+    text_words: Range = Field(
+        default_factory=lambda: Range(min=4, max=24), description="Words of a text-only sample if text_tokens is unset"
+    )
+    text_tokens: LengthDist | None = Field(
+        None,
+        description="Tokens of a text-only sample (unset: 3 per text_words word + 3). Web text: C4.en holds 156B "
+        "tokens in 365M documents, 427 per document on average (Dodge et al. 2021); its spread is ours",
+    )
+    long_doc_share: float = Field(0.0, ge=0, le=1, description="Share of text-only samples that are long documents")
+    long_doc_tokens: LengthDist = Field(
+        default_factory=lambda: LengthDist(min=32768, max=131072),
+        description="Tokens of a long document. PG-19: 28,752 books averaging 69k words, ~90k tokens (Rae et al. 2019)",
+    )
+    image_side_px: LengthDist = Field(
+        default_factory=lambda: LengthDist(min=16, max=48),
+        description="Image width and height, drawn independently. COCO 2017: longest side 640 px, the other "
+        "mostly 427-480 px (640x480, 640x427 and their portrait forms)",
+    )
+    audio_ms: LengthDist = Field(
+        default_factory=lambda: LengthDist(min=200, max=800),
+        description="Clip duration, in whole 160 ms tones. LibriSpeech train-clean-100: 100.6 h in 28,539 "
+        "utterances, mean 12.7 s, cut at silences into segments of at most 35 s",
+    )
+    video_frames: LengthDist = Field(
+        default_factory=lambda: LengthDist(min=4, max=8),
+        description="Frames stored per clip at 1 frame/s. MSR-VTT: 10,000 clips of 10-30 s, 41.2 h (mean 14.8 s)",
+    )
+    video_side_px: LengthDist = Field(
+        default_factory=lambda: LengthDist(min=16, max=32), description="Frame width and height. MSR-VTT: 320x240"
+    )
+    format: Literal["jsonl", "wds"] = Field(
+        "jsonl", description="On disk: a JSONL manifest beside media files, or WebDataset .tar shards"
+    )
+    shard_size: int = Field(1000, ge=1, description="Samples per WebDataset shard")
 
     @model_validator(mode="after")
     def _mix_positive(self) -> SyntheticConfig:
-        if not self.mix or sum(self.mix.values()) <= 0 or min(self.mix.values()) < 0:
-            raise ValueError("mix needs non-negative shares with a positive sum")
+        _check_mix(self.mix)
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_ordered(self) -> SyntheticConfig:
+        steps = [point.step for point in self.schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"schedule steps must increase strictly, got {steps}")
         return self
 
 
 class DataConfig(Strict):
-    source: Literal["synthetic", "jsonl"] = Field(
-        "synthetic", description="synthetic: generate into `path` if it has no manifest; jsonl: read `path`"
+    source: Literal["synthetic", "jsonl", "wds", "dynamic"] = Field(
+        "synthetic",
+        description="synthetic: generate into `path` (in synthetic.format) unless there already, then read it; "
+        "jsonl: a manifest (a .jsonl file or a folder holding manifest.jsonl); wds: WebDataset shards (a .tar "
+        "or a folder of them); both local or s3://bucket/key; dynamic: drawn on the fly from data.synthetic, "
+        "following its schedule by training step",
     )
-    path: str = Field("", description="Dataset directory holding manifest.jsonl (default: <output_dir>/data/<name>)")
+    path: str = Field("", description="Dataset location, local or s3:// (default: <output_dir>/data/<name>)")
+    s3_endpoint_url: str = Field(
+        "", description="S3-compatible endpoint such as MinIO (http://minio:9000); empty: $AWS_ENDPOINT_URL or AWS"
+    )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     heldout_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
     seq_len: int = Field(512, ge=16, description="Token budget of one packed sequence")
     micro_batch: int = Field(1, ge=1, description="Packed sequences per rank per micro-step")
+    pack_lookahead: float = Field(
+        1.5, ge=1, le=8, description="Pending samples the packer picks from, in batches' worth of tokens"
+    )
+    num_workers: int = Field(
+        0, ge=0, description="Decoding processes per rank (0: decode in the training process); changes data order"
+    )
     patch_size: int = Field(8, ge=1, description="Image patch side in pixels")
     max_image_patches: int = Field(64, ge=1, description="Images with more patches are downscaled")
+    min_image_patches: int = Field(1, ge=1, description="Images with fewer patches are upscaled")
+    max_image_pixels: int = Field(
+        50_000_000, ge=1, description="Images with more pixels are skipped as oversized (decompression-bomb guard)"
+    )
+    video_max_frames: int = Field(8, ge=1, description="Frames sampled evenly from a video clip")
+    video_frame_patches: int = Field(16, ge=1, description="Patch budget of one sampled video frame")
     sample_rate: int = Field(16000, ge=1000)
     n_mels: int = Field(32, ge=4)
-    profile_max_samples: int = Field(0, ge=0, description="0 = profile every sample")
+    profile_max_samples: int = Field(
+        0, ge=0, description="Profile the first N samples of the stream (0: all; dynamic: synthetic.num_samples)"
+    )
+    profile_window: int = Field(1000, ge=10, description="Samples per drift window of the profile")
+    drift_threshold: float = Field(
+        0.1, gt=0, lt=1,
+        description="A window drifts when the KS statistic of its token lengths, or the total-variation distance "
+        "of its mix, against the first window exceeds this (and the KS test is significant at 0.1%)",
+    )
+    profile_decode: bool = Field(False, description="Profile by decoding every sample: finds bad files, times decoding")
+
+    @model_validator(mode="after")
+    def _patch_budget(self) -> DataConfig:
+        if self.min_image_patches > self.max_image_patches:
+            raise ValueError(f"min_image_patches ({self.min_image_patches}) exceeds max_image_patches "
+                             f"({self.max_image_patches})")
+        return self
 
 
 class ModelConfig(Strict):
@@ -110,6 +237,7 @@ class NodeGroup(Strict):
     gpu_type: str
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1)
+    interconnect: str = Field("", description="Link between nodes, e.g. ib-200g (informational for the scheduler)")
 
 
 class ClusterConfig(Strict):
@@ -128,10 +256,35 @@ class JobConfig(Strict):
     num_gpus: int | None = Field(None, ge=1)
 
 
+class EstimateConfig(Strict):
+    """The estimate stage (Crius Cells): which GPUs to price the recipe's jobs on, and catalogue overrides."""
+
+    gpu_types: list[str] = Field(
+        default_factory=lambda: ["cpu"], description="GPU types to estimate on when cluster.node_groups is empty"
+    )
+    max_gpus: int = Field(4, ge=1, description="Largest Cell (GPUs) per type when cluster.node_groups is empty")
+    layout: Literal["omni", "coupled"] = Field("omni", description="Where MLLM encoders run (see DESIGN.md §3)")
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision of the recipe's model")
+    gpus: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="GPU catalogue overrides or new types, e.g. {a100: {inter_bw: 5.0e10}} (fields of GpuSpec)",
+    )
+
+
 class ScheduleConfig(Strict):
     policy: Literal["crius", "fcfs", "gavel", "sia"] = "crius"
     round_s: float = Field(300.0, gt=0)
     max_rounds: int = Field(2000, ge=1)
+    policies: list[Literal["crius", "fcfs", "gavel", "sia"]] = Field(
+        default_factory=list, description="Policies `omni simulate` compares side by side; empty: [policy]"
+    )
+    trace: str = Field("", description="Job trace CSV replayed by `omni simulate`; empty: the recipe's jobs")
+    trace_format: Literal["auto", "crius", "itp", "philly"] = "auto"
+    trace_seed: int = Field(0, description="Seed of the mapping from raw trace rows to model jobs")
+    trace_keep: float = Field(1.0, gt=0, le=1, description="Seeded share of raw-trace jobs kept")
+    trace_start_s: float = Field(0.0, ge=0, description="Replay from this many seconds after the trace's first arrival")
+    restart_s: float = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
+    max_gpus_per_job: int = Field(32, ge=1)
 
 
 class TrainConfig(Strict):
@@ -143,6 +296,10 @@ class TrainConfig(Strict):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     grad_accum: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Autocast compute dtype; auto: bfloat16 on GPUs that support it, else float32"
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute transformer blocks in backward")
     log_every: int = Field(10, ge=1)
     ckpt_every: int = Field(50, ge=0, description="0: only the final checkpoint")
     keep_last: int = Field(2, ge=1)
@@ -162,12 +319,24 @@ class TrainConfig(Strict):
 
 class EvalConfig(Strict):
     max_batches: int = Field(50, ge=1, description="Held-out packed sequences per rank to evaluate")
+    generate_samples: int = Field(16, ge=0, description="Held-out documents per modality captioned greedily")
+    max_new_tokens: int = Field(64, ge=1, description="Decoding budget per caption/transcript")
 
 
 class TrackingConfig(Strict):
     uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment: str | None = Field(None, description="MLflow experiment; default: experiment.name")
     flush_every_s: float = Field(2.0, gt=0, description="Metric batches are sent at most this often")
+    registered_model: str = Field("", description="Model Registry name for the final checkpoint; default: experiment.name")
+    model_alias: str = Field(
+        "current", pattern=r"^[A-Za-z0-9_-]+$", description="Alias moved to each newly registered version"
+    )
+
+    @model_validator(mode="after")
+    def _alias_not_reserved(self) -> TrackingConfig:
+        if re.fullmatch(r"latest|v\d+", self.model_alias, flags=re.IGNORECASE):
+            raise ValueError(f"model_alias {self.model_alias!r} is reserved by MLflow ('latest', 'v<N>')")
+        return self
 
 
 class Recipe(Strict):
@@ -177,6 +346,7 @@ class Recipe(Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     jobs: list[JobConfig] = Field(default_factory=list)
+    estimate: EstimateConfig = Field(default_factory=EstimateConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -195,10 +365,11 @@ class Recipe(Strict):
         changed model or schedule starts afresh instead of loading incompatible or foreign state.
         Operational settings (logging, checkpoint cadence, timeouts, evaluation, tracking) are left out.
         """
-        operational = {"resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir"}
+        operational = {"resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
+                       "activation_checkpointing"}
         identity = {
             "seed": self.experiment.seed,
-            "data": self.data.model_dump(mode="json", exclude={"profile_max_samples"}),
+            "data": self.data.model_dump(mode="json", exclude=PROFILE_ONLY | {"s3_endpoint_url"}),
             "model": self.model.model_dump(mode="json"),
             "parallel": self.parallel.model_dump(mode="json", exclude={"backend"}),
             "train": self.train.model_dump(mode="json", exclude=operational),
@@ -207,6 +378,9 @@ class Recipe(Strict):
 
     def mlflow_experiment(self) -> str:
         return self.tracking.experiment or self.experiment.name
+
+
+PROFILE_ONLY = {"profile_max_samples", "profile_window", "drift_threshold", "profile_decode"}
 
 
 def recipe_hash(recipe: Recipe) -> str:

@@ -23,7 +23,7 @@ def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
 
 
 @pytest.mark.slow
-def test_experiment_flow_logs_a_parent_run_with_three_stage_runs(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
+def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
     from mlflow import MlflowClient
 
     from flows.experiment import experiment_flow

@@ -317,8 +317,16 @@ def _data_command(args: argparse.Namespace) -> int:
     if args.num is not None and args.num < 1:
         print(f"omni: data generate: --num must be at least 1, got {args.num}", file=sys.stderr)
         return USAGE_ERROR
+    from rich.console import Console
+    from rich.progress import Progress
+
     recipe = _load(args)
-    location = generate_dataset(recipe, Path(args.out), fmt=args.format, num=args.num)
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("generating samples", total=args.num or recipe.data.synthetic.num_samples)
+        location = generate_dataset(
+            recipe, Path(args.out), lambda done, _: bar.update(task, completed=done), fmt=args.format, num=args.num
+        )
     print(f"wrote {args.num or recipe.data.synthetic.num_samples} samples: {location}")
     return 0
 
@@ -326,6 +334,7 @@ def _data_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from omni_core.recipe import RecipeError
+    from omni_core.runtime.ckpt_store import CheckpointError
     from omni_core.tracking import TrackingError
 
     try:
@@ -338,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "data":
             return _data_command(args)
         return _flow_command(args)
-    except (RecipeError, TrackingError) as e:
+    except (RecipeError, TrackingError, CheckpointError) as e:
         print(f"omni: {e}", file=sys.stderr)
     except FileNotFoundError as e:
         print(f"omni: no such file: {e.filename}" if e.filename else f"omni: {e}", file=sys.stderr)

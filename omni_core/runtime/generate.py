@@ -32,12 +32,12 @@ class Document:
     audio_mels: torch.Tensor
     audio_frames: torch.Tensor
 
-    def prefix(self, length: int) -> PackedBatch:
-        """The first `length` tokens as a one-document batch (with all of the document's encoder inputs)."""
-        ids = self.input_ids[:length]
+    def with_tokens(self, ids: torch.Tensor) -> PackedBatch:
+        """`ids` (a prefix of this document, maybe extended by decoding) as a one-document batch with all of
+        the document's encoder inputs."""
         return PackedBatch(
-            input_ids=ids, labels=torch.full_like(ids, -100), position_ids=torch.arange(length),
-            cu_seqlens=torch.tensor([0, length], dtype=torch.int32),
+            input_ids=ids, labels=torch.full_like(ids, -100), position_ids=torch.arange(len(ids)),
+            cu_seqlens=torch.tensor([0, len(ids)], dtype=torch.int32),
             loss_modality=torch.full_like(ids, MODALITY_IDS[self.modality]),
             image_patches=self.image_patches, image_grids=self.image_grids,
             audio_mels=self.audio_mels, audio_frames=self.audio_frames, num_samples=1,
@@ -82,9 +82,7 @@ def greedy_caption(model: OmniModel, doc: Document, max_new: int) -> tuple[str, 
     generated: list[int] = []
     ids = doc.input_ids[:prompt]
     for _ in range(max_new):
-        batch = Document(doc.modality, ids, doc.image_patches, doc.image_grids, doc.audio_mels,
-                         doc.audio_frames).prefix(len(ids))
-        token = int(model(batch)[-1].argmax())
+        token = int(model(doc.with_tokens(ids))[-1].argmax())
         if token == EOS_ID or token >= NUM_BYTES:
             break
         generated.append(token)

@@ -1,5 +1,5 @@
 """Checkpoints in MLflow: a pointer and the manifest on the train run, and the final checkpoint as a
-version of a registered model with a moving alias (e.g. `models:/quickstart@latest`)."""
+version of a registered model with a moving alias (e.g. `models:/quickstart@current`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from pathlib import Path
 
 from omni_core.tracking.store import mlflow_client
 from omni_core.tracking.tracker import MlflowTracker
-
-MANIFEST = "manifest.json"
 
 
 def log_checkpoint(run: MlflowTracker, location: str, manifest: Path) -> str:

@@ -187,12 +187,13 @@ def test_audio_frames_must_subsample_to_audio_tokens(model: OmniModel) -> None:
         model.audio(torch.randn(9, N_MELS), torch.tensor([9]))
 
 
-def test_text_only_batch_skips_encoders(model: OmniModel) -> None:
+def test_text_only_batch_runs_encoders_on_dummies_with_zero_gradients(model: OmniModel) -> None:
     batch = make_batch([[("text", 8)], [("text", 5)]])
     logits = model(batch)
     assert logits.shape == (13, VOCAB_SIZE) and torch.isfinite(logits).all()
     logits.sum().backward()
-    assert all(p.grad is None for p in [*model.vision.parameters(), *model.audio.parameters()])
+    encoders = [*model.vision.parameters(), *model.audio.parameters(), *model.projectors.parameters()]
+    assert all(p.grad is not None and not p.grad.any() for p in encoders)
     assert all(p.grad is not None for p in model.llm.parameters())
 
 

@@ -46,9 +46,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.wq(x).view(tokens, self.n_heads, self.head_dim)
-        k = self.wk(x).view(tokens, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(tokens, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(tokens, -1, self.head_dim)
+        k = self.wk(x).view(tokens, -1, self.head_dim)
+        v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.attend(q, k, v, cu_seqlens, causal=True).flatten(1))
 
@@ -75,13 +76,17 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
 
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (+ optional shared expert). Every token reaches its k experts: no capacity
-    factor, no dropping. `aux_loss` holds the last forward's load-balancing loss (unweighted)."""
+    factor, no dropping. `aux_loss` holds the last forward's load-balancing loss (unweighted).
+
+    `experts` is keyed by the global expert index, so that an expert-parallel rank can keep only its own
+    experts while every parameter keeps its global name (`experts.<e>.w1.weight`): checkpoints then reshard
+    between plans. The forward runs the experts present."""
 
     def __init__(self, dim: int, hidden: int, args: MoEArgs):
         super().__init__()
         self.args = args
         self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(args.num_experts))
+        self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden) for e in range(args.num_experts)})
         self.shared_expert = FeedForward(dim, hidden) if args.shared_expert else None
         self.aux_loss: torch.Tensor | None = None
 
@@ -96,8 +101,8 @@ class MoE(nn.Module):
         probs, experts, weights = self.route(x)
         self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts)
         out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(experts == e)
+        for e, expert in self.experts.items():
+            token, slot = torch.where(experts == int(e))
             # Every expert runs, even on no tokens, so all of them are in the autograd graph on every rank.
             y = expert(x[token]) * weights[token, slot, None].to(x.dtype)
             out = out.index_add(0, token, y)
@@ -123,6 +128,10 @@ class TransformerBlock(nn.Module):
 
 class LLM(nn.Module):
     """Decoder over flat packed tokens. Takes embeddings, not ids, so encoder outputs can be anchored first.
+
+    A pipeline stage is this module with some `layers` deleted and `tok_embeddings` (all but the first
+    stage) or `norm` and `output` (all but the last) set to None; parameter names stay those of the whole
+    model, so checkpoints move between pipeline layouts.
 
     After each forward, `aux_loss` is the MoE load-balancing loss already weighted by `aux_loss_coef` and
     summed over layers (a zero tensor for a dense model): the trainer adds it to the LM loss. It is an
@@ -153,4 +162,6 @@ class LLM(nn.Module):
             h = layer(h, cos, sin, offsets)
         aux = [layer.moe.aux_loss for layer in self.layers.values() if layer.moe_enabled]
         self.aux_loss = self.args.moe.aux_loss_coef * torch.stack(aux).sum() if aux else h.new_zeros(())
+        if self.output is None:  # a pipeline stage before the last one hands on hidden states
+            return h
         return self.output(self.norm(h))

@@ -30,18 +30,50 @@ class OmniModel(nn.Module):
         self.audio = AudioEncoder(args.audio)
         self.projectors = nn.ModuleDict({name: Projector(*dims) for name, dims in projector_dims(args).items()})
         self.llm = LLM(args.llm)
+        self.token_index: torch.Tensor | None = None  # this rank's packed positions under context parallelism
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole model, or one pipeline stage of it (see `parallel.pipeline`): a stage without the token
+        embedding continues from `hidden`; one without the output head returns hidden states.
+
+        Under context parallelism `token_index` holds the packed positions this rank keeps: the full
+        sequence is embedded, then the LLM runs on this rank's tokens only (`cu_seqlens` stays global)."""
+        if self.llm.tok_embeddings is not None:
+            hidden = self.embed(batch)
+            if self.token_index is not None:
+                hidden = hidden[self.token_index]
+        elif hidden is None:
+            raise ValueError("this pipeline stage has no token embedding: pass the previous stage's hidden states")
+        positions = batch.position_ids if self.token_index is None else batch.position_ids[self.token_index]
+        return self.llm(hidden, positions, batch.cu_seqlens)
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
+        """Token embeddings with the encoders' outputs anchored at their placeholders: [T, dim].
+
+        An encoder whose modality is absent from the batch still runs, on a one-window dummy input whose
+        output is added times zero: every rank then runs the same modules with the same collectives
+        (sharded parameters are gathered in forward and reduced in backward on all ranks alike) and every
+        trainable parameter gets a gradient, zero where it saw nothing."""
         embeds = self.llm.embed(batch.input_ids)
-        image_embeds = None
+        unused = embeds.new_zeros(())
         if batch.image_grids.shape[0] > 0:
             image_embeds = self.project_image(self.vision(batch.image_patches, batch.image_grids), batch.image_grids)
-        audio_embeds = None
+            embeds = anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, image_embeds, "image")
+        else:
+            anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, None, "image")
+            merge = self.args.spatial_merge
+            grid = torch.tensor([[merge, merge]], device=embeds.device)
+            patches = embeds.new_zeros(merge * merge, self.args.vision.patch_dim)
+            unused = unused + self.project_image(self.vision(patches, grid), grid).sum()
         if batch.audio_frames.shape[0] > 0:
             audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, batch.audio_frames))
-        embeds = anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, image_embeds, "image")
-        embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
-        return self.llm(embeds, batch.position_ids, batch.cu_seqlens)
+            embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
+        else:
+            anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, None, "audio")
+            frames = torch.tensor([2], device=embeds.device)
+            mels = embeds.new_zeros(2, self.args.audio.n_mels)
+            unused = unused + self.projectors["audio"](self.audio(mels, frames)).sum()
+        return embeds + 0.0 * unused.to(embeds.dtype)
 
     @property
     def aux_loss(self) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         logits = moe.router(token)
         top = logits.topk(moe.args.top_k).indices
         weights = logits[top].softmax(dim=0)
-        y = sum(w * moe.experts[int(e)](token) for w, e in zip(weights, top))
+        y = sum(w * moe.experts[str(int(e))](token) for w, e in zip(weights, top))
         out.append(y + (moe.shared_expert(token) if moe.shared_expert is not None else 0))
     return torch.stack(out)
 
@@ -34,7 +34,7 @@ def test_every_token_reaches_exactly_k_experts(shared: bool) -> None:
     with torch.no_grad():
         moe.router.weight[0, 0] = 10.0  # skew: every token prefers expert 0, which must still take them all
     seen = []
-    hooks = [e.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0])) for e in moe.experts]
+    hooks = [e.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0])) for e in moe.experts.values()]
     out = moe(x)
     for hook in hooks:
         hook.remove()

@@ -1,0 +1,107 @@
+"""Expert parallelism (EP) for `MoE`, folded into data parallelism.
+
+The ranks of an EP group are data-parallel ranks: each holds its own tokens, routes them with its replica of
+the router, and sends every (token, slot) assignment to the rank that owns the chosen expert; the owners run
+their experts and send the results back. Rank r of a group of size ep owns experts [r*E/ep, (r+1)*E/ep) and
+deletes the others; the kept parameters keep their global names, so checkpoints reshard between plans.
+
+Gradients: the backward of the dispatch/combine all-to-alls brings every group rank's contribution to the
+owner, so an owner's expert gradient is already the sum over the group's tokens. The router and shared expert
+stay replicated and get the gradient of the rank's own tokens. A caller summing gradients over data-parallel
+ranks must therefore sum expert gradients only over the ranks with the same EP index (the same experts).
+
+Every rank of a group must run the same sequence of MoE forwards and backwards, and agree on whether the
+input requires grad: each forward and backward is a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omni_core.models.llm import MoE, load_balancing_loss
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    # all_to_all_single with split sizes: the list form of all_to_all fails on gloo with unequal sizes.
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Differentiable uneven all-to-all along dim 0: its backward is the reverse exchange (splits swapped)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class ExpertParallelMoE(MoE):
+    """`MoE` whose routed experts are spread over `ep_group`; installed by `apply_expert_parallel`."""
+
+    ep_group: dist.ProcessGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, experts, weights = self.route(x)
+        self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts)  # this rank's own tokens
+        out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
+        ep = dist.get_world_size(self.ep_group)
+        mine = local_experts(self.args.num_experts, ep, dist.get_rank(self.ep_group))
+        # (token, slot) assignments sorted by expert, hence grouped by owner rank in rank order.
+        order = experts.flatten().argsort(stable=True)
+        token = order // self.args.top_k
+        counts = torch.bincount(experts.flatten(), minlength=self.args.num_experts)
+        # recv[s, j]: how many assignments source rank s sends to my j-th expert.
+        recv = _all_to_all(counts, [len(mine)] * ep, [len(mine)] * ep, self.ep_group).view(ep, len(mine))
+        send_splits = counts.view(ep, len(mine)).sum(dim=1).tolist()
+        recv_splits = recv.sum(dim=1).tolist()
+        received = AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group)
+        # Received rows come by source rank, each source's rows by expert: group them by my experts.
+        local = torch.arange(len(mine), device=x.device).repeat(ep).repeat_interleave(recv.flatten())
+        by_expert = local.argsort(stable=True)
+        chunks = received[by_expert].split(recv.sum(dim=0).tolist())
+        # Every local expert runs, even on no tokens: all its parameters get gradients (zeros), on every rank.
+        y = torch.cat([self.experts[str(e)](chunk) for e, chunk in zip(mine, chunks, strict=True)])
+        combined = AllToAll.apply(y[by_expert.argsort()], send_splits, recv_splits, self.ep_group)
+        return out.index_add(0, token, combined * weights.flatten()[order, None].to(x.dtype))
+
+
+def local_experts(num_experts: int, ep: int, rank: int) -> range:
+    """The experts that rank `rank` of an EP group of size `ep` owns: a contiguous block of E/ep."""
+    if num_experts % ep:
+        raise ValueError(f"expert parallelism: ep={ep} does not divide num_experts={num_experts}")
+    per_rank = num_experts // ep
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def apply_expert_parallel(moe: MoE, group: dist.ProcessGroup) -> None:
+    """Keep only this rank's experts (`local_experts`) and exchange tokens with the other owners.
+
+    Apply it to a fully built and initialised model: deleting experts before `init_weights` would shift the
+    seeded initialisation of every later module."""
+    keep = local_experts(moe.args.num_experts, dist.get_world_size(group), dist.get_rank(group))
+    for e in range(moe.args.num_experts):
+        if e not in keep:
+            del moe.experts[str(e)]
+    moe.__class__ = ExpertParallelMoE  # as FSDP's fully_shard does: same state, EP forward
+    moe.ep_group = group
+
+
+def apply_expert_parallel_to_model(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """`apply_expert_parallel` on every `MoE` inside `model` (an LLM or OmniModel)."""
+    for module in list(model.modules()):
+        if isinstance(module, MoE):
+            apply_expert_parallel(module, group)
+

@@ -61,7 +61,7 @@ def test_model_fit_names_every_degree_that_does_not_divide():
         )
     message = str(err.value)
     for expected in ("tp=8 does not divide n_kv_heads=4", "pp=8 x virtual_stages=1 exceeds n_layers=4",
-                     "ep=2 needs an MoE model", "needs seq_len=250 divisible by 4"):
+                     "ep=2 needs an MoE model", "cp=2 (ring) x tp=8 needs seq_len=250 divisible by 32"):
         assert expected in message
     with pytest.raises(PlanError, match=r"cp=4 \(ulysses\) does not divide the 2 heads per tp rank"):
         ParallelPlan(tp=4, cp=4).check_model(ModelShape(n_layers=4, n_heads=8, n_kv_heads=8))

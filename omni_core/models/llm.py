@@ -67,11 +67,24 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, sequence_group=None) -> torch.Tensor:
     """Switch Transformer auxiliary loss, E * sum_e f_e * P_e: f_e is the share of the T*k routing slots that
-    went to expert e, P_e the mean router probability of e. Equals 1 under perfectly uniform routing."""
+    went to expert e, P_e the mean router probability of e. Equals 1 under perfectly uniform routing.
+
+    `sequence_group`: ranks that hold parts of the same sequences (context parallelism). Their routing
+    statistics are summed (the probabilities through a differentiable all-reduce), so every rank gets the
+    loss of the whole sequence, as one process would."""
     counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
-    return num_experts * torch.dot(counts / experts.numel(), probs.mean(dim=0))
+    prob_sums = probs.sum(dim=0)
+    tokens = torch.tensor([float(probs.shape[0])], dtype=probs.dtype, device=probs.device)
+    if sequence_group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        dist.all_reduce(counts, group=sequence_group)
+        dist.all_reduce(tokens, group=sequence_group)
+        prob_sums = all_reduce(prob_sums, group=sequence_group)
+    return num_experts * torch.dot(counts / (tokens * experts.shape[-1]), prob_sums / tokens)
 
 
 class MoE(nn.Module):
@@ -89,6 +102,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden) for e in range(args.num_experts)})
         self.shared_expert = FeedForward(dim, hidden) if args.shared_expert else None
         self.aux_loss: torch.Tensor | None = None
+        self.sequence_group = None  # set under context parallelism, see load_balancing_loss
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> router probabilities [T, E], chosen experts [T, k], their weights [T, k] (renormalised to sum 1,
@@ -99,7 +113,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs, experts, weights = self.route(x)
-        self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts)
+        self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts, self.sequence_group)
         out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
         for e, expert in self.experts.items():
             token, slot = torch.where(experts == int(e))

@@ -1,36 +1,243 @@
-"""`parallelize_omni(model, plan, ...)`: applies a plan to an OmniModel in one fixed order, as torchtitan
-does — tensor parallel -> activation checkpointing -> compile -> FSDP — so every combination composes the
-same way. Steps the runtime does not execute yet are refused earlier, by `executable_plan`; data parallelism
-is the trainer's gradient all-reduce."""
+"""`parallelize_omni(part, plan, meshes, ...)`: applies a plan to an OmniModel (or one pipeline stage of it) in
+one fixed order, as torchtitan does, so every combination composes the same way:
+
+    tensor parallel -> expert parallel -> context parallel -> activation checkpointing -> compile -> FSDP
+
+Gradient convention. Every rank backpropagates its own share of the step's loss (its tokens' summed loss over
+the step's global target count), so a parameter's true gradient is the SUM of the ranks' gradients over
+the data-parallel and context-parallel ranks; FSDP is set to sum (divide factor 1), not to average.
+Tensor parallelism goes through DTensor, whose redistributions give every TP rank the full gradient of
+the parameters it replicates (encoders, embeddings, norms, routers). Experts under EP live on one rank of
+their EP group; their data-parallel replicas are the ranks with the same EP index (`dp_mod_ep`).
+
+Simplifications, stated: the encoders are replicated over TP and CP ranks (each runs them on its batch;
+the LLM is what these degrees split); MoE experts are split by EP, never by TP (under TP every rank of the
+group runs the experts on the same tokens).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from omni_core.models.omni import OmniModel
-from omni_core.parallel.plan import ParallelPlan
+from omni_core.parallel.plan import MESH_ORDER, ParallelPlan
 
 
-def transformer_blocks(model: OmniModel) -> list[tuple[nn.Module, str]]:
-    """(container, key) of every transformer block: the encoders' and the LLM's `layers`."""
+@dataclass
+class ParallelMeshes:
+    """This rank's process groups for a plan. `dp_mesh` is FSDP's (dp_replicate, dp_shard x cp) mesh, None
+    when there is a single replica; `expert_dp_mesh` is the experts' (dp_replicate, dp_mod_ep) mesh."""
+
+    plan: ParallelPlan
+    world: DeviceMesh
+    dp_mesh: DeviceMesh | None
+    expert_dp_mesh: DeviceMesh | None
+
+    def _local(self, dim: str) -> int:
+        return self.world.get_local_rank(dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.world.get_group(dim)
+
+    @property
+    def pp_rank(self) -> int:
+        return self._local("pp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self._local("cp")
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data shard: ranks that differ only in pp, cp or tp load the same batches."""
+        return self.plan.data_rank(dist.get_rank())
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self._ep_mesh.get_group("ep")
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.plan.pp - 1
+
+
+def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes:
+    """Meshes over the whole world, outermost first (MESH_ORDER: PP crosses nodes, TP stays inside one).
+
+    EP is folded into dp_shard x cp: the same ranks, viewed as (dp_mod_ep, ep), give the EP groups and the
+    experts' data-parallel groups."""
+    flat = init_device_mesh(device_type, (plan.world_size,), mesh_dim_names=("world",))
+    world = flat._unflatten(0, tuple(plan.mesh_shape().values()), MESH_ORDER)
+    dp_mesh = expert_dp_mesh = None
+    if plan.dp * plan.cp > 1:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
+        shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp)
+        dp_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))["dp_replicate", "dp_shard_cp"]
+    ep_mesh = None
+    if plan.ep > 1:
+        shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
+        ep_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
+        expert_dp_mesh = ep_mesh["dp_replicate", "dp_mod_ep"]
+    meshes = ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh)
+    meshes._ep_mesh = ep_mesh
+    return meshes
+
+
+def transformer_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(container, key) of every transformer block this model part holds: encoders' and the LLM's `layers`."""
     blocks = []
-    for part in (model.vision, model.audio, model.llm):
+    for part in (getattr(model, "vision", None), getattr(model, "audio", None), model.llm):
+        if part is None:
+            continue
         layers = part.layers
         keys = layers.keys() if isinstance(layers, nn.ModuleDict) else range(len(layers))
         blocks.extend((layers, key) for key in keys)
     return blocks
 
 
-def apply_activation_checkpointing(model: OmniModel) -> None:
+def apply_tensor_parallel(model: OmniModel, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism over the flat packed tokens (dim 0).
+
+    Between blocks the residual stream is this rank's 1/tp slice of the tokens; norms run on the slice;
+    attention and the FFN all-gather tokens on entry and reduce-scatter on exit (column-parallel q/k/v and
+    w1/w3, row-parallel wo and w2). The stage holding the embeddings slices the full sequence at the first
+    block; the last stage gathers it back before the output head, whose logits are replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    llm = model.llm
+    to_tokens = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+    for key, block in llm.layers.items():
+        block_plan = {
+            "attention_norm": SequenceParallel(sequence_dim=0),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(0), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(0)),
+            "ffn_norm": SequenceParallel(sequence_dim=0),
+        }
+        if block.moe_enabled:
+            block_plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True,
+            )
+        else:
+            block_plan.update({
+                "feed_forward": to_tokens,
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
+            })
+        parallelize_module(block, tp_mesh, block_plan)
+    if llm.tok_embeddings is not None:
+        first = next(iter(llm.layers.values()))
+        parallelize_module(first, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Shard(0), None, None, None),
+            use_local_output=True,
+        ))
+    if llm.output is not None:
+        parallelize_module(llm, tp_mesh, {
+            "norm": SequenceParallel(sequence_dim=0),
+            "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
+        })
+
+
+def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes, total_tokens: int) -> None:
+    """Every LLM block attends through CP collectives, and MoE balancing statistics cover the whole
+    sequence; the stage with the embeddings keeps this rank's tokens (a contiguous chunk for Ulysses,
+    zig-zag head and tail chunks for ring)."""
+    from omni_core.parallel.context import ContextParallelAttention, cp_token_index
+
+    attend = ContextParallelAttention(plan.cp_kind, meshes.group("cp"), total_tokens)
+    for block in model.llm.layers.values():
+        block.attention.attend = attend
+        if block.moe_enabled:
+            block.moe.sequence_group = meshes.group("cp")
+    model.token_index = cp_token_index(total_tokens, plan.cp, meshes.cp_rank, plan.cp_kind)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward: memory O(blocks) instead of O(blocks x activations).
     Checkpoint keys are unchanged (DCP's state-dict helpers strip the wrapper's prefix)."""
     for container, key in transformer_blocks(model):
         container[key] = checkpoint_wrapper(container[key], preserve_rng_state=False)
 
 
-def parallelize_omni(model: OmniModel, plan: ParallelPlan, *, activation_checkpointing: bool) -> OmniModel:
-    del plan  # TP, compile and FSDP slot in here, in this order, as the plan's degrees become executable
+def apply_compile(model: nn.Module) -> None:
+    """Compile block by block (the blocks repeat, so one graph serves them all)."""
+    for container, key in transformer_blocks(model):
+        container[key] = torch.compile(container[key], dynamic=True)
+
+
+def apply_fsdp(model: OmniModel, meshes: ParallelMeshes, param_dtype: torch.dtype) -> None:
+    """FSDP2 (HSDP when dp_replicate > 1): each block, each encoder and projector, then the root, so one
+    block's parameters are gathered at a time. Experts under EP are sharded over their own replicas first,
+    which keeps them out of the dense mesh. Reductions sum (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    shard = {"mesh": meshes.dp_mesh, "mp_policy": mp_policy}
+    for container, key in transformer_blocks(model):
+        block = container[key]
+        moe = getattr(getattr(block, "_checkpoint_wrapped_module", block), "moe", None)
+        if moe is not None and meshes.expert_dp_mesh is not None:
+            for expert in moe.experts.values():
+                fully_shard(expert, mesh=meshes.expert_dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, **shard)
+    encoders = [getattr(model, name, None) for name in ("vision", "audio")]
+    if getattr(model, "projectors", None) is not None:
+        encoders.extend(model.projectors.values())
+    for module in encoders:
+        if module is not None:
+            fully_shard(module, **shard)
+    fully_shard(model, **shard)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def parallelize_omni(
+    model: OmniModel,
+    plan: ParallelPlan,
+    meshes: ParallelMeshes | None,
+    *,
+    tokens_per_microbatch: int,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    param_dtype: torch.dtype = torch.float32,
+) -> OmniModel:
+    """Apply `plan` to a model (part) in place; `meshes` is None on a single process."""
+    if meshes is not None:
+        if plan.tp > 1:
+            apply_tensor_parallel(model, meshes.world["tp"])
+        if plan.ep > 1:
+            from omni_core.parallel.expert import apply_expert_parallel
+
+            for block in model.llm.layers.values():
+                if block.moe_enabled:
+                    apply_expert_parallel(block.moe, meshes.ep_group)
+        if plan.cp > 1:
+            apply_context_parallel(model, plan, meshes, tokens_per_microbatch)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    if meshes is not None and meshes.dp_mesh is not None:
+        apply_fsdp(model, meshes, param_dtype)
     return model

@@ -49,7 +49,7 @@ class ModelShape:
     n_heads: int
     n_kv_heads: int
     num_experts: int = 0  # 0: dense
-    seq_len: int | None = None
+    seq_len: int | None = None  # tokens of one packed micro-batch
 
 
 @dataclass(frozen=True)
@@ -172,10 +172,12 @@ class ParallelPlan:
             problems.append(f"ep={self.ep} needs an MoE model (the model is dense)")
         elif shape.num_experts and shape.num_experts % self.ep:
             problems.append(f"ep={self.ep} does not divide num_experts={shape.num_experts}")
-        if shape.seq_len is not None and self.cp > 1:
-            chunks = 2 * self.cp if self.cp_kind == "ring" else self.cp  # ring: zig-zag head and tail chunks
+        if shape.seq_len is not None and self.cp * self.tp > 1:
+            # ring: zig-zag head and tail chunks; tp: sequence parallelism splits each rank's tokens again
+            chunks = (2 * self.cp if self.cp_kind == "ring" else self.cp) * self.tp
             if shape.seq_len % chunks:
-                problems.append(f"cp={self.cp} ({self.cp_kind}) needs seq_len={shape.seq_len} divisible by {chunks}")
+                degrees = f"cp={self.cp} ({self.cp_kind}) x tp={self.tp}" if self.cp > 1 else f"tp={self.tp}"
+                problems.append(f"{degrees} needs seq_len={shape.seq_len} divisible by {chunks}")
         if problems:
             raise PlanError(f"plan {self.name} does not fit the model: " + "; ".join(problems))
 
@@ -184,6 +186,18 @@ class ParallelPlan:
     def mesh_shape(self) -> dict[str, int]:
         """Named mesh dimensions, outermost first: PP crosses nodes, TP stays inside one."""
         return {dim: getattr(self, dim) for dim in MESH_ORDER}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This global rank's index along each mesh dimension (row-major over MESH_ORDER)."""
+        coords = {}
+        for dim in reversed(MESH_ORDER):
+            rank, coords[dim] = divmod(rank, getattr(self, dim))
+        return {dim: coords[dim] for dim in MESH_ORDER}
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the `dp` data shards a rank loads: ranks differing only in pp, cp or tp share one."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The world DeviceMesh with one named dimension per degree (size-1 dimensions included)."""

@@ -243,14 +243,24 @@ class NodeGroup(Strict):
 class ClusterConfig(Strict):
     name: str = "local"
     node_groups: list[NodeGroup] = Field(default_factory=list, description="Empty: this machine only")
+    slots: int = Field(
+        0, ge=0, description="This machine as a cluster (node_groups empty): CPU slots, one rank each, for "
+        "`omni schedule`; 0: the CPU count rounded down to a power of two"
+    )
+
+    @model_validator(mode="after")
+    def _slots_power_of_two(self) -> ClusterConfig:
+        if self.slots & (self.slots - 1):
+            raise ValueError(f"slots={self.slots} must be a power of two (jobs take 1, 2, 4, ... slots)")
+        return self
 
 
 class JobConfig(Strict):
     name: str
     model: str = Field(description="Model flavor or trace model name, e.g. bert__1.3B")
-    global_batch: int = Field(ge=1)
-    iterations: int = Field(ge=1)
-    arrival_s: float = Field(0.0, ge=0)
+    global_batch: int = Field(ge=1, description="Samples per step (a model flavor: packed sequences)")
+    iterations: int = Field(ge=1, description="Steps to train (`omni schedule`: the job's train.steps)")
+    arrival_s: float = Field(0.0, ge=0, description="Submission time (`omni schedule`: seconds after it starts)")
     deadline_s: float | None = None
     gpu_type: str | None = Field(None, description="User-requested GPU type (baselines use it)")
     num_gpus: int | None = Field(None, ge=1)
@@ -285,6 +295,10 @@ class ScheduleConfig(Strict):
     trace_start_s: float = Field(0.0, ge=0, description="Replay from this many seconds after the trace's first arrival")
     restart_s: float = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
     max_gpus_per_job: int = Field(32, ge=1)
+    segment_steps: int = Field(
+        50, ge=1, description="`omni schedule`: steps a job trains per launch; each segment's end (a checkpoint) "
+        "is where the scheduler may resize the job"
+    )
 
 
 class TrainConfig(Strict):
@@ -300,6 +314,7 @@ class TrainConfig(Strict):
         "auto", description="Autocast compute dtype; auto: bfloat16 on GPUs that support it, else float32"
     )
     activation_checkpointing: bool = Field(False, description="Recompute transformer blocks in backward")
+    compile: bool = Field(False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)")
     log_every: int = Field(10, ge=1)
     ckpt_every: int = Field(50, ge=0, description="0: only the final checkpoint")
     keep_last: int = Field(2, ge=1)
@@ -359,19 +374,20 @@ class Recipe(Strict):
         return self.train.ckpt_dir or f"{self.experiment.output_dir}/{self.experiment.name}/ckpt-{self.training_hash()}"
 
     def training_hash(self) -> str:
-        """Hash of what determines the trained weights (seed, data, model, optimisation, world).
+        """Hash of what determines the trained model (seed, data, model, optimisation).
 
         Keys the default checkpoint directory: rerunning a recipe resumes (or finds it finished), while a
         changed model or schedule starts afresh instead of loading incompatible or foreign state.
-        Operational settings (logging, checkpoint cadence, timeouts, evaluation, tracking) are left out.
+        Operational settings (logging, checkpoint cadence, timeouts, evaluation, tracking) are left out, and
+        so is the parallel layout: checkpoints reshard between plans, so a job resized by the scheduler (or
+        rerun on more ranks) resumes its own checkpoint; the data order then restarts.
         """
         operational = {"resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
-                       "activation_checkpointing"}
+                       "activation_checkpointing", "compile"}
         identity = {
             "seed": self.experiment.seed,
             "data": self.data.model_dump(mode="json", exclude=PROFILE_ONLY | {"s3_endpoint_url"}),
             "model": self.model.model_dump(mode="json"),
-            "parallel": self.parallel.model_dump(mode="json", exclude={"backend"}),
             "train": self.train.model_dump(mode="json", exclude=operational),
         }
         return _short_hash(identity)

@@ -1,7 +1,9 @@
 """Checkpoints with torch.distributed.checkpoint (DCP) and a JSON manifest written last.
 
 A step holds the DCP shards (model + optimizer), one `rank<r>.pt` per rank with what is private to a rank
-(data-loader position, RNG), and `manifest.json`. The manifest is written only after every rank's files
+(data-loader position, RNG), and `manifest.json`. Model and optimizer state are keyed by the whole model's
+parameter names (optimizer state flattened, one entry per parameter), whatever the plan that saved them:
+DCP reshards them on load, so a run saved under one plan resumes under another (e.g. dp4 -> dp2-tp2). The manifest is written only after every rank's files
 are durable in the store (ckpt_store: a local directory or S3), so a step without it is an interrupted save
 and is never taken for a checkpoint.
 """
@@ -14,15 +16,25 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, CheckpointStore, open_store, split_location
 from omni_core.runtime.dist import DistInfo, barrier
+
+if TYPE_CHECKING:
+    from omni_core.runtime.step import Optimizers
 
 # Evaluation and single-process tests use DCP without a process group on purpose; DCP warns about it each time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -67,13 +79,29 @@ def latest_checkpoint(store: CheckpointStore) -> str | None:
     return store.location(steps[-1]) if steps else None
 
 
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(parts: list[nn.Module], optimizers: Optimizers | None) -> dict[str, dict[str, Any]]:
+    """{"model": ..., "optim": ...} over all model parts, keyed by the whole model's names."""
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
+    for index, part in enumerate(parts):
+        if optimizers is None:
+            model_state.update(get_model_state_dict(part, options=OPTIONS))
+        else:
+            part_model, part_optim = get_state_dict(part, optimizers.optimizers[index], options=OPTIONS)
+            model_state.update(part_model)
+            optim_state.update(part_optim)
+    return {"model": model_state, "optim": optim_state} if optimizers is not None else {"model": model_state}
+
+
 def save_checkpoint(
     store: CheckpointStore,
     *,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    parts: list[nn.Module],
+    optimizers: Optimizers,
     rank_state: dict[str, Any],
     history: dict[str, Any],
     info: DistInfo,
@@ -87,13 +115,13 @@ def save_checkpoint(
         shutil.rmtree(target, ignore_errors=True)  # leftovers of an interrupted save of this step
         target.mkdir(parents=True)
     barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
+    dcp.save(_state(parts, optimizers), checkpoint_id=str(target))
     torch.save(rank_state, target / f"rank{info.rank}.pt")
     store.publish(step, info.rank)
     barrier()
     if info.is_main:
-        manifest = Manifest(step, info.world_size, plan, recipe_hash, scheduler.state_dict(), history, time.time())
+        manifest = Manifest(step, info.world_size, plan, recipe_hash, optimizers.scheduler_state(), history,
+                            time.time())
         store.write_manifest(step, asdict(manifest))
         for old in store.steps()[:-keep_last]:
             store.delete(old)
@@ -105,15 +133,15 @@ def load_checkpoint(
     location: str,
     *,
     cache: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    parts: list[nn.Module],
+    optimizers: Optimizers | None,
     info: DistInfo,
+    plan: str | None = None,
 ) -> tuple[Manifest, dict[str, Any] | None]:
-    """Restore model (+ optimizer and LR schedule when given) in place from a complete checkpoint.
+    """Restore the model parts (+ optimizers and LR schedule when given) in place from a complete checkpoint.
 
     Returns the manifest and this rank's private state, or None for the latter when the checkpoint was
-    written by a different world size (rank-private state such as the data position does not carry over).
+    written under a different plan (rank-private state such as the data position does not carry over).
     """
     root, step = split_location(location)
     store = open_store(root, cache)
@@ -122,18 +150,19 @@ def load_checkpoint(
     barrier()
     ckpt = store.local_dir(step)
     manifest = Manifest.read(ckpt)
-    if optimizer is None:
-        model_state = get_state_dict(model, [])[0]
-        dcp.load({"model": model_state}, checkpoint_id=str(ckpt))
-        set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(ckpt))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if scheduler is not None:
-        scheduler.load_state_dict(manifest.scheduler)
+    state = _state(parts, optimizers)
+    dcp.load(state, checkpoint_id=str(ckpt))
+    for index, part in enumerate(parts):
+        names = set(get_model_state_dict(part, options=OPTIONS))
+        model_state = {k: v for k, v in state["model"].items() if k in names}
+        if optimizers is None:
+            set_model_state_dict(part, model_state, options=OPTIONS)
+        else:
+            set_state_dict(part, optimizers.optimizers[index], model_state_dict=model_state,
+                           optim_state_dict=state["optim"], options=OPTIONS)
+    if optimizers is not None:
+        optimizers.load_scheduler_state(manifest.scheduler)
     rank_file = ckpt / f"rank{info.rank}.pt"
-    if manifest.world_size != info.world_size or not rank_file.is_file():
+    if manifest.world_size != info.world_size or (plan is not None and manifest.plan != plan) or not rank_file.is_file():
         return manifest, None
     return manifest, torch.load(rank_file, weights_only=False)

@@ -33,7 +33,7 @@ def evaluate(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
         seed=recipe.experiment.seed,
     )
     manifest, _ = load_checkpoint(
-        ckpt, cache=checkpoint_cache(recipe), model=model, optimizer=None, scheduler=None, info=info
+        ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info
     )
     model.eval()
 

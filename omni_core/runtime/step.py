@@ -1,0 +1,255 @@
+"""One training step under any plan: this rank's model parts, their optimizers, and the step itself.
+
+The loss is the exact global token mean. Each rank backpropagates the summed loss of the target tokens it
+holds divided by the step's global number of targets, so the sum of all ranks' gradients is the gradient
+of the global mean: FSDP sums over data- and context-parallel ranks, DTensor handles tensor parallelism,
+and pipeline stages each hold their own parameters. Ranks that share a batch (those that differ only in
+tp, cp or pp) count its tokens, samples and FLOPs once: sums over the world are divided by those copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omni_core.data.batch import PackedBatch
+from omni_core.data.tokenizer import PAD_ID
+from omni_core.models.omni import OmniModel, build_model
+from omni_core.parallel import ParallelPlan
+from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, parallelize_omni
+from omni_core.recipe.schema import Recipe
+from omni_core.runtime.dist import DistInfo, all_reduce_sum
+from omni_core.runtime.loss import summarize, token_loss_sums
+
+
+@dataclass
+class ModelReplica:
+    """This rank's share of the model: one part, or several pipeline stage chunks, laid out by `plan`."""
+
+    plan: ParallelPlan
+    parts: list[OmniModel]
+    meshes: ParallelMeshes | None  # None on a single process
+    pipeline: object | None = None  # parallel.pipeline.PipelineRunner when plan.pp > 1
+
+    @property
+    def args(self):
+        return self.parts[0].args
+
+    @property
+    def data_rank(self) -> int:
+        return self.meshes.dp_rank if self.meshes else 0
+
+    @property
+    def batch_copies(self) -> int:
+        """Ranks that load the same batch: they differ only in tp, cp or pp."""
+        return self.plan.tp * self.plan.cp * self.plan.pp
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters() if p.requires_grad]
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (not this rank's shard)."""
+        from omni_core.models.flops import omni_params
+
+        return omni_params(self.args)["total"]
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+
+def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
+    """Build the full model from the seed (identical on every rank), then split and parallelize it."""
+    meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
+    model = build_model(
+        recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,
+        seed=recipe.experiment.seed,
+    ).to(info.device)
+    for name in recipe.model.freeze:
+        for param in getattr(model, name).parameters():
+            param.requires_grad_(False)
+    if plan.pp > 1:
+        from omni_core.parallel.pipeline import pipeline_split
+
+        parts = pipeline_split(model, plan, meshes.pp_rank)
+    else:
+        parts = [model]
+    for part in parts:
+        parallelize_omni(
+            part, plan, meshes, tokens_per_microbatch=recipe.data.seq_len * recipe.data.micro_batch,
+            activation_checkpointing=recipe.train.activation_checkpointing, compile=recipe.train.compile,
+            param_dtype=compute_dtype,
+        )
+    replica = ModelReplica(plan, parts, meshes)
+    if plan.pp > 1:
+        from omni_core.parallel.pipeline import PipelineRunner
+
+        replica.pipeline = PipelineRunner(
+            parts, plan, meshes.group("pp"), meshes.pp_rank, info.device, recipe.train.grad_accum
+        )
+    return replica
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up, then cosine decay to `floor` (a share of the peak lr) at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Optimizers:
+    """AdamW + LR schedule per model part (torchtitan's container): each part's optimizer state is keyed
+    by that part's parameter names, which are the whole model's, so checkpoints reshard across plans."""
+
+    def __init__(self, parts: list[nn.Module], recipe: Recipe):
+        cfg = recipe.train
+        self.optimizers = [build_optimizer(part, recipe) for part in parts]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: lr_lambda(s, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.min_lr_ratio)
+            )
+            for opt in self.optimizers
+        ]
+
+    def step(self) -> None:
+        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def scheduler_state(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for sched in self.schedulers:
+            sched.load_state_dict(state)
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": recipe.train.weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=recipe.train.lr, betas=recipe.train.betas)
+
+
+def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
+    """Clip all ranks' gradients together by the norm of the whole model's gradient; returns that norm.
+
+    Sharded (DTensor) gradients are reduced by DTensor per (mesh, placement) group, so replicated copies
+    count once; experts under EP differ across the EP group and stages across pipeline ranks, so those
+    squares are summed over their groups too."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for part in replica.parts:
+        for name, param in part.named_parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad
+            expert = ".experts." in name
+            key = (expert, grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (expert, None, None)
+            groups[key].append(grad)
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for (expert, mesh, _), grads in groups.items():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if mesh is not None:
+            norm = norm.full_tensor()
+        square = norm.detach().double().cpu() ** 2
+        if expert:
+            expert_sq += square
+        else:
+            dense_sq += square
+    meshes = replica.meshes
+    if meshes is not None and replica.plan.ep > 1:
+        dist.all_reduce(expert_sq, group=meshes.ep_group)
+    total_sq = dense_sq + expert_sq
+    if meshes is not None and replica.plan.pp > 1:
+        dist.all_reduce(total_sq, group=meshes.group("pp"))
+    total = float(total_sq.sqrt())
+    if max_norm > 0 and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for grads in groups.values():
+            for grad in grads:
+                grad.mul_(scale)
+    return total
+
+
+def local_targets(batch: PackedBatch, token_index: torch.Tensor | None) -> PackedBatch:
+    """The batch with its targets cut to the tokens this rank's LLM holds (context parallelism)."""
+    if token_index is None:
+        return batch
+    return replace(batch, labels=batch.labels[token_index], loss_modality=batch.loss_modality[token_index])
+
+
+@dataclass
+class StepStats:
+    metrics: dict[str, float]
+    tokens: int  # real (non-padding) tokens processed by all model replicas
+    samples: int
+    flops: float  # model FLOPs (forward + backward) of the step, counted once per replica
+
+
+def train_step(
+    replica: ModelReplica,
+    optimizers: Optimizers,
+    batches: list[PackedBatch],
+    *,
+    grad_clip: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> StepStats:
+    """One optimizer step over this rank's micro-batches (gradient accumulation) and all ranks' data."""
+    plan, copies = replica.plan, replica.batch_copies
+    model = replica.parts[0]
+    local = torch.tensor(
+        [
+            sum(b.num_loss_tokens for b in batches),
+            sum(b.num_samples for b in batches),
+            sum(int((b.input_ids != PAD_ID).sum()) for b in batches),
+            sum(model.train_flops(b) for b in batches),
+        ],
+        dtype=torch.float64,
+    )
+    global_targets, global_samples, global_tokens, global_flops = (all_reduce_sum(local) / copies).tolist()
+    # The MoE balancing loss is a mean over micro-batches and data shards. Context-parallel ranks each hold
+    # the whole sequence's loss, and its differentiable all-reduce sums their gradients: hence the cp.
+    aux_scale = 1.0 / (len(batches) * plan.dp * plan.cp)
+    device_type = batches[0].input_ids.device.type
+    if replica.pipeline is not None:
+        stats, aux_total = replica.pipeline.forward_backward(batches, global_targets, compute_dtype, aux_scale)
+    else:
+        stats, aux_total = None, 0.0
+        for batch in batches:
+            with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+                logits = model(batch)
+            sums = token_loss_sums(logits, local_targets(batch, model.token_index))
+            aux = model.aux_loss * aux_scale
+            (sums.total / max(global_targets, 1.0) + aux).backward()
+            aux_total += float(aux.detach())
+            stats = sums.stats() if stats is None else stats + sums.stats()
+    params = replica.trainable()
+    for param in params:
+        if param.grad is None:  # frozen-free parameters the step never reached: keep optimizer state uniform
+            param.grad = torch.zeros_like(param)
+    grad_norm = clip_grad_norm(replica, grad_clip)
+    optimizers.step()
+    reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64)])) / plan.tp
+    metrics = summarize(reduced[:-1])
+    if replica.args.llm.moe is not None:
+        metrics["aux_loss"] = float(reduced[-1])
+    metrics["grad_norm"] = grad_norm
+    metrics["lr"] = optimizers.lr
+    return StepStats(metrics=metrics, tokens=int(global_tokens), samples=int(global_samples), flops=global_flops)

@@ -1,4 +1,5 @@
-"""The experiment flow: profile -> estimate -> train -> evaluate under one MLflow parent run."""
+"""The experiment flow: profile -> estimate -> train -> evaluate under one MLflow parent run; a recipe with
+`jobs` runs profile -> estimate -> schedule, the schedule stage training every job."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from prefect.runtime import flow_run
 from flows.estimate import estimate_flow
 from flows.evaluate import evaluate_flow
 from flows.profile import profile_flow
+from flows.schedule import schedule_flow
 from flows.train import train_flow
 from omni_core.recipe import load_recipe, recipe_hash
+from omni_core.scheduler.local import check_recipe
 from omni_core.tracking import parent_run
 
 
@@ -19,12 +22,16 @@ from omni_core.tracking import parent_run
 def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the stages in order as subflows; each logs into a child of the run `<experiment>-<flow run name>`."""
     r = load_recipe(recipe, overrides or ())
+    if r.jobs:
+        check_recipe(r)  # before any stage runs
     name = f"{r.experiment.name}-{flow_run.name}"
     with parent_run(r, flow_run_id=flow_run.id, run_name=name) as run:
         profile = profile_flow(recipe, overrides)
         cells = estimate_flow(recipe, overrides, profile)
-        train = train_flow(recipe, overrides)
-        report = evaluate_flow(recipe, overrides)
+        if r.jobs:
+            results = {"schedule": schedule_flow(recipe, overrides, profile)}
+        else:
+            results = {"train": train_flow(recipe, overrides), "evaluate": evaluate_flow(recipe, overrides)}
     return {
         "parent_run_id": run.run_id,
         "run_name": name,
@@ -33,6 +40,5 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
         "recipe_hash": recipe_hash(r),
         "profile": profile.model_dump(mode="json"),
         "estimate": cells.model_dump(mode="json"),
-        "train": train.model_dump(mode="json"),
-        "evaluate": report.model_dump(mode="json"),
+        **{stage: result.model_dump(mode="json") for stage, result in results.items()},
     }

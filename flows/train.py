@@ -14,12 +14,13 @@ from omni_core.tracking import log_checkpoint, register_checkpoint, stage_run
 
 
 @flow(name="train")
-def train_flow(recipe: str, overrides: list[str] | None = None) -> TrainResult:
+def train_flow(recipe: str, overrides: list[str] | None = None, run_name: str = "train") -> TrainResult:
     """Run `torchrun -m omni_core.runtime.launch` on the resolved recipe (overrides applied), with the
-    "train" run's id in MLFLOW_RUN_ID; then log the checkpoint (copied, or referenced when on S3),
-    register it in the Model Registry under tracking.model_alias, and log train_result.json."""
+    MLflow run's id (named `run_name`: the schedule stage names each job's segment) in MLFLOW_RUN_ID; then
+    log the checkpoint (copied, or referenced when on S3), register it in the Model Registry under
+    tracking.model_alias, and log train_result.json."""
     r = load_recipe(recipe, overrides or ())
-    with stage_run("train", r, flow_run_id=flow_run.id) as run:
+    with stage_run(run_name, r, flow_run_id=flow_run.id) as run:
         run_dir = stage_dir(r, run.run_id)
         resolved = run_dir / "recipe.yaml"
         resolved.write_text(dump_recipe(r))

@@ -41,6 +41,7 @@ stages (each a Prefect flow, each an MLflow child run of one parent run):
             Stopped after train.timeout_s seconds. Logs the checkpoint and train_result.json.
   evaluate  held-out loss and perplexity of the newest checkpoint, overall and per modality.
             Logs eval_report.json, eval/* metrics and a bar chart.
+  schedule  instead of train and evaluate when the recipe lists `jobs`: see `omni schedule --help`.
 
 where things go (paths relative to the directory you run omni in):
   data          <experiment.output_dir>/data/<experiment.name>       (or data.path)
@@ -156,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     simulate.add_argument("--json", action="store_true", help="print per-policy metrics as JSON instead of a table")
 
+    schedule = sub.add_parser(
+        "schedule",
+        formatter_class=raw,
+        help="place the recipe's jobs on this machine's CPU slots and train them, resizing as they come and go",
+        description="Real mode of the scheduler: schedule.policy places the recipe's `jobs` (model flavors; "
+        "iterations = steps, arrival_s = seconds after the start) on cluster.slots CPU slots, with the estimator "
+        "as the throughput oracle, and trains each placed job with the best plan for its slots, in launches of "
+        "schedule.segment_steps steps. When a job arrives or a launch ends the policy decides again; a job it "
+        "shrinks or grows resumes from its checkpoint under the new plan at the end of its current launch. Logs "
+        "schedule.json to the MLflow run `schedule`, each launch a child run train-<job>-<n>.",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(schedule)
+    schedule.add_argument("--json", action="store_true", help="print the schedule as JSON instead of a table")
+
     data = sub.add_parser("data", help="write the recipe's synthetic dataset to disk")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     generate = data_sub.add_parser(
@@ -212,6 +228,7 @@ FLOWS = {
     "profile": ("flows.profile", "profile_flow"),
     "train": ("flows.train", "train_flow"),
     "evaluate": ("flows.evaluate", "evaluate_flow"),
+    "schedule": ("flows.schedule", "schedule_flow"),
 }
 
 
@@ -224,23 +241,36 @@ def _browse_hint(uri: str) -> str:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    train, report = summary["train"], summary["evaluate"]
-    per_modality = ", ".join(f"{m} {s['loss']:.3f}" for m, s in report["per_modality"].items())
-    print(
-        f"experiment {summary['experiment_name']!r}: MLflow run {summary['run_name']} ({summary['parent_run_id']})\n"
-        f"  train     {train['steps']} steps, loss {train['initial_loss']:.3f} -> {train['final_loss']:.3f}, "
-        f"{train['tokens_per_s']:.0f} tokens/s, plan {train['plan']}\n"
-        f"            checkpoint {train['checkpoint']}\n"
-        f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}\n"
-        f"  tracking  {summary['tracking_uri']}\n"
-        f"  browse    {_browse_hint(summary['tracking_uri'])}"
-    )
+    print(f"experiment {summary['experiment_name']!r}: MLflow run {summary['run_name']} ({summary['parent_run_id']})")
+    if "schedule" in summary:
+        from omni_core.scheduler.local import ScheduleRun, format_run
+
+        print("  schedule  " + format_run(ScheduleRun.model_validate(summary["schedule"])).replace("\n", "\n  "))
+    else:
+        train, report = summary["train"], summary["evaluate"]
+        per_modality = ", ".join(f"{m} {s['loss']:.3f}" for m, s in report["per_modality"].items())
+        print(
+            f"  train     {train['steps']} steps, loss {train['initial_loss']:.3f} -> {train['final_loss']:.3f}, "
+            f"{train['tokens_per_s']:.0f} tokens/s, plan {train['plan']}\n"
+            f"            checkpoint {train['checkpoint']}\n"
+            f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}"
+        )
+    print(f"  tracking  {summary['tracking_uri']}\n  browse    {_browse_hint(summary['tracking_uri'])}")
 
 
 def _flow_command(args: argparse.Namespace) -> int:
     from omni_core.tracking import check_tracking_uri, resolve_tracking_uri
 
-    check_tracking_uri(resolve_tracking_uri(_load(args)))  # fail before Prefect and torchrun start
+    recipe = _load(args)
+    check_tracking_uri(resolve_tracking_uri(recipe))  # fail before Prefect and torchrun start
+    if args.command == "schedule" or (args.command == "run" and recipe.jobs):
+        from omni_core.scheduler.local import check_recipe
+
+        try:
+            check_recipe(recipe)
+        except ValueError as e:
+            print(f"omni: {args.command}: {e}", file=sys.stderr)
+            return USAGE_ERROR
     module, name = FLOWS[args.command]
     flow = getattr(importlib.import_module(module), name)
     from flows.launcher import LaunchError
@@ -258,7 +288,12 @@ def _flow_command(args: argparse.Namespace) -> int:
         return 0
     if getattr(args, "out", None):
         Path(args.out).write_text(result.to_json())
-    print(result.to_json())
+    if args.command == "schedule" and not args.json:
+        from omni_core.scheduler.local import format_run
+
+        print(format_run(result))
+    else:
+        print(result.to_json())
     return 0
 
 

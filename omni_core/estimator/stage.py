@@ -19,21 +19,27 @@ if TYPE_CHECKING:
     from omni_core.recipe.schema import Recipe
 
 
-def recipe_workloads(recipe: Recipe, profile: DatasetProfile | None = None) -> dict[str, Workload]:
-    from omni_core.models.flavors import FLAVORS, get_flavor
+def flavor_workload(recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None,
+                    name: str = "") -> Workload:
+    """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences."""
+    from omni_core.models.flavors import get_flavor
 
-    def flavor_workload(name: str, flavor: str, batch: int) -> Workload:
-        args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
-        return omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile, name=name,
-                             precision=recipe.estimate.precision)
+    args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
+    return omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile, name=name or flavor,
+                         precision=recipe.estimate.precision)
+
+
+def recipe_workloads(recipe: Recipe, profile: DatasetProfile | None = None) -> dict[str, Workload]:
+    from omni_core.models.flavors import FLAVORS
 
     if not recipe.jobs:
         batch = recipe.data.micro_batch * recipe.train.grad_accum * recipe.parallel.nproc
-        return {recipe.experiment.name: flavor_workload(recipe.experiment.name, recipe.model.flavor, batch)}
+        name = recipe.experiment.name
+        return {name: flavor_workload(recipe, recipe.model.flavor, batch, profile, name)}
     workloads = {}
     for i, job in enumerate(recipe.jobs):
         if job.model in FLAVORS:
-            workloads[job.name] = flavor_workload(job.name, job.model, job.global_batch)
+            workloads[job.name] = flavor_workload(recipe, job.model, job.global_batch, profile, job.name)
             continue
         try:
             workloads[job.name] = trace_workload(job.model, job.global_batch)

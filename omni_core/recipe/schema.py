@@ -303,6 +303,10 @@ class ScheduleConfig(Strict):
 
 class TrainConfig(Strict):
     steps: int = Field(100, ge=1)
+    stop_at_step: int = Field(
+        0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
+        "train.steps: this is how a scheduler runs a job in segments"
+    )
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr")
     warmup_steps: int = Field(10, ge=0)
@@ -382,7 +386,7 @@ class Recipe(Strict):
         so is the parallel layout: checkpoints reshard between plans, so a job resized by the scheduler (or
         rerun on more ranks) resumes its own checkpoint; the data order then restarts.
         """
-        operational = {"resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
+        operational = {"stop_at_step", "resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
                        "activation_checkpointing", "compile"}
         identity = {
             "seed": self.experiment.seed,

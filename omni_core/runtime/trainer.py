@@ -58,7 +58,8 @@ def train(
     stop_after: int | None = None,
     log: Log = print,
 ) -> TrainResult:
-    """Train to `recipe.train.steps` (or stop early after `stop_after` steps of this call)."""
+    """Train to `recipe.train.steps`, or stop early at `train.stop_at_step` (a scheduler's segment end) or
+    after `stop_after` steps of this call; an early stop checkpoints where it stops."""
     tracker = tracker or NullTracker()
     cfg = recipe.train
     plan = resolve_plan(recipe, info.world_size)
@@ -115,13 +116,14 @@ def train(
     step = start_step
     logging_s_before = tracker.logging_s
     replica.train()
-    while step < cfg.steps and (stop_after is None or step - start_step < stop_after):
+    last_step = min(cfg.steps, cfg.stop_at_step or cfg.steps)
+    while step < last_step and (stop_after is None or step - start_step < stop_after):
         step += 1
         step_start = time.perf_counter()
         micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)]
         result = train_step(replica, optimizers, micro, grad_clip=cfg.grad_clip, compute_dtype=compute_dtype)
         window.add(result)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if step % cfg.log_every == 0 or step == last_step:
             metrics = {f"train/{k}": v for k, v in result.metrics.items()}
             metrics.update(window.rates())
             metrics.update({f"data/skipped_{reason}": n for reason, n in loader.stats.items()})

@@ -7,6 +7,8 @@
     simulator.py  simulate() -> SchedulePlan (per-job records, config segments, series, Metrics)
     study.py      prepare(recipe) -> Study; compare(study, policies) (the estimator's CellOracle by default)
     report.py     side-by-side table, figures, MLflow logging
+    local.py      real mode: the policies place the recipe's jobs on this machine's CPU slots and they train
+                  (run_schedule -> ScheduleRun), resized at checkpoints
 """
 
 from omni_core.scheduler.cluster import Cluster, GroupSpec

@@ -114,12 +114,18 @@ def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> 
 @contextmanager
 def parent_run(recipe: Recipe, *, flow_run_id: str, run_name: str) -> Iterator[MlflowTracker]:
     """The root run of one experiment flow run; stage runs opened inside it become its children."""
-    with _run(recipe, run_name, flow_run_id, parent_id=None) as tracker:
-        token = _parent_run_id.set(tracker.run_id)
-        try:
-            yield tracker
-        finally:
-            _parent_run_id.reset(token)
+    with _run(recipe, run_name, flow_run_id, parent_id=None) as tracker, children_of(tracker.run_id):
+        yield tracker
+
+
+@contextmanager
+def children_of(run_id: str) -> Iterator[None]:
+    """Stage runs opened inside become children of `run_id` (the schedule stage nests its jobs' train runs)."""
+    token = _parent_run_id.set(run_id)
+    try:
+        yield
+    finally:
+        _parent_run_id.reset(token)
 
 
 @contextmanager

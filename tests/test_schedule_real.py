@@ -1,0 +1,199 @@
+"""Real mode of the scheduler: placement decisions on the local cluster of CPU slots (no training), the
+concurrent launch loop with a stand-in for training, and two tiny jobs really placed, resized and trained
+through the experiment flow."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from omni_core.recipe import RecipeError, load_recipe
+from omni_core.results import TrainResult
+from omni_core.scheduler.local import JobRun, LocalScheduler, ScheduleRun, run_schedule
+
+RECIPE = """\
+experiment: {{name: sched-test, output_dir: {out}, seed: 0}}
+data:
+  synthetic: {{num_samples: 60}}
+  seq_len: 256
+model: {{flavor: debug}}
+cluster: {{name: local, slots: 2}}
+jobs:
+  - {{name: a, model: debug, global_batch: 2, iterations: 6}}
+  - {{name: b, model: debug, global_batch: 2, iterations: 3, arrival_s: {b_arrives}}}
+schedule: {{policy: crius, segment_steps: 3}}
+train: {{warmup_steps: 1, log_every: 1, ckpt_every: 0, timeout_s: 300}}
+eval: {{max_batches: 2}}
+tracking: {{flush_every_s: 0.5}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def uncalibrated(tmp_path, monkeypatch):
+    """The estimator's catalogue numbers for `cpu`, not a micro-profile someone stored on this machine."""
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "no-calibration"))
+
+
+def write_recipe(tmp_path, b_arrives: float = 1.0, **fields: str):
+    path = tmp_path / "recipe.yaml"
+    text = RECIPE.format(out=tmp_path / "out", b_arrives=b_arrives)
+    path.write_text(text + "".join(f"{k}: {v}\n" for k, v in fields.items()))
+    return path
+
+
+def finished(run: JobRun, resumed_from: int | None = None) -> TrainResult:
+    """What the trainer reports after a launch that trained to its last step."""
+    return TrainResult(
+        steps=run.last_step, world_size=run.slots, plan=run.plan, initial_loss=5.0, final_loss=4.0, tokens_per_s=1.0,
+        samples_per_s=1.0, wall_s=1.0, logging_overhead_pct=0.0, mfu_pct=None, peak_mem_mb=1.0, checkpoint="ckpt",
+        resumed_from_step=run.first_step if resumed_from is None else resumed_from,
+    )
+
+
+def assert_never_double_booked(result: ScheduleRun, slots: int) -> None:
+    for s in result.segments:
+        held = sum(o.num_gpus for o in result.segments if o.start_s <= s.start_s < o.end_s)
+        assert held <= slots, f"{held} slots held at {s.start_s:.2f} s: {result.segments}"
+
+
+# --- decisions, no training -------------------------------------------------------------------------------
+
+def test_a_running_job_shrinks_at_its_segment_end_so_an_arrival_starts(tmp_path):
+    path = write_recipe(tmp_path)
+    recipe = load_recipe(path)
+    s = LocalScheduler(recipe)
+    assert s.admit(0.0) == ["a"]
+    [a1] = s.decide(0.0, "a arrived")
+    assert (a1.slots, a1.plan, a1.first_step, a1.last_step) == (2, "dp2", 0, 3)  # alone, it takes both slots
+
+    assert s.admit(1.0) == ["b"] and s.decide(1.0, "b arrived") == []  # a is inside its segment: b waits
+    assert s.decisions[-1].chosen == {"a": 1, "b": 1} and s.decisions[-1].held == {"a": 2}
+
+    s.ended(a1, finished(a1), 5.0)
+    a2, b1 = sorted(s.decide(5.0, "train-a-1 ended"), key=lambda r: r.job)
+    assert (a2.slots, a2.plan, a2.first_step, a2.last_step, a2.segment) == (1, "dp1", 3, 6, 2)
+    assert (b1.slots, b1.plan, b1.first_step, b1.last_step) == (1, "dp1", 0, 3)
+    [resize] = s.resizes
+    assert (resize.job, resize.step, resize.from_slots, resize.to_slots, resize.to_plan) == ("a", 3, 2, 1, "dp1")
+
+    # The launches' recipes: the plan's ranks, the job's global batch kept, one checkpoint directory per job
+    first, second, other = (load_recipe(path, run.overrides) for run in (a1, a2, b1))
+    assert (first.parallel.nproc, second.parallel.nproc) == (2, 1)
+    assert (first.train.stop_at_step, second.train.stop_at_step) == (3, 6)
+    assert first.train.steps == second.train.steps  # the LR schedule spans the whole job
+    for r, dp in ((first, 2), (second, 1), (other, 1)):
+        assert r.data.micro_batch * r.train.grad_accum * dp == 2 and r.jobs == []
+        assert r.mlflow_experiment() == "sched-test" and r.data_dir() == recipe.data_dir()
+    assert first.training_hash() != second.training_hash()  # the plans' accumulation differs...
+    assert first.checkpoint_dir() == second.checkpoint_dir() != other.checkpoint_dir()  # ...the directory does not
+    assert second.experiment.name == "sched-test-a" and second.train.resume
+
+
+def test_the_loop_runs_placed_jobs_concurrently_and_never_double_books(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, b_arrives=0.2))
+    active, most = set(), 0
+    lock = threading.Lock()
+
+    def train(run: JobRun) -> TrainResult:
+        nonlocal most
+        with lock:
+            active.add(run.name)
+            most = max(most, len(active))
+        time.sleep(0.6)
+        with lock:
+            active.discard(run.name)
+        return finished(run)
+
+    result = run_schedule(recipe, train)
+    assert most == 2  # a's second segment and b ran at the same time
+    assert all(job.finish_s is not None for job in result.jobs)
+    assert [(s.job, s.segment, s.num_gpus) for s in sorted(result.segments, key=lambda s: (s.start_s, s.job))] == [
+        ("a", 1, 2), ("a", 2, 1), ("b", 1, 1)]
+    triggers = [d.trigger for d in result.decisions]
+    assert triggers[:3] == ["a arrived", "b arrived", "train-a-1 ended"]
+    assert {"train-a-2 ended", "train-b-1 ended"} <= set(", ".join(triggers[3:]).split(", "))  # together or not
+    assert {j: r.steps for j, r in result.results.items()} == {"a": 6, "b": 3}
+    assert_never_double_booked(result, 2)
+    assert ScheduleRun.from_json(result.to_json()) == result
+
+
+def test_a_failed_launch_stops_new_ones_and_is_raised_after_the_running_ones_end(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, b_arrives=0.0))
+    started = []
+
+    def train(run: JobRun) -> TrainResult:
+        started.append(run.name)
+        if run.job == "b":
+            raise RuntimeError("b crashed")
+        time.sleep(0.3)
+        return finished(run)
+
+    with pytest.raises(RuntimeError, match="b crashed"):
+        run_schedule(recipe, train)
+    assert sorted(started) == ["train-a-1", "train-b-1"]  # a's next segment never started
+
+
+def test_real_mode_refuses_what_it_cannot_run_in_one_message(tmp_path):
+    two_nodes = "cluster.node_groups=[{gpu_type: a100, nodes: 2, gpus_per_node: 4}]"
+    recipe = load_recipe(write_recipe(tmp_path), ["jobs.0.model=bert__1.3B", "jobs.1.name=a", two_nodes])
+    with pytest.raises(ValueError) as error:
+        LocalScheduler(recipe)
+    message = str(error.value)
+    assert "2x4 a100" in message and "bert__1.3B" in message and "taken by jobs[0]" in message
+    with pytest.raises(RecipeError, match="slots=3 must be a power of two"):
+        load_recipe(write_recipe(tmp_path), ["cluster.slots=3"])
+
+
+def test_omni_schedule_reports_a_recipe_it_cannot_run_before_starting_anything(tmp_path, capsys):
+    from omni_core.cli import main
+
+    assert main(["schedule", str(write_recipe(tmp_path)), "--set", "jobs.1.model=moe__10B"]) == 2
+    assert "omni: schedule: jobs[1].model 'moe__10B' is not a model flavor" in capsys.readouterr().err
+
+
+# --- real training ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
+    tmp_path, monkeypatch, mlflow_uri, prefect_harness
+):
+    """a starts alone on both slots; b arrives, a shrinks to one slot at its step-3 checkpoint and resumes
+    from it under the new plan while b trains on the other slot."""
+    from mlflow import MlflowClient
+
+    from flows.experiment import experiment_flow
+
+    monkeypatch.chdir(tmp_path)
+    summary = experiment_flow(str(write_recipe(tmp_path)))
+
+    result = ScheduleRun.model_validate(summary["schedule"])
+    assert "train" not in summary and all(job.finish_s is not None for job in result.jobs)
+    a1, a2, b1 = sorted(result.segments, key=lambda s: (s.job, s.segment))
+    assert (a1.num_gpus, a1.plan, a1.resumed_from_step, a1.last_step) == (2, "dp2", 0, 3)
+    assert (a2.num_gpus, a2.plan, a2.first_step, a2.resumed_from_step, a2.last_step) == (1, "dp1", 3, 3, 6)
+    assert (b1.num_gpus, b1.plan, b1.resumed_from_step, b1.last_step) == (1, "dp1", 0, 3)
+    assert [(r.job, r.step, r.from_plan, r.to_plan) for r in result.resizes] == [("a", 3, "dp2", "dp1")]
+    a, b = result.results["a"], result.results["b"]
+    assert (a.steps, a.plan, a.world_size, a.resumed_from_step) == (6, "dp1", 1, 3)
+    assert (b.steps, b.plan, b.resumed_from_step) == (3, "dp1", 0)
+    assert a2.start_s < b1.end_s and b1.start_s < a2.end_s  # they trained side by side
+    assert_never_double_booked(result, 2)
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("sched-test").experiment_id
+
+    def children(run_id: str) -> dict:
+        return {r.info.run_name: r for r in client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'")}
+
+    stages = children(summary["parent_run_id"])
+    assert set(stages) == {"profile", "estimate", "schedule"}
+    schedule = stages["schedule"]
+    assert "schedule.json" in {f.path for f in client.list_artifacts(schedule.info.run_id)}
+    assert schedule.data.metrics["schedule/resizes"] == 1
+    launches = children(schedule.info.run_id)
+    assert set(launches) == {"train-a-1", "train-a-2", "train-b-1"}
+    assert launches["train-a-2"].data.tags["plan"] == "dp1" and launches["train-a-1"].data.tags["plan"] == "dp2"
+    losses = client.get_metric_history(launches["train-a-2"].info.run_id, "train/loss")
+    assert [m.step for m in losses] == [4, 5, 6]  # the step count continues from the checkpoint

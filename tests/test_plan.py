@@ -79,3 +79,13 @@ def test_mesh_has_one_named_dimension_per_degree():
         assert mesh["tp"].size() == 1 and mesh.size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_pipeline_schedules_need_enough_microbatches():
+    ParallelPlan.parse("dp1-pp2g").check_microbatches(1)
+    ParallelPlan.parse("dp1-pp2").check_microbatches(2)
+    with pytest.raises(PlanError, match=r"pp=2 \(1F1B\) needs at least 2 micro-batches per step, got 1"):
+        ParallelPlan.parse("dp1-pp2").check_microbatches(1)
+    ParallelPlan.parse("dp1-pp2v2").check_microbatches(4)
+    with pytest.raises(PlanError, match=r"rounds of 2, which must divide the 5"):
+        ParallelPlan.parse("dp1-pp2v2").check_microbatches(5)

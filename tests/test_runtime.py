@@ -117,6 +117,9 @@ def test_recipe_plan_is_checked_against_world_and_model(tmp_path):
     with pytest.raises(PlanError, match=r"tp=3 does not divide n_heads=4"):
         recipe.parallel = ParallelConfig(tp=3)
         resolve_plan(recipe, 3)
+    with pytest.raises(PlanError, match=r"pp=2 \(1F1B\) needs at least 2 micro-batches per step, got 1"):
+        recipe.parallel = ParallelConfig(pp=2)
+        resolve_plan(recipe, 2)
 
 
 def test_training_lowers_loss_and_evaluates(tmp_path):

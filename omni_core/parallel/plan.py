@@ -181,6 +181,19 @@ class ParallelPlan:
         if problems:
             raise PlanError(f"plan {self.name} does not fit the model: " + "; ".join(problems))
 
+    def check_microbatches(self, n: int) -> None:
+        """Refuse a pipeline schedule that cannot run `n` micro-batches per step (torch.distributed.pipelining's
+        rules: 1F1B needs one per stage; interleaved 1F1B runs them in rounds of max(1, n // pp))."""
+        if self.pp == 1 or self.pp_schedule == "GPipe":
+            return
+        if self.pp_schedule == "1F1B" and n < self.pp:
+            raise PlanError(f"plan {self.name}: pp={self.pp} (1F1B) needs at least {self.pp} micro-batches per step, "
+                            f"got {n} (raise train.grad_accum)")
+        rounds = max(1, n // self.pp)
+        if self.pp_schedule == "Interleaved1F1B" and n % rounds:
+            raise PlanError(f"plan {self.name}: pp={self.pp} (interleaved 1F1B) runs micro-batches in rounds of "
+                            f"{rounds}, which must divide the {n} per step (train.grad_accum)")
+
     # --- meshes ------------------------------------------------------------------------------------------
 
     def mesh_shape(self) -> dict[str, int]:

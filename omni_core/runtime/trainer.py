@@ -47,6 +47,7 @@ def resolve_plan(recipe: Recipe, world_size: int) -> ParallelPlan:
         n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
         num_experts=llm.moe.num_experts if llm.moe else 0, seq_len=recipe.data.seq_len * recipe.data.micro_batch,
     ))
+    plan.check_microbatches(recipe.train.grad_accum)
     return plan
 
 

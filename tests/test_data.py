@@ -306,8 +306,16 @@ def test_batch_packer_places_every_item_once_within_capacity_and_densely(low, hi
     assert max(loads) <= 128
     efficiency = sum(sizes) / (128 * len(loads))
     assert efficiency > (0.97 if high <= 60 else 0.84)  # items of 100-128 tokens: one per sequence at best
-    assert [[[i.ordinal for i in s] for s in b] for b in batches] == \
-           [[[i.ordinal for i in s] for s in b] for b in pack_all(sizes, bins, 128)]
+    def ordinals(batches: list[list[list[Item]]]) -> list:
+        return [[[i.ordinal for i in s] for s in b] for b in batches]
+
+    assert ordinals(batches) == ordinals(pack_all(sizes, bins, 128))
+    packer: BatchPacker[Item] = BatchPacker(bins, 128, 1.5)  # by slices, as the profile packs: the same batches
+    items = [Item(i, size) for i, size in enumerate(sizes)]
+    filled = [*packer.fill(items[:777]), *packer.fill(items[777:778]), *packer.fill(items[778:])]
+    while packer.pool:
+        filled.append(packer.pack())
+    assert ordinals(filled) == ordinals(batches)
 
 
 def test_batch_packer_keeps_stream_order_at_batch_scale():
@@ -453,15 +461,16 @@ def test_bad_manifest_lines_are_skipped_counted_and_logged_with_their_line(tmp_p
         "",
         json.dumps({"id": "z", "modality": "image", "segments": [{"type": "text", "text": "no image"}]}),
         json.dumps({"id": "w", "segments": [{"type": "image", "path": "a.png", "width": 0, "height": 3}]}),
+        json.dumps({"id": "u", "segments": [{"type": ["image"]}]}),  # an unhashable type
         json.dumps({**good, "id": "v"}),
     ]
     (tmp_path / MANIFEST).write_text("\n".join(lines) + "\n")
     recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="omni_core.data.sources"):
         profile, _ = profile_dataset(recipe, tmp_path / "profile")
-    assert profile.total_samples == 2 and profile.skipped == {"bad_record": 4}
+    assert profile.total_samples == 2 and profile.skipped == {"bad_record": 5}
     warnings = [r.getMessage() for r in caplog.records]
-    for line, why in [(2, "not JSON"), (3, "segments"), (5, "does not match"), (6, "'width' >= 1")]:
+    for line, why in [(2, "not JSON"), (3, "segments"), (5, "does not match"), (6, "'width' >= 1"), (7, "'type' in")]:
         assert any(f"{MANIFEST}: skipped entry {line}: bad_record" in w and why in w for w in warnings), (line, why)
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from omni_core.cli import main
@@ -17,7 +19,7 @@ from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import DatasetProfile, Profiler, profile_dataset, profile_source
 from omni_core.data.sample import KINDS, Sample, Segments, measure
 from omni_core.data.sources import View
-from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset
+from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of
 from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor
@@ -232,10 +234,69 @@ def test_profiler_memory_does_not_grow_with_the_stream():
         record = stream.next(profiler.batches)
         profiler.add(record, packable=True)
         if n % 5_000 == 4_999:
-            sizes.append((len(profiler.buffer), len(profiler.packer.pool), max(len(c.counts)
-                                                                             for c in profiler.lengths.values())))
-    assert all(buffer < 500 and pool < 40 and counts < 300 for buffer, pool, counts in sizes)
+            sizes.append((len(profiler.rows) + profiler.pending_count, len(profiler.loads),
+                          len(profiler.packer.items), max(len(c.counts) for c in profiler.lengths.values())))
+    assert all(buffer < 500 and loads < 500 and pool < 40 and counts < 300 for buffer, loads, pool, counts in sizes)
     assert len(profiler.windows) == 30  # one small summary per window is all that accumulates
+
+
+BAD_LINES = [  # (line, why the record-by-record stream skips it)
+    (b"{not json", "bad_record"),
+    (b'{"id": "no-segments"}', "bad_record"),
+    (b'{"id": "odd-type", "segments": [{"type": ["image"]}]}', "bad_record"),
+    (b'{"id": "wrong", "modality": "audio", "segments": [{"type": "text", "text": "t"}]}', "bad_record"),
+    (b'{"id": "huge", "segments": [{"type": "image", "path": "h.png", "width": 9000, "height": 9000}]}',
+     "oversized_image"),
+    (b'{"id": "mute", "segments": [{"type": "audio", "path": "m.wav", "num_samples": 0, "sample_rate": 8000}]}',
+     "empty_audio"),
+    (b"", ""),  # a blank line is no record
+]
+
+
+def drifting_manifest(folder: Path, num: int, shards: int) -> Counter:
+    """A metadata-only JSONL dataset (media are never opened) in `shards` files: four modalities whose mix
+    drifts, long documents over seq_len 512, and every 37th line one of BAD_LINES. Returns the skips due."""
+    syn = SyntheticConfig(
+        num_samples=num, long_doc_share=0.1, long_doc_tokens={"min": 200, "max": 900},
+        schedule=[{"step": 0, "mix": {"text": 0.7, "image": 0.1, "audio": 0.1, "video": 0.1}},
+                  {"step": 100, "mix": {"text": 0.1, "image": 0.3, "audio": 0.2, "video": 0.4}}])
+    lines, bad = [], Counter()
+    for specs in dataset_specs(syn, 3, num):
+        for spec in specs.rows():
+            kind = KINDS[spec.modality]
+            text = "w" * (spec.text_tokens if kind == "text" else 5 + spec.index % 40)
+            lines.append(orjson.dumps(sample_of(spec, f"{kind}-{spec.index}", text, 16000, f"{kind}.bin").to_json()))
+            if len(lines) % 37 == 0:
+                line, why = BAD_LINES[len(lines) // 37 % len(BAD_LINES)]
+                lines.append(line)
+                if why:
+                    bad[why] += 1
+    folder.mkdir()
+    for k in range(shards):
+        (folder / f"part-{k}.jsonl").write_bytes(b"\n".join(lines[k * len(lines) // shards:
+                                                                (k + 1) * len(lines) // shards]) + b"\n")
+    return bad
+
+
+def test_columnar_profile_equals_the_record_by_record_one(tmp_path):
+    """The metadata profile reads sharded sources as columns, CHUNK records at a time; record by record (the
+    path decoding takes) must give the same profile, to the bit: statistics, packing, drift, skips (and the
+    order of their reasons), with or without a limit that ends mid-chunk."""
+    location = tmp_path / "m"
+    bad = drifting_manifest(location, 4000, shards=3)
+    cfg = DataConfig(source="jsonl", path=str(location), profile_window=300, micro_batch=2)
+    dataset = ManifestDataset(location, cfg)
+    flops = FlopModel.for_flavor("debug", patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    for limit in (None, 1, 1024, 2500):
+        columns = profile_source(dataset, cfg, 0, flops, limit)
+        by_record = profile_source(dataset, cfg, 0, flops, limit, by_record=True)
+        assert columns.model_dump_json() == by_record.model_dump_json(), limit
+        if limit is None:
+            assert set(columns.modalities) == set(KINDS) and columns.drift_detected
+            too_long = columns.skipped.pop("too_long")
+            assert columns.skipped == bad and too_long > 50 and columns.manifest_samples == 4000 + bad.total()
+        else:
+            assert columns.total_samples == limit
 
 
 # --- command line ----------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import torch
 from PIL import Image
 
 from omni_core.data.dataset import ManifestDataset
+from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
-from omni_core.data.profile import profile_dataset
+from omni_core.data.profile import profile_dataset, profile_source
 from omni_core.data.sources import Record, View, in_heldout
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
@@ -209,6 +210,12 @@ def test_bad_members_and_shards_are_skipped_and_counted_never_fatal(tmp_path):
     assert profile.manifest_samples == 8
 
     dataset = ManifestDataset(tmp_path, cfg)
+    flops = FlopModel.for_flavor("debug", patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    metadata = profile_source(dataset, cfg, 0, flops)  # as columns; nothing decoded, so only what metadata shows
+    assert metadata.model_dump_json() == profile_source(dataset, cfg, 0, flops, by_record=True).model_dump_json()
+    assert metadata.skipped == {"missing_file": 1, "oversized_image": 1, "truncated_shard": 1}
+    assert metadata.total_samples == 5 and metadata.manifest_samples == 8
+
     stream = ConsumerStream(dataset, cfg, View(0, 1, "train", 0, one_pass=True, shuffle=False), lambda b: b)
     batches = list(iter(stream.next_batch, None))
     assert sum(b.num_samples for b in batches) == 3

@@ -3,8 +3,11 @@ out as a `PackedBatch` with their boundaries in cu_seqlens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
+from operator import attrgetter
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -17,18 +20,12 @@ IGNORE = -100
 OVERDUE = 2  # batches a sample may be passed over before it is placed ahead of everything else
 
 
-class Sized(Protocol):
-    tokens: int
-    ordinal: int
+S = TypeVar("S")
 
 
-S = TypeVar("S", bound=Sized)
-
-
-@dataclass
-class Pending(Generic[S]):
+class Pending(NamedTuple, Generic[S]):
     item: S
-    waited: int = 0  # batches it was left out of
+    waited: int  # batches it was left out of
 
 
 class BatchPacker(Generic[S]):
@@ -38,13 +35,24 @@ class BatchPacker(Generic[S]):
     then filled as fully as the pool allows (an exact subset sum over the pool, so at least as dense as
     first-fit decreasing), preferring the samples that came first; what does not fit waits for the next batch.
     Choosing only within the pool keeps the stream's order, hence its modality mix, at the scale of batches;
-    a sample passed over OVERDUE times is placed before any choice is made, so none starves."""
+    a sample passed over OVERDUE times is placed before any choice is made, so none starves.
 
-    def __init__(self, bins: int, capacity: int, lookahead: float) -> None:
-        self.bins, self.capacity = bins, capacity
+    An item's size is `size(item)` (its `tokens` by default; the profile packs bare token counts). The pool is
+    kept as parallel lists of items, sizes and waits: packing touches only integers."""
+
+    def __init__(self, bins: int, capacity: int, lookahead: float,
+                 size: Callable[[S], int] = attrgetter("tokens")) -> None:
+        self.bins, self.capacity, self.size = bins, capacity, size
         self.target = lookahead * bins * capacity
-        self.pool: list[Pending[S]] = []
+        self.items: list[S] = []
+        self.sizes: list[int] = []
+        self.waits: list[int] = []
         self.pool_tokens = 0
+
+    @property
+    def pool(self) -> list[Pending[S]]:
+        """The samples waiting, in pool order."""
+        return [Pending(item, waited) for item, waited in zip(self.items, self.waits)]
 
     @property
     def ready(self) -> bool:
@@ -52,48 +60,81 @@ class BatchPacker(Generic[S]):
         return self.pool_tokens >= self.target
 
     def add(self, item: S, waited: int = 0) -> None:
-        if item.tokens > self.capacity:
-            raise ValueError(f"a sample of {item.tokens} tokens cannot fit sequences of {self.capacity}")
-        self.pool.append(Pending(item, waited))
-        self.pool_tokens += item.tokens
+        tokens = self.size(item)
+        if tokens > self.capacity:
+            raise self._oversized(tokens)
+        self.items.append(item)
+        self.sizes.append(tokens)
+        self.waits.append(waited)
+        self.pool_tokens += tokens
+
+    def _oversized(self, tokens: int) -> ValueError:
+        return ValueError(f"a sample of {tokens} tokens cannot fit sequences of {self.capacity}")
+
+    def fill(self, items: Sequence[S]) -> Iterator[list[list[S]]]:
+        """Adds the items in order, packing a batch each time the pool gets ready, as `add` one by one would (but
+        an oversized item raises before any is added). Items go in by slices, up to each point where the pool
+        gets ready: no call per item."""
+        sizes = list(map(self.size, items))
+        if sizes and max(sizes) > self.capacity:
+            raise self._oversized(max(sizes))
+        reached = list(accumulate(sizes, initial=0))  # reached[j]: tokens of the first j items
+        start = 0
+        while start < len(sizes):
+            # the pool is ready once it holds items up to the first end with reached[end] >= this
+            end = min(bisect_left(reached, self.target - self.pool_tokens + reached[start], start + 1), len(sizes))
+            self.items += items[start:end]
+            self.sizes += sizes[start:end]
+            self.waits += [0] * (end - start)
+            self.pool_tokens += reached[end] - reached[start]
+            start = end
+            while self.ready:
+                yield self.pack()
 
     def pack(self) -> list[list[S]]:
         """One batch: `bins` sequences (some possibly empty) of pool samples, removed from the pool."""
-        loads, sequences = [0] * self.bins, [[] for _ in range(self.bins)]
-        overdue = sorted((p for p in self.pool if p.waited >= OVERDUE), key=lambda p: -p.item.tokens)
-        left = [p for p in self.pool if p.waited < OVERDUE]  # in stream order: older ones are preferred
-        for pending in overdue:  # best fit decreasing: into the fullest sequence with room
-            fits = [b for b in range(self.bins) if loads[b] + pending.item.tokens <= self.capacity]
-            if not fits:
-                left.insert(0, pending)
-                continue
-            b = max(fits, key=loads.__getitem__)
-            loads[b] += pending.item.tokens
-            sequences[b].append(pending.item)
+        sizes, waits, capacity = self.sizes, self.waits, self.capacity
+        loads, sequences = [0] * self.bins, [[] for _ in range(self.bins)]  # pool indices per sequence
+        if max(waits, default=0) >= OVERDUE:
+            overdue = sorted((i for i, w in enumerate(waits) if w >= OVERDUE), key=lambda i: -sizes[i])
+            left = [i for i, w in enumerate(waits) if w < OVERDUE]  # in stream order: older ones are preferred
+            for i in overdue:  # best fit decreasing: into the fullest sequence with room
+                fits = [b for b in range(self.bins) if loads[b] + sizes[i] <= capacity]
+                if not fits:
+                    left.insert(0, i)
+                    continue
+                b = max(fits, key=loads.__getitem__)
+                loads[b] += sizes[i]
+                sequences[b].append(i)
+        else:
+            left = list(range(len(sizes)))
         for b in range(self.bins):
-            chosen = fullest_subset([p.item.tokens for p in left], self.capacity - loads[b])
-            for i in chosen:
-                sequences[b].append(left[i].item)
-                loads[b] += left[i].item.tokens
-            left = [p for i, p in enumerate(left) if i not in chosen]
-        for pending in left:
-            pending.waited += 1
-        self.pool = left
+            chosen = fullest_subset([sizes[i] for i in left], capacity - loads[b])
+            for j in chosen:
+                sequences[b].append(left[j])
+                loads[b] += sizes[left[j]]
+            left = [i for j, i in enumerate(left) if j not in chosen]
+        items = self.items
+        self.items, self.sizes = [items[i] for i in left], [sizes[i] for i in left]
+        self.waits = [waits[i] + 1 for i in left]
         self.pool_tokens -= sum(loads)
-        return sequences
+        return [[items[i] for i in seq] for seq in sequences]
 
 
 def fullest_subset(sizes: list[int], room: int) -> set[int]:
     """Indices of sizes with the largest sum <= room; among equal sums, earlier indices are preferred.
 
     Subset sum with Python integers as bitsets: bit s of reach[i] says that some subset of the first i sizes
-    sums to s. Walking back from the last size, a size is left out whenever its prefix reaches the sum alone."""
-    mask = (1 << (room + 1)) - 1
+    sums to s. Walking back from the last size, a size is left out whenever its prefix reaches the sum alone
+    (so sizes after the prefix that first fills the room exactly are never chosen, and are not looked at)."""
+    mask, full = (1 << (room + 1)) - 1, 1 << room
     reach = [1]
     for size in sizes:
         reach.append((reach[-1] | (reach[-1] << size)) & mask)
+        if reach[-1] & full:
+            break
     total, chosen = reach[-1].bit_length() - 1, set()
-    for i in range(len(sizes) - 1, -1, -1):
+    for i in range(len(reach) - 2, -1, -1):
         if not (reach[i] >> total) & 1:
             chosen.add(i)
             total -= sizes[i]

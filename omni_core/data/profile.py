@@ -6,11 +6,16 @@ with the number of samples: token lengths are kept as exact counts per length (s
 memory follows the longest sample), samples are buffered one drift window at a time, and packing is simulated
 with the loader's own packer, whose pool is bounded. The stream is read in shard-name order (no shuffle), as
 the data was written, so a schedule written into the data shows up as drift.
+
+From metadata, JSONL and WebDataset sources are read as columns, CHUNK records at a time, and every statistic
+is taken over arrays a window at a time: per record there is only parsing and the packer's bookkeeping. The
+result is the same, to the bit, as feeding records one by one (which decoding and the scheduled source do).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +25,8 @@ from matplotlib.figure import Figure
 from omni_core.data.dataset import CorruptSample, ManifestDataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
-from omni_core.data.sample import KINDS
-from omni_core.data.sources import Record, View
+from omni_core.data.sample import KIND_CODE, KINDS
+from omni_core.data.sources import Record, ShardedSource, Sizes, View
 from omni_core.data.synthetic import DynamicSource, ensure_dataset
 from omni_core.recipe.schema import DataConfig, Recipe
 from omni_core.results import Result
@@ -166,50 +171,70 @@ class _Window:
 
 
 class Profiler:
-    """Feeds on records one at a time; `result()` summarises. Buffers at most one window of samples."""
-
-    COLUMNS = ("modality", "tokens", "vision_tokens", "vision_sq", "audio_frames", "audio_tokens", "audio_sq")
+    """Feeds on chunks of measured records (`add_chunk`) or on records one at a time (`add`); `result()`
+    summarises. Statistics are taken a drift window at a time, over arrays, whichever way the samples came;
+    at most one window of samples is buffered."""
 
     def __init__(self, cfg: DataConfig, flops: FlopModel) -> None:
         self.cfg, self.flops = cfg, flops
         self.window, self.threshold = cfg.profile_window, cfg.drift_threshold
-        self.buffer: list[tuple[int, ...]] = []  # one row of COLUMNS per sample of the current window
+        self.rows: list[tuple[int, ...]] = []  # records added one at a time, as rows of Sizes
+        self.pending: list[Sizes] = []  # samples of the current window
+        self.pending_count = 0
         self.lengths = {m: Counts() for m in KINDS}
         self.sums = {m: np.zeros(4) for m in KINDS}  # encoder tokens, encoder FLOPs, LLM FLOPs, samples
         self.reference: _Window | None = None
         self.windows: list[DriftWindow] = []
         self.seen = 0
-        self.packer: BatchPacker[Record] = BatchPacker(cfg.micro_batch, cfg.seq_len, cfg.pack_lookahead)
+        self.packer: BatchPacker[int] = BatchPacker(cfg.micro_batch, cfg.seq_len, cfg.pack_lookahead, size=int)
+        self.loads: list[int] = []  # real tokens of the sequences packed since the last window
         self.real, self.docs = Counts(), 0
         self.batches = 0
-        self.code = {m: i for i, m in enumerate(KINDS)}
 
     def add(self, record: Record, *, packable: bool) -> None:
-        """Counts a sample; a packable one (it fits seq_len) also goes through the packer."""
-        self.buffer.append((self.code[record.modality], record.tokens, record.vision_tokens, record.vision_sq,
-                            record.audio_frames, record.audio_tokens, record.audio_sq))
-        if len(self.buffer) == self.window:
-            self._flush()
+        """Counts a sample; a packable one (it fits seq_len) also goes through the packer at once (a scheduled
+        source draws its next sample at the batch count)."""
+        self.rows.append((KIND_CODE[record.modality], record.tokens, record.vision_tokens, record.vision_sq,
+                          record.audio_tokens, record.audio_sq, record.audio_frames))
+        if len(self.rows) == self.window:
+            self._take_rows()
         if packable:
-            self.packer.add(record)
-            while self.packer.ready:
-                self._sequences(self.packer.pack())
+            self._pack((record.tokens,))
 
-    def _sequences(self, sequences: list[list[Record]]) -> None:
+    def add_chunk(self, sizes: Sizes, packable: np.ndarray) -> None:
+        """Counts consecutive samples; those where `packable` go through the packer, in order."""
+        self._add_sizes(sizes)
+        self._pack(sizes.tokens[packable].tolist())
+
+    def _take_rows(self) -> None:
+        self._add_sizes(Sizes(*np.array(self.rows, dtype=np.int64).reshape(-1, len(Sizes._fields)).T))
+        self.rows.clear()
+
+    def _add_sizes(self, sizes: Sizes) -> None:
+        """Buffers samples, summarising each window as it fills."""
+        self.pending.append(sizes)
+        self.pending_count += len(sizes.tokens)
+        while self.pending_count >= self.window:
+            joined = Sizes(*map(np.concatenate, zip(*self.pending))) if len(self.pending) > 1 else self.pending[0]
+            rest = Sizes(*(c[self.window :] for c in joined))
+            self.pending, self.pending_count = [rest], len(rest.tokens)
+            self._flush(Sizes(*(c[: self.window] for c in joined)))
+
+    def _pack(self, tokens: Sequence[int]) -> None:
+        for sequences in self.packer.fill(tokens):
+            self._sequences(sequences)
+
+    def _sequences(self, sequences: list[list[int]]) -> None:
         self.batches += 1
-        self.real.add(np.array([sum(r.tokens for r in seq) for seq in sequences]))
-        self.docs += sum(len(seq) for seq in sequences)
+        self.loads += map(sum, sequences)
+        self.docs += sum(map(len, sequences))
 
-    def _flush(self) -> None:
-        if not self.buffer:
-            return
-        columns = dict(zip(self.COLUMNS, np.array(self.buffer, dtype=np.int64).T))
-        self.buffer.clear()
-        modality, tokens = columns["modality"], columns["tokens"]
-        encoder = self.flops.encoder(columns["vision_tokens"], columns["vision_sq"], columns["audio_frames"],
-                                     columns["audio_sq"])
+    def _flush(self, sizes: Sizes) -> None:
+        """One window's statistics."""
+        modality, tokens = sizes.modality, sizes.tokens
+        encoder = self.flops.encoder(sizes.vision_tokens, sizes.vision_sq, sizes.audio_frames, sizes.audio_sq)
         llm = self.flops.llm(tokens)
-        encoder_tokens = columns["vision_tokens"] + columns["audio_tokens"]
+        encoder_tokens = sizes.vision_tokens + sizes.audio_tokens
         for code, m in enumerate(KINDS):
             mine = modality == code
             if mine.any():
@@ -217,6 +242,8 @@ class Profiler:
                 self.sums[m] += [encoder_tokens[mine].sum(), encoder[mine].sum(), llm[mine].sum(), mine.sum()]
         self._window(_Window(modality, tokens))
         self.seen += len(tokens)
+        self.real.add(np.array(self.loads, dtype=np.int64))
+        self.loads.clear()
 
     def _window(self, window: _Window) -> None:
         if self.reference is None:
@@ -238,9 +265,13 @@ class Profiler:
 
     def result(self, *, location: str, source: str, skipped: dict[str, int],
                decode_rates: dict[str, float]) -> DatasetProfile:
-        self._flush()
-        while self.packer.pool:
+        if self.rows:
+            self._take_rows()
+        if self.pending_count:  # the last, short window
+            self._flush(Sizes(*map(np.concatenate, zip(*self.pending))))
+        while self.packer.items:
             self._sequences(self.packer.pack())
+        self.real.add(np.array(self.loads, dtype=np.int64))
         total = self.seen
         if not total:
             raise ValueError(f"{location} holds no valid sample to profile (skipped: {skipped or 'none'})")
@@ -287,17 +318,33 @@ class Profiler:
 
 
 def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: FlopModel,
-                   limit: int | None = None, decode: bool = False) -> DatasetProfile:
-    """One pass over (at most `limit` samples of) the dataset's stream."""
-    dynamic = isinstance(dataset.source, DynamicSource)
+                   limit: int | None = None, decode: bool = False, by_record: bool = False) -> DatasetProfile:
+    """One pass over (at most `limit` samples of) the dataset's stream. From metadata, a sharded source is
+    read as columns, CHUNK records at a time; decoding, a scheduled source (which draws each sample at the
+    batch count the packer has reached), or `by_record` (the reference the columns are tested against) go
+    record by record."""
+    source = dataset.source
+    dynamic = isinstance(source, DynamicSource)
     view = View(0, 1, "train" if dynamic else "all", seed, one_pass=True, shuffle=False)
     skipped: dict[str, int] = {}
+    profiler = Profiler(cfg, flops)
+    if isinstance(source, ShardedSource) and not (decode or by_record):
+        _profile_columns(source.measured(view), profiler, cfg.seq_len, skipped, limit)
+        rates = {}
+    else:
+        rates = _profile_records(dataset, view, profiler, cfg.seq_len, skipped, limit, decode)
+    kind = "dynamic" if dynamic else type(source).__name__.removesuffix("Source").lower()
+    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates)
+
+
+def _profile_records(dataset: ManifestDataset, view: View, profiler: Profiler, seq_len: int,
+                     skipped: dict[str, int], limit: int | None, decode: bool) -> dict[str, float]:
+    """Record by record; returns the decode rates per modality."""
 
     def count(reason: str) -> None:
         skipped[reason] = skipped.get(reason, 0) + 1
 
     stream = dataset.source.stream(view, None, count)
-    profiler = Profiler(cfg, flops)
     decode_s = {m: [0.0, 0] for m in KINDS}
     met = 0
     while limit is None or met < limit:
@@ -314,13 +361,33 @@ def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: 
                 continue
             decode_s[record.modality][0] += time.perf_counter() - started
             decode_s[record.modality][1] += 1
-        fits = record.tokens <= cfg.seq_len
+        fits = record.tokens <= seq_len
         if not fits:
             count("too_long")
         profiler.add(record, packable=fits)
-    rates = {m: n / s for m, (s, n) in decode_s.items() if n}
-    kind = "dynamic" if dynamic else type(dataset.source).__name__.removesuffix("Source").lower()
-    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates)
+    return {m: n / s for m, (s, n) in decode_s.items() if n}
+
+
+def _profile_columns(chunks: Iterator[tuple[Sizes, list[tuple[int, str]]]], profiler: Profiler, seq_len: int,
+                     skipped: dict[str, int], limit: int | None) -> None:
+    """Chunk by chunk, counting what `_profile_records` would: the skips met before the limit-th record, and
+    too_long records; `skipped` gets its reasons in the order they are first met, as record by record."""
+    met = 0
+    for sizes, skips in chunks:
+        take = len(sizes.tokens) if limit is None else min(len(sizes.tokens), limit - met)
+        if take < len(sizes.tokens):
+            sizes = Sizes(*(c[:take] for c in sizes))
+        reasons = [(reason, 1) for before, reason in skips if limit is None or met + before < limit]
+        fits = sizes.tokens <= seq_len
+        too_long = np.flatnonzero(~fits)
+        if len(too_long):  # after the skips met before its first one
+            reasons.insert(sum(before <= too_long[0] for before, _ in skips), ("too_long", len(too_long)))
+        for reason, n in reasons:
+            skipped[reason] = skipped.get(reason, 0) + n
+        profiler.add_chunk(sizes, fits)
+        met += take
+        if limit is not None and met >= limit:
+            return
 
 
 def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list[Path]]:

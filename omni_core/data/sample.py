@@ -15,8 +15,10 @@ audio embedding as one placeholder (video frames go through the vision path, so 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,10 +30,14 @@ from omni_core.data.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PLACEHOLDER_IDS, 
 from omni_core.recipe.schema import MODALITIES, DataConfig
 
 KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment
-_SIZE_FIELDS = {"text": (), "image": ("width", "height"), "audio": ("num_samples", "sample_rate"),
-                "video": ("width", "height", "num_frames")}
+KIND_CODE = {k: i for i, k in enumerate(KINDS)}
+# per media kind, the sizes its metadata carries: (position in a Segment's fields, key, least value)
+_SIZES = {"image": ((3, "width", 1), (4, "height", 1)),
+          "audio": ((5, "num_samples", 0), (6, "sample_rate", 1)),  # an empty clip is skipped later: empty_audio
+          "video": ((3, "width", 1), (4, "height", 1), (7, "num_frames", 1))}
 TOKENIZER = ByteTokenizer()
 PLACEHOLDERS = {**PLACEHOLDER_IDS, "video": IMAGE_ID}  # frames take the vision path: the model has no video input
+SegmentFields = tuple[str, str, str, int, int, int, int, int]  # a Segment's fields, in order
 
 
 @dataclass(slots=True)
@@ -48,44 +54,62 @@ class Segment:
     def to_json(self) -> dict[str, Any]:
         if self.kind == "text":
             return {"type": "text", "path": self.path} if self.path else {"type": "text", "text": self.text}
-        return {"type": self.kind, "path": self.path} | {key: getattr(self, key) for key in _SIZE_FIELDS[self.kind]}
+        return {"type": self.kind, "path": self.path} | {key: getattr(self, key) for _, key, _ in _SIZES[self.kind]}
 
-    @classmethod
-    def from_json(cls, obj: Any) -> Segment:
-        """Raises ValueError naming the first missing or ill-typed field."""
-        kind = obj.get("type") if type(obj) is dict else None
-        path = obj.get("path", "") if kind else ""
-        if kind == "text":
-            text = obj.get("text")
-            if type(text) is str and not path:
-                return cls("text", text)
-            if type(path) is str and path and text is None:
-                return cls("text", "", path)
-            raise ValueError("text segment needs a string 'text' (or, in a WebDataset sample, a member 'path')")
-        fields = _SIZE_FIELDS.get(kind)
-        if fields is None:
-            raise ValueError(f"segment needs a 'type' in {KINDS}")
-        if type(path) is not str or not path:
-            raise ValueError(f"{kind} segment needs a string 'path'")
-        values = [obj.get(key) for key in fields]
-        if not all(type(v) is int and v > 0 for v in values):  # num_samples may be 0: skipped as empty_audio
-            for key, value in zip(fields, values):
-                least = 0 if key == "num_samples" else 1
-                if type(value) is not int or value < least:
-                    raise ValueError(f"{kind} segment needs an integer '{key}' >= {least}")
-        if kind == "image":
-            return cls(kind, "", path, *values)
-        if kind == "audio":
-            return cls(kind, "", path, 0, 0, *values)
-        return cls(kind, "", path, values[0], values[1], 0, 0, values[2])
+    def fields(self) -> SegmentFields:
+        return (self.kind, self.text, self.path, self.width, self.height, self.num_samples, self.sample_rate,
+                self.num_frames)
 
 
-def modality_of(segments: Sequence[Segment]) -> str:
+def segment_fields(obj: Any) -> SegmentFields:
+    """A metadata segment's fields, validated (no Segment is built: the metadata profile needs none); raises
+    ValueError naming the first missing or ill-typed field."""
+    kind = obj.get("type") if type(obj) is dict else None
+    if kind == "text":
+        text, path = obj.get("text"), obj.get("path", "")
+        if type(text) is str and not path:
+            return ("text", text, "", 0, 0, 0, 0, 0)
+        if type(path) is str and path and text is None:
+            return ("text", "", path, 0, 0, 0, 0, 0)
+        raise ValueError("text segment needs a string 'text' (or, in a WebDataset sample, a member 'path')")
+    sizes = _SIZES.get(kind) if type(kind) is str else None
+    if sizes is None:
+        raise ValueError(f"segment needs a 'type' in {KINDS}")
+    path = obj.get("path", "")
+    if type(path) is not str or not path:
+        raise ValueError(f"{kind} segment needs a string 'path'")
+    fields = [kind, "", path, 0, 0, 0, 0, 0]
+    for at, key, least in sizes:
+        value = obj.get(key)
+        if type(value) is not int or value < least:
+            raise ValueError(f"{kind} segment needs an integer '{key}' >= {least}")
+        fields[at] = value
+    return tuple(fields)
+
+
+def modality_of(kinds: Iterable[str]) -> str:
     """A sample's modality is its first non-text segment's kind ("text" if none): it selects the loss bucket."""
-    for seg in segments:
-        if seg.kind != "text":
-            return seg.kind
+    for kind in kinds:
+        if kind != "text":
+            return kind
     return "text"
+
+
+def record_fields(obj: Any) -> tuple[str, str, list[SegmentFields]]:
+    """(id, modality, segment fields) of a metadata record; raises ValueError for a malformed one. "modality"
+    may be omitted (it follows from the segments)."""
+    if type(obj) is not dict:
+        raise ValueError("record is not a JSON object")
+    sample_id, segments = obj.get("id"), obj.get("segments")
+    if type(sample_id) is not str or not sample_id:
+        raise ValueError("needs a non-empty string 'id'")
+    if type(segments) is not list or not segments:
+        raise ValueError("needs a non-empty list 'segments'")
+    fields = [segment_fields(seg) for seg in segments]
+    modality = modality_of([f[0] for f in fields])
+    if "modality" in obj and obj["modality"] != modality:
+        raise ValueError(f"modality '{obj['modality']}' does not match its segments ('{modality}')")
+    return sample_id, modality, fields
 
 
 @dataclass(slots=True)
@@ -99,19 +123,12 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: Any) -> Sample:
-        """Raises ValueError for a malformed record; "modality" may be omitted (it follows from the segments)."""
-        if type(obj) is not dict:
-            raise ValueError("record is not a JSON object")
-        sample_id, segments = obj.get("id"), obj.get("segments")
-        if type(sample_id) is not str or not sample_id:
-            raise ValueError("needs a non-empty string 'id'")
-        if type(segments) is not list or not segments:
-            raise ValueError("needs a non-empty list 'segments'")
-        parsed = [Segment.from_json(seg) for seg in segments]
-        modality = modality_of(parsed)
-        if "modality" in obj and obj["modality"] != modality:
-            raise ValueError(f"modality '{obj['modality']}' does not match its segments ('{modality}')")
-        return cls(sample_id, modality, parsed)
+        """Raises ValueError for a malformed record (see `record_fields`)."""
+        return cls.of_fields(*record_fields(obj))
+
+    @classmethod
+    def of_fields(cls, sample_id: str, modality: str, fields: list[SegmentFields]) -> Sample:
+        return cls(sample_id, modality, [Segment(*f) for f in fields])
 
 
 @dataclass
@@ -130,12 +147,29 @@ class Segments:
 
     @classmethod
     def of(cls, samples: Sequence[Sample]) -> Segments:
-        code = {k: i for i, k in enumerate(KINDS)}
-        rows = [(i, code[s.kind], s.width, s.height, s.num_samples, s.sample_rate, s.num_frames,
-                 text_length(s.text) if s.kind == "text" else 0)
-                for i, sample in enumerate(samples) for s in sample.segments]
-        columns = np.array(rows, dtype=np.int64).reshape(-1, 8).T
-        return cls(*columns)
+        rows = SegmentRows()
+        for sample in samples:
+            rows.add([seg.fields() for seg in sample.segments])
+        return rows.segments()
+
+
+class SegmentRows:
+    """`Segments` gathered sample by sample as one flat int64 buffer: a source adds each parsed record's
+    segment fields, without keeping a Segment (or a tuple) per segment."""
+
+    def __init__(self) -> None:
+        self.flat = array("q")
+        self.samples = 0
+
+    def add(self, fields: Iterable[SegmentFields]) -> None:
+        owner = self.samples
+        for kind, text, _, width, height, num_samples, sample_rate, num_frames in fields:
+            self.flat.extend((owner, KIND_CODE[kind], width, height, num_samples, sample_rate, num_frames,
+                              text_length(text) if kind == "text" else 0))
+        self.samples += 1
+
+    def segments(self) -> Segments:
+        return Segments(*np.array(self.flat, dtype=np.int64).reshape(-1, 8).T)
 
 
 @dataclass
@@ -148,8 +182,16 @@ class Measures:
     audio_tokens: np.ndarray  # audio encoder outputs (= its LLM placeholders)
     audio_sq: np.ndarray  # sum over clips of outputs^2
     audio_frames: np.ndarray  # log-mel frames: the audio encoder's convolution input
-    segment_tokens: list[list[int]]  # per sample, LLM tokens of each segment
     problem: list[str]  # per sample: "" or why it cannot be used ("oversized_image", "empty_audio")
+    segment_owner: np.ndarray  # per segment (as in `Segments`): its sample
+    segment_llm: np.ndarray  # per segment: its LLM tokens
+
+    @cached_property
+    def segment_tokens(self) -> list[list[int]]:
+        """Per sample, LLM tokens of each segment: built on first use, as the metadata profile needs none."""
+        bounds = np.searchsorted(self.segment_owner, np.arange(len(self.tokens) + 1)).tolist()
+        flat = self.segment_llm.tolist()
+        return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
     @property
     def encoder_tokens(self) -> np.ndarray:
@@ -164,23 +206,22 @@ def text_length(text: str) -> int:
 def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     """Token counts of the chunk's `size` samples, vectorized: the one token rule that packing, profiling and
     decoding share."""
-    code = {k: i for i, k in enumerate(KINDS)}
     w, h, n, f = segs.width, segs.height, segs.num_samples, segs.num_frames
     llm = segs.text_bytes.copy()
     vision, vision_sq, aud, aud_sq, mels = (np.zeros_like(llm) for _ in range(5))
 
-    img = segs.kind == code["image"]
+    img = segs.kind == KIND_CODE["image"]
     rows, cols = patch_grid(w[img], h[img], cfg.patch_size, cfg.max_image_patches, cfg.min_image_patches)
     llm[img] = vision[img] = rows * cols
     vision_sq[img] = (rows * cols) ** 2
 
-    vid = segs.kind == code["video"]
+    vid = segs.kind == KIND_CODE["video"]
     rows, cols = patch_grid(w[vid], h[vid], cfg.patch_size, cfg.video_frame_patches)
     shown = sampled_frames(f[vid], cfg.video_max_frames)
     llm[vid] = vision[vid] = shown * rows * cols
     vision_sq[vid] = shown * (rows * cols) ** 2
 
-    au = segs.kind == code["audio"]
+    au = segs.kind == KIND_CODE["audio"]
     mels[au] = mel_frames(resampled_length(n[au], segs.sample_rate[au], cfg.sample_rate), cfg.sample_rate)
     llm[au] = aud[au] = audio_tokens(mels[au])
     aud_sq[au] = aud[au] ** 2
@@ -193,12 +234,10 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     problem = [""] * size
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"
-    bounds = np.searchsorted(segs.owner, np.arange(size + 1)).tolist()
-    flat = llm.tolist()
     return Measures(
         tokens=2 + per_sample(llm), vision_tokens=per_sample(vision), vision_sq=per_sample(vision_sq),
-        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels),
-        segment_tokens=[flat[a:b] for a, b in zip(bounds, bounds[1:])], problem=problem,
+        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels), problem=problem,
+        segment_owner=segs.owner, segment_llm=llm,
     )
 
 

@@ -5,6 +5,8 @@ consumers, each consumer reads whole shards (reshuffled every epoch for training
 reads all shards and keeps every consumers-th record. Records come out measured (token counts from metadata)
 but not decoded. Each item a stream yields carries the position just after it, so a consumer's position is
 exact between any two records and a resumed stream meets, and counts, exactly the records it had not met.
+The metadata profile reads the same entries as columns instead (`ShardedSource.measured`): no Sample and no
+Record per entry, which is most of the cost of a record.
 
 Bad input never stops a stream: a malformed record, a missing member, a truncated shard are each counted
 under a reason (see `SKIP_REASONS`) and logged with the file and line or member they come from.
@@ -26,7 +28,8 @@ from PIL import Image
 
 from omni_core.data.audio import EmptyAudio, audio_header, read_audio
 from omni_core.data.image import OversizedImage, image_header, open_image, open_video_frames, video_header
-from omni_core.data.sample import Sample, Segment, Segments, measure, modality_of
+from omni_core.data.sample import (KIND_CODE, Measures, Sample, Segment, SegmentFields, SegmentRows, measure,
+                                   modality_of, record_fields)
 from omni_core.data.storage import Storage, join, parent
 from omni_core.recipe.schema import DataConfig
 
@@ -90,6 +93,18 @@ class Record:
     audio_frames: int
     segment_tokens: list[int]
     payload: Any  # the source's own: (Sample, where its media are) / the generator's choices
+
+
+class Sizes(NamedTuple):
+    """Records' measured sizes as columns (one entry per record, as in `Record`): what the profile reads."""
+
+    modality: np.ndarray  # codes into KINDS
+    tokens: np.ndarray
+    vision_tokens: np.ndarray
+    vision_sq: np.ndarray
+    audio_tokens: np.ndarray
+    audio_sq: np.ndarray
+    audio_frames: np.ndarray
 
 
 class Stream(ABC):
@@ -156,6 +171,54 @@ class _Truncated(NamedTuple):
     detail: str
 
 
+@dataclass
+class _Parsed:
+    """Consecutive entries of one shard, parsed, and their samples measured (CHUNK samples at most)."""
+
+    entries: list[tuple[_Raw | None, int, Any]]  # (entry, its sample's index or -1, payload or skip reason);
+    #                                              entry None: the shard broke off there
+    modality: list[int]  # per sample, its code in KINDS
+    sizes: Measures  # per sample
+
+    @property
+    def usable(self) -> int:
+        return len(self.modality) - sum(map(bool, self.sizes.problem))
+
+    def stream_items(self) -> list[tuple[Record | str, tuple[int, int]]]:
+        """(record or skip reason, (offset, index) after it) per entry; records carry ref=[offset, index]."""
+        sizes = self.sizes
+        tokens, vision, vision_sq, audio, audio_sq, frames = (a.tolist() for a in (
+            sizes.tokens, sizes.vision_tokens, sizes.vision_sq, sizes.audio_tokens, sizes.audio_sq,
+            sizes.audio_frames))
+        items: list[tuple[Record | str, tuple[int, int]]] = []
+        for raw, i, extra in self.entries:
+            after = (-1, -1) if raw is None else (raw.after, raw.index + 1)  # broke off: resume at the next shard
+            if i < 0 or sizes.problem[i]:
+                items.append((extra if i < 0 else sizes.problem[i], after))
+            else:
+                sample = extra[0]
+                items.append((Record([raw.offset, raw.index], 0, sample.id, sample.modality, tokens[i], vision[i],
+                                     vision_sq[i], audio[i], audio_sq[i], frames[i], sizes.segment_tokens[i], extra),
+                              after))
+        return items
+
+    def columns(self) -> tuple[Sizes, list[tuple[int, str]]]:
+        """The usable samples' sizes, and each skipped entry as (usable samples before it, reason)."""
+        sizes, problem = self.sizes, self.sizes.problem
+        columns = Sizes(np.array(self.modality, dtype=np.int64), sizes.tokens, sizes.vision_tokens, sizes.vision_sq,
+                        sizes.audio_tokens, sizes.audio_sq, sizes.audio_frames)
+        if len(self.entries) == len(problem) and not any(problem):
+            return columns, []
+        skips, usable = [], 0
+        for _, i, extra in self.entries:
+            if i >= 0 and not problem[i]:
+                usable += 1
+            else:
+                skips.append((usable, extra if i < 0 else problem[i]))
+        keep = np.array([not p for p in problem], dtype=bool)
+        return Sizes(*(c[keep] for c in columns)), skips
+
+
 class ShardedSource(Source):
     """Common to JSONL and WebDataset: shard plans per epoch and consumer, chunked parsing and measuring."""
 
@@ -179,11 +242,19 @@ class ShardedSource(Source):
         return order.tolist(), view.consumers
 
     def stream(self, view: View, position: list[int] | None, on_skip: Callable[[str], None]) -> Stream:
-        return _ShardStream(self._chunks(view, Position(*(position or ()))), on_skip, position)
+        chunks = self._chunks(view, Position(*(position or ())), build=True)
+        return _ShardStream(((epoch, slot, parsed.stream_items()) for epoch, slot, parsed in chunks), on_skip, position)
+
+    def measured(self, view: View) -> Iterator[tuple[Sizes, list[tuple[int, str]]]]:
+        """The view's stream from its start, as columns CHUNK samples at a time, without a Sample or a Record
+        per entry (the metadata profile's path): (sizes of the usable records, skipped entries as (usable
+        records before it, reason)). It meets and skips exactly what `stream` does."""
+        for _, _, parsed in self._chunks(view, Position(), build=False):
+            yield parsed.columns()
 
     def refetch(self, view: View, ref: list[int]) -> Record:
-        for _, _, chunk in self._chunks(view, Position(*ref)):
-            for item, _ in chunk:
+        for _, _, parsed in self._chunks(view, Position(*ref), build=True):
+            for item, _ in parsed.stream_items():
                 if type(item) is Record:
                     item.ref, item.ordinal = list(ref), ref[-1]
                     return item
@@ -197,20 +268,22 @@ class ShardedSource(Source):
         """A shard's entries from byte `offset`, which is entry `index`."""
 
     @abstractmethod
-    def _parse(self, shard: str, raw: _Raw) -> tuple[Sample, Any]:
-        """(sample, where its media are); raises CorruptSample (reason) or ValueError (a bad record)."""
+    def _parse(self, shard: str, raw: _Raw, build: bool) -> tuple[str, str, list[SegmentFields], Any]:
+        """(id, modality, segment fields, payload): the payload (sample, where its media are) only if `build`
+        (else None, or whatever the source had to build anyway); raises CorruptSample (reason) or ValueError
+        (a bad record)."""
 
-    def _chunks(self, view: View, at: Position) -> Iterator[tuple[int, int, list[tuple[Record | str, tuple]]]]:
-        """(epoch, slot, items) over epochs, from `at` on; see `_shard_chunks` for the items."""
+    def _chunks(self, view: View, at: Position, build: bool) -> Iterator[tuple[int, int, _Parsed]]:
+        """(epoch, slot, parsed entries) over epochs, from `at` on."""
         epoch, slot, offset, index, _ = at
         while True:
             shards, stride = self.plan(view, epoch)
             whole_epoch, records = slot == offset == 0, 0
             for k in range(slot, len(shards)):
                 keep = (lambda i: True) if stride == 1 else (lambda i, k=k: (i + k) % stride == view.consumer)
-                for chunk in self._shard_chunks(view, self.shards[shards[k]], offset, index, keep):
-                    records += sum(type(item) is Record for item, _ in chunk)
-                    yield epoch, k, chunk
+                for parsed in self._shard_chunks(view, self.shards[shards[k]], offset, index, keep, build):
+                    records += parsed.usable
+                    yield epoch, k, parsed
                 offset = index = 0
             if view.one_pass:
                 return
@@ -219,42 +292,31 @@ class ShardedSource(Source):
                                  f"for consumer {view.consumer} of {view.consumers}")
             epoch, slot = epoch + 1, 0
 
-    def _shard_chunks(
-        self, view: View, shard: str, offset: int, index: int, keep: Callable[[int], bool]
-    ) -> Iterator[list[tuple[Record | str, tuple[int, int]]]]:
-        """Lists of (record or skip reason, (offset, index) after it) in shard order; records carry
-        ref=[offset, index]. Entries are parsed and measured CHUNK at a time."""
-        samples: list[Sample] = []
-        entries: list[tuple[_Raw, int, Any]] = []  # (raw, index into samples or -1, where / skip reason)
+    def _shard_chunks(self, view: View, shard: str, offset: int, index: int, keep: Callable[[int], bool],
+                      build: bool) -> Iterator[_Parsed]:
+        """A shard's entries from byte `offset` (entry `index`) in order, parsed and measured CHUNK samples at
+        a time; samples go into columns as they are parsed."""
+        entries: list[tuple[_Raw | None, int, Any]] = []
+        modalities: list[int] = []
+        rows = SegmentRows()
         logged = 0
 
-        def flush() -> list[tuple[Record | str, tuple[int, int]]]:
-            sizes = measure(Segments.of(samples), len(samples), self.cfg)
-            tokens, vision, vision_sq, audio, audio_sq, frames = (a.tolist() for a in (
-                sizes.tokens, sizes.vision_tokens, sizes.vision_sq, sizes.audio_tokens, sizes.audio_sq,
-                sizes.audio_frames))
-            items: list[tuple[Record | str, tuple[int, int]]] = []
-            for raw, i, extra in entries:
-                after = (raw.after, raw.index + 1)
-                if i < 0 or sizes.problem[i]:
-                    items.append((extra if i < 0 else sizes.problem[i], after))
-                else:
-                    sample = samples[i]
-                    items.append((Record([raw.offset, raw.index], 0, sample.id, sample.modality, tokens[i], vision[i],
-                                         vision_sq[i], audio[i], audio_sq[i], frames[i], sizes.segment_tokens[i],
-                                         (sample, extra)), after))
-            samples.clear(), entries.clear()
-            return items
+        def flush() -> _Parsed:
+            nonlocal entries, modalities, rows
+            parsed = _Parsed(entries, modalities, measure(rows.segments(), rows.samples, self.cfg))
+            entries, modalities, rows = [], [], SegmentRows()
+            return parsed
 
         for raw in self._entries(shard, offset, index):
             if isinstance(raw, _Truncated):
                 log.warning("%s: truncated_shard: %s", shard, raw.detail)
-                yield flush() + [("truncated_shard", (-1, -1))]  # resume at the next shard
+                entries.append((None, -1, "truncated_shard"))
+                yield flush()
                 return
             if not keep(raw.index):
                 continue
             try:
-                sample, where = self._parse(shard, raw)
+                sample_id, modality, fields, payload = self._parse(shard, raw, build)
             except (CorruptSample, ValueError) as err:
                 reason = err.reason if isinstance(err, CorruptSample) else "bad_record"
                 if logged < LOGGED_PER_SHARD:
@@ -262,11 +324,12 @@ class ShardedSource(Source):
                     logged += 1
                 entries.append((raw, -1, reason))
                 continue
-            if view.split != "all" and in_heldout(sample.id, self.cfg.heldout_fraction) != (view.split == "heldout"):
+            if view.split != "all" and in_heldout(sample_id, self.cfg.heldout_fraction) != (view.split == "heldout"):
                 continue
-            entries.append((raw, len(samples), where))
-            samples.append(sample)
-            if len(samples) == CHUNK:
+            entries.append((raw, rows.samples, payload))
+            modalities.append(KIND_CODE[modality])
+            rows.add(fields)
+            if rows.samples == CHUNK:
                 yield flush()
         yield flush()
         if logged == LOGGED_PER_SHARD:
@@ -274,7 +337,7 @@ class ShardedSource(Source):
 
 
 class _ShardStream(Stream):
-    """Hands out the items of `ShardedSource._chunks` one by one: counts skips, numbers records, and knows
+    """Hands out the items of `_Parsed.stream_items` one by one: counts skips, numbers records, and knows
     the position after the last item handed out."""
 
     def __init__(self, chunks: Iterator[tuple[int, int, list[tuple[Record | str, tuple[int, int]]]]],
@@ -354,15 +417,16 @@ class JsonlSource(ShardedSource):
         finally:
             body.close()
 
-    def _parse(self, shard: str, raw: _Raw) -> tuple[Sample, Any]:
+    def _parse(self, shard: str, raw: _Raw, build: bool) -> tuple[str, str, list[SegmentFields], Any]:
         try:
-            sample = Sample.from_json(orjson.loads(raw.content))
+            obj = orjson.loads(raw.content)
         except orjson.JSONDecodeError as err:
             raise ValueError(f"not JSON: {err}") from None
-        for seg in sample.segments:
-            if seg.path and seg.kind == "text":
+        sample_id, modality, fields = record_fields(obj)
+        for kind, _, path, *_ in fields:
+            if path and kind == "text":
                 raise ValueError("text segments of a JSONL manifest are inline ('text'), not files")
-        return sample, shard
+        return sample_id, modality, fields, (Sample.of_fields(sample_id, modality, fields), shard) if build else None
 
     def media(self, record: Record, seg: Segment) -> Any:
         where = self.where(record, seg)
@@ -417,7 +481,8 @@ class WdsSource(ShardedSource):
         finally:
             body.close()
 
-    def _parse(self, shard: str, raw: _Raw) -> tuple[Sample, Any]:
+    def _parse(self, shard: str, raw: _Raw, build: bool) -> tuple[str, str, list[SegmentFields], Any]:
+        """Builds the sample whatever `build` says: checking its members needs it."""
         key, members = raw.content
         where = f"{shard}:{key}"
         if "json" in members:
@@ -430,7 +495,7 @@ class WdsSource(ShardedSource):
             sample = Sample.from_json(obj)
         else:
             segments = self._inferred_segments(where, key, members)
-            sample = Sample(key, modality_of(segments), segments)
+            sample = Sample(key, modality_of(seg.kind for seg in segments), segments)
         for seg in sample.segments:
             if seg.path and seg.path not in members:
                 raise CorruptSample(sample.id, f"{where}.{seg.path}", "missing_file", "no such member")
@@ -439,7 +504,7 @@ class WdsSource(ShardedSource):
                     seg.text = members[seg.path].decode("utf-8")
                 except UnicodeDecodeError as err:
                     raise ValueError(f"{key}.{seg.path} is not UTF-8: {err}") from None
-        return sample, (where, members)
+        return sample.id, sample.modality, [seg.fields() for seg in sample.segments], (sample, (where, members))
 
     def _inferred_segments(self, where: str, key: str, members: dict[str, bytes]) -> list[Segment]:
         """Media members (by sorted extension) then text members: sizes read from headers."""

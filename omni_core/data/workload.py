@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from omni_core.data.sample import KINDS, Segments
+from omni_core.data.sample import KIND_CODE, KINDS, Segments
 from omni_core.recipe.schema import LengthDist, SyntheticConfig
 
 SHAPES = ("circle", "square", "triangle")
@@ -29,7 +29,7 @@ TONES = {"do": 300.0, "mi": 700.0, "so": 1500.0, "la": 3200.0}  # several mel bi
 # within ~200 steps (tones of random length, or 6 pitches, were not learned from the audio that fast).
 TONE_MS = 160
 TEXT_PER_WORD = 3  # text_words -> tokens: the counting template writes 3 bytes per number ("07 ")
-MODALITY_CODE = {m: i for i, m in enumerate(KINDS)}
+MODALITY_CODE = KIND_CODE
 
 # Fields of the per-sample hash; each draw uses its own so that adding one never shifts another.
 MODALITY_FIELD, _LEN_A, _LEN_B, _LEN_C, _LEN_D, _LONG, _SHAPE, _COLOR, _BACKGROUND, _DIRECTION = range(10)

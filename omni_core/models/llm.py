@@ -79,11 +79,11 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
     tokens = torch.tensor([float(probs.shape[0])], dtype=probs.dtype, device=probs.device)
     if sequence_group is not None:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
+        import torch.distributed._functional_collectives as funcol  # differentiable: backward sums the gradients
 
         dist.all_reduce(counts, group=sequence_group)
         dist.all_reduce(tokens, group=sequence_group)
-        prob_sums = all_reduce(prob_sums, group=sequence_group)
+        prob_sums = funcol.all_reduce(prob_sums, "sum", sequence_group)
     return num_experts * torch.dot(counts / (tokens * experts.shape[-1]), prob_sums / tokens)
 
 

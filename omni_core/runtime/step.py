@@ -188,6 +188,14 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
     return total
 
 
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether FSDP reduce-scatters gradients in this backward (a no-op for a model that is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
 def local_targets(batch: PackedBatch, token_index: torch.Tensor | None) -> PackedBatch:
     """The batch with its targets cut to the tokens this rank's LLM holds (context parallelism)."""
     if token_index is None:
@@ -232,7 +240,8 @@ def train_step(
         stats, aux_total = replica.pipeline.forward_backward(batches, global_targets, compute_dtype, aux_scale)
     else:
         stats, aux_total = None, 0.0
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            set_gradient_sync(model, index == len(batches) - 1)  # FSDP reduces once, after the last micro-batch
             with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
                 logits = model(batch)
             sums = token_loss_sums(logits, local_targets(batch, model.token_index))

@@ -303,10 +303,6 @@ class ScheduleConfig(Strict):
 
 class TrainConfig(Strict):
     steps: int = Field(100, ge=1)
-    stop_at_step: int = Field(
-        0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
-        "train.steps: this is how a scheduler runs a job in segments"
-    )
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr")
     warmup_steps: int = Field(10, ge=0)
@@ -323,6 +319,10 @@ class TrainConfig(Strict):
     ckpt_every: int = Field(50, ge=0, description="0: only the final checkpoint")
     keep_last: int = Field(2, ge=1)
     resume: bool = Field(True, description="Continue from the newest complete checkpoint in ckpt_dir")
+    stop_at_step: int = Field(
+        0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
+        "train.steps: this is how a scheduler runs a job in segments"
+    )
     ckpt_dir: str = Field(
         "", description="Default: <output_dir>/<experiment>/ckpt-<training hash>, see Recipe.training_hash"
     )

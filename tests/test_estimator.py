@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import replace
@@ -151,7 +152,8 @@ def test_omni_workload_prices_encoders_from_the_profile_and_layouts_differ():
 
     args = get_flavor("debug", patch_size=8, n_mels=32)
     text = omni_workload(args, seq_len=512, global_batch=4)
-    assert not text.encoder
+    # no image or audio in the data: the encoders still run (on a dummy input) and are trained, but compute nothing
+    assert text.encoder and sum(l.params for l in text.encoder) > 0 and not sum(l.flops for l in text.encoder)
     w = paper_workload("A", 0.9)
     assert w.encoder and w.encoder_cv > 0
     omni = search_cell(w, CATALOG["h100"], 64, 8, 1, eff=Efficiency(), layout="omni")
@@ -189,3 +191,115 @@ def test_calibration_is_stored_per_device_and_used_by_the_search(tmp_path, monke
     assert (tmp_path / "cpu.json").exists() and raw["matmul_flops"] > 0
     assert spec.fp32_flops == raw["matmul_flops"] and 0 < eff.attention
     assert calibrated(cpu) == (spec, eff)
+
+
+# --- the runtime's plans: executable, split like the runtime, priced with what the runtime does ------------
+
+
+def _flavor_workload(flavor: str, seq_len: int, batch: int):
+    from omni_core.models.flavors import get_flavor
+
+    return omni_workload(get_flavor(flavor, patch_size=8, n_mels=32), seq_len=seq_len, global_batch=batch,
+                         precision="fp32")
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_stage_split_is_the_runtimes(flavor, pp):
+    """The estimator prices the pipeline split the runtime executes (`parallel.pipeline.balance_layers`)."""
+    from omni_core.estimator.cost import partition
+    from omni_core.models.flavors import get_flavor
+    from omni_core.parallel.pipeline import balance_layers, layer_costs
+
+    workload = _flavor_workload(flavor, 256, 8)
+    cuts = partition(workload, pp)  # over (embedding, blocks..., head)
+    blocks = [b - a for a, b in itertools.pairwise(cuts)]
+    blocks[0] -= 1  # the embedding
+    blocks[-1] -= 1  # the head
+    runtime = balance_layers(layer_costs(get_flavor(flavor, patch_size=8, n_mels=32).llm), pp)
+    assert blocks == [len(r) for r in runtime]
+
+
+def test_a_pipeline_schedule_that_would_refuse_the_micro_batches_is_not_ranked():
+    from omni_core.estimator.cost import schedule_refusal
+
+    w = trace_workload("bert__1.3B", 8)
+    refused = evaluate(w, A100, ParallelPlan(pp=4), Options(4), gpus_per_node=8)  # 2 micro-batches, 4 stages
+    assert not refused.fits and "needs at least 4 micro-batches" in refused.reason
+    assert schedule_refusal(ParallelPlan(pp=4, pp_schedule="GPipe"), 2) == ""
+    assert "rounds" in schedule_refusal(ParallelPlan(pp=2, pp_schedule="Interleaved1F1B", virtual_stages=2), 5)
+    cell = search_cell(w, A100, 8, 8, 4, eff=Efficiency())
+    for est in [cell.best, *cell.runners_up]:
+        m = w.global_batch // (est.plan.dp * est.options.micro_batch)
+        assert not schedule_refusal(est.plan, m)
+
+
+def test_cell_table_plans_of_a_flavor_pass_the_runtimes_resolve_plan(tmp_path):
+    """Every plan a CellTable ranks for a model flavor is one `trainer.resolve_plan` accepts for that model at
+    its micro-batch and gradient accumulation (the model's degrees, the pipeline schedule's micro-batches)."""
+    from omni_core.recipe.schema import Recipe
+    from omni_core.runtime.trainer import resolve_plan
+
+    w = _flavor_workload("debug-moe", 256, 16)
+    table = build_cell_table({"moe": w}, CATALOG, {"a100": 16}, gpus_per_node={"a100": 8})
+    rows = [(row.plan, row.micro_batch, row.num_gpus) for row in table.cells]
+    rows += [(r.plan, r.micro_batch, row.num_gpus) for row in table.cells for r in row.runners_up]
+    assert any(ParallelPlan.parse(p).ep > 1 for p, _, _ in rows) and any(ParallelPlan.parse(p).pp > 1 for p, _, _ in rows)
+    for name, micro_batch, world in rows:
+        plan = ParallelPlan.parse(name)
+        recipe = Recipe.model_validate({
+            "experiment": {"name": "t", "output_dir": str(tmp_path)}, "model": {"flavor": "debug-moe"},
+            "data": {"seq_len": 256, "micro_batch": micro_batch},
+            "parallel": {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp, "pp": plan.pp,
+                         "pp_schedule": plan.pp_schedule, "cp": plan.cp, "cp_kind": plan.cp_kind, "ep": plan.ep},
+            "train": {"grad_accum": w.global_batch // (plan.dp * micro_batch)},
+        })
+        assert resolve_plan(recipe, world) == plan
+
+
+def test_runtime_wrappers_and_shared_cores_are_priced():
+    """FSDP units, TP modules and pipeline micro-batches cost what the calibration says; ranks sharing fewer
+    cores than they are take at least their total work over the cores."""
+    cpu = replace(CATALOG["cpu"], cores=2)
+    eff = Efficiency(fsdp_unit_s=0.0, tp_module_s=0.0, pp_microbatch_s=0.0)
+
+    def step(plan, batch=8, **changes):
+        return evaluate(_flavor_workload("debug", 256, batch), cpu, plan, Options(1, layout="coupled"),
+                        gpus_per_node=4, eff=replace(eff, **changes)).step_time_s
+
+    for plan, knob in ((ParallelPlan(dp_shard=2), "fsdp_unit_s"), (ParallelPlan(tp=2, dp_shard=1), "tp_module_s"),
+                       (ParallelPlan(pp=2), "pp_microbatch_s")):
+        assert step(plan, **{knob: 1e-3}) > step(plan)
+    # one sample per rank: four ranks on two cores get half a core each, two ranks a whole one
+    assert step(ParallelPlan(dp_shard=4), batch=4) > 1.5 * step(ParallelPlan(dp_shard=2), batch=2)
+
+
+def test_omni_layout_hides_encoders_in_bubbles_and_splits_long_items():
+    w = paper_workload("C", 0.9)
+    plan = ParallelPlan(dp_shard=4, tp=8, pp=8)
+
+    def step(eff, lssp=1, workload=w):
+        return evaluate(workload, CATALOG["h100"], plan, Options(1, True, "omni", lssp), gpus_per_node=8, eff=eff)
+
+    hidden, exposed = step(Efficiency()), step(Efficiency(joint_pipeline=0.0))
+    assert hidden.step_time_s < exposed.step_time_s and hidden.breakdown["bubble_s"] > 0
+    # one image with four samples' worth of encoder work: LSSP over 8 ranks cuts its wait and its memory
+    long = replace(w, encoder_max_item=4.0, cache={})
+    single, split = step(Efficiency(joint_pipeline=0.0), 1, long), step(Efficiency(joint_pipeline=0.0), 8, long)
+    assert split.step_time_s < single.step_time_s and split.peak_mem_bytes < single.peak_mem_bytes
+    cell = search_cell(long, CATALOG["h100"], 256, 8, 8, eff=Efficiency(), layout="omni")
+    assert cell.best.options.lssp > 1
+
+
+def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_path):
+    from omni_core.estimator.validate import case_recipe, validation_cases
+    from omni_core.runtime.trainer import resolve_plan
+
+    full, quick = validation_cases(False), validation_cases(True)
+    assert len({c.plan for c in full}) >= 20 and len(full) >= 25 and {c.world for c in full} == {1, 2, 3, 4}
+    for cases in (full, quick):
+        plans = [ParallelPlan.parse(c.plan) for c in cases]
+        assert all(any(getattr(p, dim) > 1 for p in plans) for dim in ("tp", "pp", "cp", "ep", "dp_shard"))
+        assert {c.flavor for c in cases} >= {"debug", "small"} and len({c.mix for c in cases}) >= 3
+    for case in full + quick:
+        assert resolve_plan(case_recipe(case, tmp_path), case.world) == case.parallel_plan

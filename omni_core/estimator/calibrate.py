@@ -1,18 +1,27 @@
-"""On-device micro-profile: a few seconds of matmuls, attention calls, memory-bound ops and collectives that
-correct the catalogue's peaks for the device at hand, stored per device type.
+"""On-device micro-profile: a few seconds of kernels, runtime primitives and collectives that correct the
+catalogue's peaks for the device at hand, stored per device type.
 
-What it measures (one process, the current thread setting, CPU tensors; collectives on local gloo ranks):
+What it measures (the current thread setting, CPU tensors; never a training step):
 
-    matmul       forward + backward of [tokens x k] @ [k x n] for several shapes -> FLOP/s (median shape)
-    operators    a tiny elementwise op in a loop -> the per-operator dispatch overhead
-    attention    SDPA fwd + bwd per document at several lengths -> FLOP/s (longest) and per-call overhead
-                 (what the shortest takes beyond that rate)
+    matmul       forward + backward of [tokens x k] @ [k x n] for several shapes -> peak FLOP/s and the
+                 bandwidth of their operands (a least-squares fit of both)
+    attention    the runtime's per-document attention, fwd + bwd, at several lengths and head sizes -> FLOP/s,
+                 seconds per score element and per call (fitted)
+    operators    a tiny LLM block, forward and backward -> seconds per aten operator it dispatches
     memory       elementwise add over a large buffer -> bandwidth
-    collectives  all-reduce of several sizes on `world` local ranks -> alpha (latency) and beta (bytes/s)
+    on `world` forked gloo ranks (one process group on loopback):
+    collectives  all-reduce, all-gather, reduce-scatter, all-to-all and a point-to-point exchange at several
+                 sizes -> alpha (latency per ring step) and beta (bytes/s) of each
+    parameters   the step's gradient clipping and AdamW over many small parameters, plain (one process) and as
+                 DTensors (on the ranks), and over one large one -> seconds per tensor and per element
+    wrappers     forward + backward of stacks of small Linears under FSDP2, under DTensor TP and through a
+                 1F1B pipeline, at two depths -> seconds per FSDP unit, per TP-parallel module and per
+                 micro-batch per stage (hooks, redistributions, schedule, their collectives' latency)
 
 The result is the catalogue entry with the measured peaks and link, and an `Efficiency` relative to it
-(so `cost.evaluate` is unchanged), saved as JSON under $OMNI_CALIBRATION_DIR (default ~/.cache/omni/calibration)/<device>.json. Calibration never sees
-training-step times: the validation (`validate.py`) compares predictions built from it with runs.
+(so `cost.evaluate` is unchanged), saved as JSON under $OMNI_CALIBRATION_DIR (default
+~/.cache/omni/calibration)/<device>.json. Calibration never sees training-step times: the validation
+(`validate.py`) compares predictions built from it with runs.
 """
 
 from __future__ import annotations
@@ -22,16 +31,22 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from omni_core.estimator.catalog import GpuSpec
-from omni_core.estimator.cost import Efficiency
+from omni_core.estimator.cost import COLLECTIVES, Efficiency, ring_volume
 
-MATMUL_SHAPES = ((256, 128, 384), (512, 128, 128), (512, 384, 1536), (1024, 768, 768), (512, 768, 2048),
-                 (256, 2048, 768))
-ATTN_LENGTHS = (16, 64, 256, 512)
-COLLECTIVE_BYTES = (4 << 10, 256 << 10, 4 << 20, 16 << 20)
+MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
+# (heads, head dim, document length, documents): two head sizes over the same score matrices (separating the
+# per-element from the per-FLOP cost), and many short documents (the per-call cost)
+ATTN_SHAPES = ((4, 16, 512, 1), (4, 64, 512, 1), (4, 32, 16, 32))
+COLLECTIVE_BYTES = (12 << 10, 96 << 10, 768 << 10, 3 << 20)  # divisible by 4-byte floats x world sizes 1..4
+PROBE_TENSORS = 48  # parameters of the per-tensor probes
+PROBE_DIM = 48  # width of the ranks probes' Linears: divisible by world sizes 1-4
+WRAP_DEPTHS = (2, 8)  # stacks of the wrapper probes: the difference is what one more wrapped module costs
 
 
 def calibration_dir() -> Path:
@@ -44,14 +59,19 @@ def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
     if not path.exists():
         return None
     stored = json.loads(path.read_text())
-    return GpuSpec(**stored["spec"]), Efficiency(**stored["efficiency"])
+    eff = stored["efficiency"]
+    eff["collectives"] = tuple(tuple(c) for c in eff.get("collectives", ()))
+    return GpuSpec(**stored["spec"]), Efficiency(**eff)
 
 
-def _timeit(fn, repeat: int, clock=time.perf_counter) -> float:
-    """Median seconds of `fn()` over `repeat` runs after one warm-up, on `clock`."""
+def _timeit(fn, repeat: int, clock=time.perf_counter, sync: Callable[[], Any] | None = None) -> float:
+    """Median seconds of `fn()` over `repeat` runs after one warm-up, on `clock` (`sync()` before each run:
+    a barrier, so that ranks start collectives together)."""
     fn()
     times = []
     for _ in range(repeat):
+        if sync:
+            sync()
         start = clock()
         fn()
         times.append(clock() - start)
@@ -67,71 +87,144 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
-def _matmul_rate(repeat: int, clock) -> float:
-    """Median over MATMUL_SHAPES of the FLOP/s of a matmul's forward and both backward products."""
-    import torch
+def fit_costs(features: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
+    """Non-negative per-unit costs c with seconds ~ features . c, least squares on the relative error (small
+    and large probes count alike); a cost the fit would make negative is dropped (set to 0) and the rest refit."""
+    import numpy as np
 
-    torch.manual_seed(0)
-    rates = []
-    for m, k, n in MATMUL_SHAPES:
-        a = torch.randn(m, k, requires_grad=True)
-        w = torch.randn(k, n, requires_grad=True)
+    x = np.array(features, dtype=float) / np.array(seconds)[:, None]
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[active] = np.linalg.lstsq(x[:, active], np.ones(len(seconds)), rcond=None)[0]
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return tuple(float(c) for c in coef)
+        active.remove(min(negative, key=lambda i: coef[i]))
 
-        def step(a=a, w=w) -> None:
-            (a @ w).sum().backward()
 
-        rates.append(6.0 * m * k * n / _timeit(step, repeat, clock))
-    return statistics.median(rates)
+def _count_ops(fn) -> int:
+    """Aten operators `fn` dispatches (forward and backward), as workloads.py counted the model's modules."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
 
 
 def profile_compute(repeat: int = 5, clock=time.perf_counter) -> dict[str, float]:
-    """Matmul (forward + both backward products), SDPA fwd+bwd and elementwise bandwidth, in seconds/FLOP/s."""
+    """The device's kernels, forward + backward, fitted to the cost model's terms:
+
+    matmul      seconds ~ FLOPs / peak + operand bytes / bandwidth (small matmuls are bound by their operands)
+    attention   per document, as the runtime calls it (`varlen_attention`): seconds ~ a call's overhead + FLOPs
+                / rate + score elements x seconds each (the CPU kernel materialises the full score matrix)
+    operators   a tiny LLM block (all overhead) over the aten operators it dispatches: seconds per operator
+    memory      elementwise add over a large buffer -> bandwidth
+    """
     import torch
-    import torch.nn.functional as F
 
-    matmul_rate = _matmul_rate(repeat, clock)
+    from omni_core.models.attention import varlen_attention
 
-    attn_flops, attn_secs = [], []
-    heads, head_dim = 8, 64
-    for length in ATTN_LENGTHS:
-        q, k, v = (torch.randn(heads, length, head_dim, requires_grad=True) for _ in range(3))
+    torch.manual_seed(0)
+    features, secs = [], []
+    for m, k, n in MATMUL_SHAPES:
+        a, w = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+        secs.append(_timeit(lambda a=a, w=w: (a @ w).sum().backward(), repeat if m * k * n > 1 << 26 else 3 * repeat,
+                            clock))
+        features.append((6.0 * m * k * n, 3 * 4.0 * (m * k + k * n + m * n), 1.0))
+    inv_peak, inv_bw, _ = fit_costs(features, secs)
 
-        def step(q=q, k=k, v=v) -> None:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    features, secs = [], []
+    for heads, dim, length, docs in ATTN_SHAPES:
+        q, k, v = (torch.randn(docs * length, heads, dim, requires_grad=True) for _ in range(3))
+        bounds = list(range(0, docs * length + 1, length))
+        secs.append(_timeit(lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward(),
+                            2 * repeat, clock))
+        features.append((docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs))
+    call_s, inv_attn, score_s = fit_costs(features, secs)
 
-        attn_flops.append(3 * 4 * heads * head_dim * length**2 * 0.5)  # fwd + bwd, causal
-        attn_secs.append(_timeit(step, repeat, clock))
-    # the longest documents give the rate; what the shortest take beyond it is the per-call overhead
-    attn_rate = attn_flops[-1] / attn_secs[-1]
-    call_s = max(0.0, attn_secs[0] - attn_flops[0] / attn_rate) / 3  # of fwd + bwd, the forward's share
+    tiny = _tiny_block()
+    op_s = _timeit(tiny, 3 * repeat, clock) / _count_ops(tiny)
+    params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(PROBE_TENSORS)]
+    for param in params:
+        param.grad = torch.randn(32, 32)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def update() -> None:
+        float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+        optimizer.step()
+
+    tensor_s = _timeit(update, repeat, clock) / PROBE_TENSORS
+    big = torch.nn.Parameter(torch.randn(4 << 20))
+    big.grad = torch.randn(4 << 20)
+    big_optimizer = torch.optim.AdamW([big], lr=1e-3)
+
+    def update_big() -> None:  # the step's clipping (norm, scaling) and AdamW, per element
+        torch.nn.utils.get_total_norm([big.grad], foreach=True)
+        big.grad.mul_(1.0)  # a scaling pass (not by < 1: repeated, it would sink the values into slow denormals)
+        big_optimizer.step()
+
+    param_s = _timeit(update_big, 3 * repeat, clock) / big.numel()
 
     x = torch.randn(8 << 20)
     y = torch.randn(8 << 20)
     out = torch.empty_like(x)
     mem_bw = 3 * x.numel() * 4 / _timeit(lambda: torch.add(x, y, out=out), repeat, clock)
-    tiny = torch.randn(8)
-    op_s = _timeit(lambda: [tiny.add(1.0) for _ in range(200)], repeat, clock) / 200
-    return {"matmul_flops": matmul_rate, "attn_flops": attn_rate, "attn_call_s": call_s, "mem_bw": mem_bw, "op_s": op_s}
+    return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
+            "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
+            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "optimizer_bytes_per_param": param_s * mem_bw}
 
 
-def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
+def _tiny_block():
+    """Forward + backward of a tiny LLM block (4 tokens): nothing but operator overhead."""
+    import torch
+
+    from omni_core.models.args import LLMArgs
+    from omni_core.models.llm import TransformerBlock, rope_cos_sin
+
+    args = LLMArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=8)
+    block, x = TransformerBlock(args), torch.randn(4, 32, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(4), 16, args.rope_theta)
+
+    def tiny() -> None:
+        block(x, cos, sin, [0, 4]).sum().backward()
+
+    return tiny
+
+
+# --- forked local ranks -------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    import pickle
+
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {}
-    for size in COLLECTIVE_BYTES:
-        buf = torch.ones(size // 4)
-        dist.barrier()
-        results[size] = _timeit(lambda buf=buf: dist.all_reduce(buf), 5)
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from omni_core.runtime.dist import init_distributed
+
+    init_distributed("gloo", 120.0)
+    result = fn(rank, world, *args)
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def profile_collectives(world: int = 2) -> tuple[float, float]:
-    """(alpha seconds per ring step, beta bytes/s per rank) of all-reduce on `world` local gloo ranks."""
+def run_local_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` ranks forked from this process, joined in one gloo process group
+    on loopback (fork costs ~1 s per 2 ranks, torchrun ~5 s); returns the ranks' results in rank order.
+    `fn` must be a module-level function and its results picklable."""
+    import pickle
     import socket
     import tempfile
 
@@ -140,31 +233,193 @@ def profile_collectives(world: int = 2) -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/collectives.json"
-        mp.start_processes(_collective_worker, args=(world, port, out), nprocs=world, start_method="fork")
-        times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
-    # ring all-reduce: t = 2(n-1) alpha + 2(n-1)/n bytes / beta
-    steps, volume = 2 * (world - 1), 2 * (world - 1) / world
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_main, args=(world, port, out_dir, fn, args), nprocs=world, start_method="fork")
+        return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
+    """Wall seconds of each collective (and a neighbour exchange) per buffer size on the default group."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
+    for size in COLLECTIVE_BYTES:
+        n = size // 4
+        buf, out, scattered = torch.ones(n), torch.empty(n * world), torch.empty(n // world)
+        a2a_out = torch.empty(n)
+        recv = torch.empty(n)
+
+        def exchange(buf=buf, recv=recv) -> None:
+            ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        calls = {"all_reduce": lambda buf=buf: dist.all_reduce(buf),
+                 "all_gather": lambda buf=buf, out=out: dist.all_gather_single(out, buf),
+                 "reduce_scatter": lambda buf=buf, s=scattered: dist.reduce_scatter_single(s, buf),
+                 "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
+                 "p2p": exchange}
+        for kind, call in calls.items():
+            times[kind][size] = _timeit(call, 2 * repeat, sync=dist.barrier)
+    return times
+
+
+def _dtensor_cost(repeat: int) -> float:
+    """Seconds per sharded (DTensor) parameter tensor of an AdamW step plus a gradient norm (what FSDP and TP
+    make of every parameter)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = []
+    for _ in range(PROBE_TENSORS):
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)])
+        params.append(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def update() -> None:
+        float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).full_tensor())
+        optimizer.step()
+
+    return _timeit(update, repeat, sync=dist.barrier) / PROBE_TENSORS
+
+
+def _stack(depth: int, width: int = 1):
+    """`depth` modules of `width` tiny Linears each."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(*[nn.Linear(PROBE_DIM, PROBE_DIM) for _ in range(width)])
+                           for _ in range(depth)])
+
+
+def _wrapped_seconds(depth: int, width: int, wrap, repeat: int) -> float:
+    """What `wrap(model)` adds to a forward + backward of `_stack(depth, width)` on a few tokens."""
+    import torch
+    import torch.distributed as dist
+
+    model, x = _stack(depth, width), torch.randn(16, PROBE_DIM)
+    plain = _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier)
+    wrap(model)
+    return _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier) - plain
+
+
+def _wrapper_costs(repeat: int) -> dict[str, float]:
+    """Seconds the runtime's wrappers add per forward + backward, with their collectives' latency (their volume
+    is priced by the links): an FSDP2 unit and each parameter tensor in it (units of one and of four tiny
+    Linears), a TP-parallel Linear, one more micro-batch through a 1F1B pipeline with a stage per rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fsdp(model) -> None:
+        for unit in model:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    def tp(model) -> None:
+        parallelize_module(model, mesh, {f"{i}.0": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                         for i in range(len(model))})
+
+    low, high = WRAP_DEPTHS
+    per_unit = (_wrapped_seconds(high, 1, fsdp, repeat) - _wrapped_seconds(low, 1, fsdp, repeat)) / (high - low)
+    per_tensor = max(0.0, (_wrapped_seconds(high, 4, fsdp, repeat) / high - per_unit) / 6)  # 3 more Linears
+    costs = {"fsdp_unit": max(0.0, per_unit - 2 * per_tensor), "fsdp_tensor": per_tensor,
+             "tp": max(0.0, (_wrapped_seconds(high, 1, tp, repeat) - _wrapped_seconds(low, 1, tp, repeat)) / (high - low))}
+    secs = []
+    micro = [max(d, world) for d in WRAP_DEPTHS]
+    for n in micro:  # every rank a stage of one Linear; n micro-batches of 16 tokens
+        schedule = Schedule1F1B(PipelineStage(_stack(1), rank, world, torch.device("cpu")), n,
+                                loss_fn=lambda out, target: out.sum())
+        batch = torch.randn(16 * n, PROBE_DIM)
+
+        def step(schedule=schedule, batch=batch) -> None:
+            if rank == 0:
+                schedule.step(batch)
+            elif rank == world - 1:
+                schedule.step(target=batch)
+            else:
+                schedule.step()
+
+        secs.append(_timeit(step, repeat, sync=dist.barrier))
+    costs["pp"] = max(0.0, (secs[1] - secs[0]) / (micro[1] - micro[0]))
+    return costs
+
+
+def _rank_probe(rank: int, world: int, repeat: int) -> dict:
+    return {"collectives": _collective_times(world, repeat), "wrappers": {"dtensor": _dtensor_cost(repeat),
+                                                                          **_wrapper_costs(repeat)}}
+
+
+def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[float, float]:
+    """(alpha seconds per step, beta bytes/s) of one collective from its times per buffer size, by the ring
+    model of `cost.collective_time` (a p2p exchange: one step moving the whole buffer)."""
+    steps, volume = ring_volume(kind, world)
     alpha_steps, inv_beta = _fit_line([volume * b for b in times], list(times.values()))
-    return alpha_steps / steps, 1 / inv_beta if inv_beta > 0 else 1e9
+    return alpha_steps / steps, 1 / inv_beta if inv_beta > 0 else 1e12
 
 
-def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = True,
+def profile_ranks(world: int = 2, repeat: int = 5) -> dict:
+    """Collectives, per-parameter and per-wrapper costs on `world` forked ranks (wall clock: they wait for
+    each other): rank 0's measurements."""
+    return run_local_ranks(_rank_probe, world, repeat)[0]
+
+
+def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
+    """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
+    on `world` ranks, and their summary: all-reduce gives the link's alpha and beta, the other kinds factors
+    of them."""
+    fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
+    base_alpha, base_beta = fits["all_reduce"]
+    spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
+    eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
+                                         for kind, (a, b) in fits.items() if kind != "all_reduce"),
+                  dtensor_s=ranks["wrappers"]["dtensor"], fsdp_unit_s=ranks["wrappers"]["fsdp_unit"],
+                  fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
+                  tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"])
+    summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
+               "wrappers": ranks["wrappers"]}
+    return spec, eff, summary
+
+
+def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, rounds: int = 1, save: bool = True,
               clock=time.perf_counter) -> tuple[GpuSpec, Efficiency, dict]:
     """Micro-profile this device: the catalogue entry with measured peaks and links, the Efficiency relative
     to it, and the raw measurements. Saved per device type unless `save` is false. `clock` times the compute
     kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants, whose
-    load would otherwise be measured instead of the device (collectives are always timed on the wall)."""
+    load would otherwise be measured instead of the device (what ranks do together is always timed on the
+    wall). `world` = 1 skips the ranks (links and wrappers keep the catalogue's and default values).
+    `rounds` > 1 profiles the kernels that many times and keeps each figure's median: a shared host's speed
+    drifts by tens of percent within seconds."""
     started = time.perf_counter()
-    raw = profile_compute(repeat, clock)
-    alpha, beta = profile_collectives(world) if world > 1 else (spec.intra_lat, spec.intra_bw)
-    raw.update(alpha_s=alpha, beta_bytes_s=beta, seconds=time.perf_counter() - started)
+    runs = [profile_compute(repeat, clock) for _ in range(rounds)]
+    raw: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     peak = raw["matmul_flops"]
-    measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=raw["mem_bw"],
-                       intra_bw=beta, intra_lat=alpha)
+    measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=raw["mem_bw"])
     eff = replace(Efficiency(), matmul=1.0, attention=raw["attn_flops"] / peak, memory=1.0, link=1.0,
-                  op_overhead_s=raw["op_s"], attn_call_s=raw["attn_call_s"])
+                  op_overhead_s=raw["op_s"], attn_call_s=raw["attn_call_s"], matmul_bw=raw["matmul_bw"],
+                  score_s=raw["score_s"], attention_full=True, tensor_s=raw["tensor_s"],
+                  optimizer_bytes_per_param=raw["optimizer_bytes_per_param"])
+    if world > 1:
+        measured, eff, summary = with_ranks(measured, eff, profile_ranks(world, repeat), world)
+        raw.update(summary)
+    raw["seconds"] = time.perf_counter() - started
     if save:
         path = calibration_dir() / f"{spec.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ class GpuSpec:
     inter_lat: float
     source: str = ""
     reserved_gb: float = 2.0  # context, allocator fragmentation and workspaces, never available to tensors
+    cores: int = 0  # compute units a node's ranks share (CPU "devices": cores); 0: each GPU is its own
 
     def peak_flops(self, precision: str) -> float:
         """Peak matmul FLOP/s at a precision; bf16 falls back to fp16 on GPUs without bf16 (V100)."""

@@ -1,7 +1,9 @@
 """Where an MLLM's encoders run, priced for MegaScale-Omni's comparison, each layout with its own best plan.
 
     omni           encoders on every rank, their own data-parallel layout over all ranks, work balanced
-                   (grouped reordering + LSSP) and interleaved with the LLM pipeline (`cost.evaluate`)
+                   (grouped reordering), the longest items split over an LSSP group (searched), and their
+                   forward/backward placed in the LLM pipeline's bubbles by the joint schedule
+                   (`Efficiency.joint_pipeline` of the bubbles; `cost.evaluate`)
     coupled        encoders on the first pipeline stage with the LLM's DP x TP, no rebalancing (Megatron-LLaVA)
     disaggregated  encoders on their own GPUs (DistTrain-style): the step is the slower of the encoder
                    GPUs and the LLM GPUs, plus shipping the embeddings across nodes; the split is searched
@@ -37,7 +39,7 @@ def disaggregated(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node
                   eff: Efficiency) -> LayoutResult:
     """Best split between encoder GPUs (pure data parallel, FSDP over them) and the LLM's, trying k/8 of
     the GPUs for the encoders (k = 1..7, whole nodes only)."""
-    llm_only = replace(workload, encoder=(), encoder_cv=0.0, prefix={}, cache={})
+    llm_only = replace(workload, encoder=(), encoder_cv=0.0, cache={})
     enc_params = sum(l.params for l in workload.encoder)
     full_act = sum(l.act_bytes for l in workload.encoder)  # one sample, every layer
     ckpt_act = sum(l.out_bytes for l in workload.encoder) + max(l.act_bytes for l in workload.encoder)
@@ -73,7 +75,9 @@ def compare_layouts(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_no
     results = {}
     for layout in ("omni", "coupled"):
         cell = best_for_gpus(workload, gpu, num_gpus, gpus_per_node, eff=eff, layout=layout)
+        lssp = cell.best.options.lssp if cell else 1
         results[layout] = LayoutResult(layout, cell.best.step_time_s if cell else None,
-                                       cell.plan.name if cell else "", "" if cell else "no plan fits memory")
+                                       (cell.plan.name + (f"+lssp{lssp}" if lssp > 1 else "")) if cell else "",
+                                       "" if cell else "no plan fits memory")
     results["disaggregated"] = disaggregated(workload, gpu, num_gpus, gpus_per_node, eff)
     return results

@@ -2,8 +2,11 @@
 
 A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
 DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
-size (the largest that fits without pipelining; with it, from 1 up until memory runs out) and
-activation checkpointing (only for plans that fit no micro-batch without it), drops plans that do not fit memory, and keeps the fastest plus runners-up. `CellTable` is the stage's typed result.
+size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
+checkpointing (only for plans that fit no micro-batch without it) and, for MLLMs in the `omni` layout, the
+encoders' LSSP group; it drops plans that do not fit memory and plans the runtime would refuse (the plan
+object's `check_model`, the pipeline schedule's micro-batch rules: `cost.schedule_refusal`), and keeps the
+fastest plus runners-up. `CellTable` is the stage's typed result.
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ def candidate_plans(workload: Workload, num_gpus: int, gpus_per_node: int, pp: i
                             yield plan
 
 
+def lssp_groups(workload: Workload, world: int, gpus_per_node: int, layout: Layout) -> list[int]:
+    """Encoder LSSP group sizes worth trying (`omni` layout): 1, and powers of two inside a node up to the
+    one that cuts the longest item below a rank's balanced share of the encoder work."""
+    if layout != "omni" or not workload.encoder:
+        return [1]
+    needed = workload.encoder_max_item * world / workload.global_batch
+    return [g for g in powers_of_two(min(gpus_per_node, world)) if g == 1 or g / 2 < needed]
+
+
 def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan], *, gpus_per_node: int,
                  eff: Efficiency, layout: Layout = "omni", max_micro_batch: int = 8) -> tuple[list[Estimate], str]:
     """Fitting estimates, fastest first, and (when none fits) the reason of the plan closest to fitting."""
@@ -75,21 +87,24 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
             continue
         sizes = [mb for mb in powers_of_two(min(local, max_micro_batch)) if local % mb == 0]
         # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
-        # try them from 1 up until memory runs out. Without, the largest that fits is fastest (per-op costs
-        # amortise): try from the top down. Checkpointing only costs time: tried only when nothing fits
-        # without it.
+        # try them from 1 up until memory runs out or the step gets slower. Without, the largest that fits is
+        # fastest (per-op costs amortise): try from the top down. Checkpointing only costs time: tried only
+        # when nothing fits without it.
         descending = plan.pp == 1
+        groups = lssp_groups(workload, plan.world_size, gpus_per_node, layout)
         options: list[Estimate] = []
         for checkpoint in (False, True):
             for mb in (sizes[::-1] if descending else sizes):
-                est = evaluate(workload, gpu, plan, Options(mb, checkpoint, layout), gpus_per_node=gpus_per_node,
-                               eff=eff)
+                est = min((evaluate(workload, gpu, plan, Options(mb, checkpoint, layout, g), gpus_per_node=gpus_per_node,
+                                    eff=eff) for g in groups), key=lambda e: (not e.fits, e.step_time_s))
                 if not est.fits:
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
                         closest = est
                     if descending:
                         continue
                     break
+                if options and est.step_time_s > options[-1].step_time_s:
+                    break  # past the best micro-batch: bubbles shrink no more than per-micro-batch costs grow
                 options.append(est)
                 if checkpoint or descending:
                     break
@@ -165,6 +180,7 @@ class PlanRow(Result):
     plan: str  # ParallelPlan.name; ParallelPlan.parse(plan) is what the runtime executes
     micro_batch: int
     checkpoint: bool
+    lssp: int = 1  # encoder long-short sequence-parallel group (`omni` layout; not a ParallelPlan degree yet)
     step_time_s: float
     samples_per_s: float
     peak_mem_gb: float
@@ -181,6 +197,7 @@ class CellRow(Result):
     plan: str
     micro_batch: int
     checkpoint: bool
+    lssp: int = 1
     step_time_s: float
     samples_per_s: float
     peak_mem_gb: float
@@ -214,7 +231,7 @@ class CellTable(Result):
 
 def _plan_row(est: Estimate) -> PlanRow:
     return PlanRow(plan=est.plan.name, micro_batch=est.options.micro_batch, checkpoint=est.options.checkpoint,
-                   step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
+                   lssp=est.options.lssp, step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
                    peak_mem_gb=est.peak_mem_bytes / 1e9)
 
 

@@ -1,26 +1,24 @@
-"""Validation against reality: run the real runtime for many plans, compare measured and predicted step time.
+"""Validation against reality: run the real runtime under many plans, compare measured and predicted step time.
 
-Each `Case` (flavor, world size, sequence length, micro-batch, gradient accumulation, modality mix) becomes a
-recipe that `omni_core.runtime.trainer.train` runs for a few steps: in this process for world 1, and in one
-torchrun launch per larger world size that runs all of its cases one after another. A step's time is the gap
-between two consecutive per-step metric calls (log_every=1); the measurement is the median over the steps
-after warm-up, on rank 0's CPU clock (a shared host's other tenants would otherwise be what is measured;
-the wall-clock median is reported next to it). The prediction uses only the device's micro-profile
-(`calibrate.py`, same clock), the dataset's profile and the loader's own speed on that data (measured
-alone), never these step measurements. The micro-profile runs on CPU tensors only: GPU calibration is
-not implemented yet.
+Each `Case` (flavor, `ParallelPlan` name, sequence length, micro-batch, gradient accumulation, modality mix)
+becomes a recipe that `omni_core.runtime.trainer.train` runs for a few steps on as many local gloo ranks as
+the plan has (forked from this process, one launch per world size running all of its cases in turn). A
+step's time is the gap between two consecutive per-step metric calls (log_every=1) on rank 0; the
+measurement is the median over the steps after warm-up, on the wall clock (a pipeline's bubbles and a
+collective's waiting are only there), with the seconds rank 0 waited for a core alongside it: a step that
+waited much longer than the ranks' own sharing of the cores explains was measured on a loaded host.
+
+The prediction uses only the device's micro-profile (`calibrate.py`), the dataset's profile and the
+loader's own speed on that data (measured alone), never these step measurements. The micro-profile runs on
+CPU tensors only: GPU calibration is not implemented yet.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from omni_core.parallel import ParallelPlan
 from omni_core.results import Result
 from omni_core.tracking import NullTracker
 
-WARMUP = 2
+WARMUP = 2  # steps left out: the first builds pipeline shapes and grows the allocator
 MIXES = {
     "text": {"text": 1.0},
     "image": {"text": 0.2, "image": 0.8},
@@ -42,8 +40,11 @@ MIXES = {
 
 @dataclass(frozen=True)
 class Case:
+    """One validation run: a model flavor under a plan (`ParallelPlan` name; its world size is the number of
+    ranks), a packed sequence length, micro-batch, gradient accumulation and data mix."""
+
     flavor: str
-    world: int
+    plan: str
     seq_len: int
     micro_batch: int = 1
     grad_accum: int = 1
@@ -51,88 +52,124 @@ class Case:
     steps: int = 6
 
     @property
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan.parse(self.plan)
+
+    @property
+    def world(self) -> int:
+        return self.parallel_plan.world_size
+
+    @property
     def name(self) -> str:
-        return f"{self.flavor}-w{self.world}-s{self.seq_len}-mb{self.micro_batch}-ga{self.grad_accum}-{self.mix}"
+        return f"{self.flavor}-{self.plan}-s{self.seq_len}-mb{self.micro_batch}-ga{self.grad_accum}-{self.mix}"
 
     @property
     def global_batch(self) -> int:
-        return self.world * self.micro_batch * self.grad_accum
+        return self.parallel_plan.dp * self.micro_batch * self.grad_accum
 
 
 def case_recipe(case: Case, root: Path):
-    """The recipe the runtime trains for a case: replicated DP (what this runtime executes), no checkpoints
-    until the end, a metric call every step."""
+    """The recipe the runtime trains for a case: its plan, float32, a metric call every step, a checkpoint
+    only at the end (the trainer always writes one)."""
     from omni_core.recipe import Recipe
 
+    plan = case.parallel_plan
     return Recipe.model_validate({
         "experiment": {"name": f"val-{case.mix}-s{case.seq_len}", "output_dir": str(root), "seed": 0},
         "data": {"synthetic": {"num_samples": 400, "mix": MIXES[case.mix]}, "seq_len": case.seq_len,
                  "micro_batch": case.micro_batch, "path": str(root / "data" / f"{case.mix}")},
         "model": {"flavor": case.flavor},
-        "parallel": {"nproc": case.world, "dp_replicate": case.world, "dp_shard": 1},
+        "parallel": {"nproc": plan.world_size, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard,
+                     "tp": plan.tp, "pp": plan.pp, "pp_schedule": plan.pp_schedule, "cp": plan.cp,
+                     "cp_kind": plan.cp_kind, "ep": plan.ep},
         "train": {"steps": case.steps, "grad_accum": case.grad_accum, "warmup_steps": 1, "log_every": 1,
-                  "ckpt_every": 0, "resume": False, "ckpt_dir": str(root / "ckpt" / case.name)},
+                  "ckpt_every": 0, "resume": False, "dtype": "float32", "ckpt_dir": str(root / "ckpt" / case.name)},
     })
 
 
+def _run_delay() -> float:
+    """Seconds this thread has waited for a core since it started (Linux schedstat; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class _StepClock(NullTracker):
-    """A tracker that only notes when each step's metrics arrive (log_every=1: once per step), on the wall
-    clock and on this process's CPU clock."""
+    """A tracker that only notes when each step's metrics arrive (log_every=1: once per step): wall clock,
+    this process's CPU time, and how long it waited for a core."""
 
     def __init__(self) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
+        self.stamps: dict[str, list[float]] = {"wall_s": [], "cpu_s": [], "delay_s": []}
 
     def log_metrics(self, metrics, step: int) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-
-
-def _median_gap(stamps: list[float]) -> float:
-    return statistics.median([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
+        self.stamps["wall_s"].append(time.perf_counter())
+        self.stamps["cpu_s"].append(time.process_time())
+        self.stamps["delay_s"].append(_run_delay())
 
 
 def measure(case: Case, root: Path, info) -> dict[str, float]:
-    """Median step seconds of the case on this process group (every rank calls it): wall clock, and the
-    CPU time this rank's process got (what the steps cost when no other tenant competes for the cores)."""
+    """Median per-step seconds of the case on this rank (every rank calls it) after WARMUP steps: on the wall
+    clock, in this process's CPU time, and waiting for a core."""
     from omni_core.runtime.trainer import train
 
     clock = _StepClock()
     train(case_recipe(case, root), info, tracker=clock, log=lambda _: None)
-    return {"wall_s": _median_gap(clock.wall), "cpu_s": _median_gap(clock.cpu)}
+    return {key: statistics.median([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
+            for key, stamps in clock.stamps.items()}
+
+
+def _measure_cases(rank: int, world: int, root: str, cases: list[Case]) -> dict[str, dict[str, float]]:
+    """On each forked rank: every case of this world size in turn."""
+    import torch
+
+    from omni_core.runtime.dist import DistInfo
+
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    return {case.name: measure(case, Path(root), info) for case in cases}
 
 
 def validation_cases(quick: bool) -> list[Case]:
-    """20 cases (world 1-4, debug and small, four mixes, micro-batch and accumulation) or, full, 26 with
-    twice the steps."""
-    d = "debug"
-    steps = 6 if quick else 12
-    cases = [Case(d, 1, 256, steps=steps), Case(d, 1, 512, mix="text", steps=steps),
-             Case(d, 1, 512, mix="image", steps=steps), Case(d, 1, 512, mix="audio", steps=steps),
-             Case(d, 1, 256, micro_batch=2, steps=steps), Case(d, 1, 256, grad_accum=2, steps=steps),
-             Case(d, 1, 1024, steps=steps), Case(d, 1, 512, grad_accum=2, mix="image", steps=steps),
-             Case("small", 1, 128, steps=4 if quick else 8),
-             Case(d, 2, 256, steps=steps), Case(d, 2, 512, mix="image", steps=steps),
-             Case(d, 2, 512, mix="text", steps=steps), Case(d, 2, 256, micro_batch=2, steps=steps),
-             Case("small", 2, 64, steps=4 if quick else 8),
-             Case(d, 3, 256, steps=steps), Case(d, 3, 512, mix="text", steps=steps),
-             Case(d, 4, 256, steps=steps), Case(d, 4, 512, mix="audio", steps=steps),
-             Case(d, 4, 256, mix="text", steps=steps), Case(d, 1, 512, mix="mixed", steps=steps)]
-    if not quick:
-        cases += [Case("small", 1, 256, mix="image", steps=8), Case("small", 2, 128, mix="text", steps=8),
-                  Case(d, 2, 1024, steps=steps), Case(d, 3, 256, micro_batch=2, steps=steps),
-                  Case(d, 4, 512, mix="image", steps=steps), Case("small", 4, 64, steps=6)]
-    return cases
+    """Plans over world 1-4: DP (FSDP, HSDP), TP, PP (1F1B, interleaved, GPipe), CP (Ulysses, ring), EP and
+    their combinations, on the debug, debug-moe and small flavors and four mixes. Quick: 11 short cases (5
+    steps); full: 30, with longer sequences and 10 steps."""
+    d, moe, small = "debug", "debug-moe", "small"
+    if quick:  # one case per mechanism, short sequences: about a minute on two cores
+        cases = [
+            Case(d, "dp1", 256, mix="text"), Case(small, "dp1", 64),
+            Case(d, "dp2", 256), Case(d, "dp1-tp2", 256, mix="audio"), Case(d, "dp1-pp2v2", 128, grad_accum=4, mix="image"),
+            Case(d, "dp1-cp2r", 256, mix="text"), Case(moe, "dp2-ep2", 128),
+            Case(d, "dp1-pp3", 128, grad_accum=3),
+            Case(d, "dp2-tp2", 128), Case(d, "dp2-pp2", 128, grad_accum=2), Case(moe, "dp2-cp2u-ep2", 128),
+        ]
+        return [replace(c, steps=5) for c in cases]
+    cases = [
+        Case(d, "dp1", 256), Case(d, "dp1", 512, mix="text"), Case(d, "dp1", 512, mix="image"),
+        Case(d, "dp1", 256, grad_accum=2, mix="audio"), Case(moe, "dp1", 256), Case(small, "dp1", 128),
+        Case(d, "dp2", 256), Case(d, "dp2x1", 256, mix="text"), Case(d, "dp1-tp2", 256),
+        Case(d, "dp1-pp2", 256, grad_accum=4), Case(d, "dp1-pp2v2", 256, grad_accum=4, mix="image"),
+        Case(d, "dp1-pp2g", 256, grad_accum=2, mix="text"), Case(d, "dp1-cp2u", 512), Case(d, "dp1-cp2r", 512, mix="text"),
+        Case(moe, "dp2-ep2", 256), Case(moe, "dp1-tp2", 256, mix="text"), Case(small, "dp1-tp2", 128, mix="text"),
+        Case(small, "dp2", 64, mix="image"), Case(d, "dp2", 256, micro_batch=2),
+        Case(d, "dp3", 256), Case(d, "dp1-pp3", 256, grad_accum=3), Case(d, "dp3", 256, micro_batch=2, mix="image"),
+        Case(d, "dp4", 256, mix="audio"), Case(d, "dp2-tp2", 256), Case(d, "dp2-pp2", 256, grad_accum=2),
+        Case(d, "dp2x2", 256, mix="image"), Case(d, "dp2-cp2r", 512), Case(moe, "dp2-cp2u-ep2", 256),
+        Case(d, "dp1-tp2-cp2u", 512, mix="text"), Case(d, "dp1-pp4g", 256, grad_accum=4),
+    ]
+    return [replace(c, steps=10) for c in cases]
 
 
 class CaseResult(Result):
     case: str
     world: int
     flavor: str
+    plan: str
     predicted_s: float
-    measured_s: float  # median CPU seconds per step of rank 0's process
-    measured_wall_s: float  # median wall seconds per step (includes waiting for the cores)
+    measured_s: float  # median wall seconds per step on rank 0
+    measured_cpu_s: float  # of which rank 0's process was on a core (CPU time)
+    waited_s: float  # of which rank 0 was ready to run but waited for a core
     ape_pct: float
+    breakdown: dict[str, float]
 
 
 class ValidationReport(Result):
@@ -140,43 +177,31 @@ class ValidationReport(Result):
     rows: list[CaseResult]
     mape_pct: float
     mape_pct_by_world: dict[str, float]
-    calibration: dict[str, float]
+    ranks: dict[str, dict]  # the two-rank probe's links and wrapper costs
     seconds: float
 
 
-def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0) -> float:
-    """Predicted step seconds: the cost model on the calibrated device with the runtime's plan (replicated
-    DP, encoders on every rank with no rebalancing: the `coupled` layout at pp=1), plus `loader_s` of host
-    data path per micro-batch."""
+def runtime_efficiency(eff: Efficiency) -> Efficiency:
+    """What omni_core's runtime does, on top of a device's calibration: every collective is waited for
+    (gloo's calls block: nothing overlaps), and the encoders and MoE experts run replicated on each TP (and
+    CP) rank."""
+    return replace(eff, dp_overlap=0.0, tp_overlap=0.0, ep_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
+                   split_encoders_experts=False)
+
+
+def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0):
+    """The cost model's Estimate for the case: its plan on the calibrated device (one node of `world`
+    ranks), encoders on the first pipeline stage with the LLM's data split (the `coupled` layout, what the
+    runtime executes), plus `loader_s` of host data path per micro-batch on every rank."""
     from omni_core.models.flavors import get_flavor
 
     recipe_data = case_recipe(case, Path("/nonexistent")).data
     args = get_flavor(case.flavor, patch_size=recipe_data.patch_size, n_mels=recipe_data.n_mels)
     workload = omni_workload(args, seq_len=case.seq_len, global_batch=case.global_batch, profile=profile,
                              precision="fp32", name=case.name)
-    plan = ParallelPlan(dp_replicate=case.world)
-    eff = replace(eff, step_overhead_s=loader_s * case.grad_accum)
+    eff = replace(runtime_efficiency(eff), step_overhead_s=loader_s * case.grad_accum)
     options = Options(micro_batch=case.micro_batch, layout="coupled")
-    return evaluate(workload, spec, plan, options, gpus_per_node=case.world, eff=eff).step_time_s
-
-
-def _run_world(cases: list[Case], root: Path, world: int, timeout_s: float) -> dict[str, dict[str, float]]:
-    if world == 1:
-        import torch
-
-        from omni_core.runtime.dist import DistInfo
-
-        info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-        return {c.name: measure(c, root, info) for c in cases}
-    spec = root / f"cases-w{world}.json"
-    out = root / f"measured-w{world}.json"
-    spec.write_text(json.dumps([asdict(c) for c in cases]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "omni_core.estimator.validate", "--worker", str(spec), "--out", str(out), "--root", str(root)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run(cmd, check=True, timeout=timeout_s, env=env, start_new_session=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return json.loads(out.read_text())
+    return evaluate(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
 
 
 def _profile(case: Case, root: Path):
@@ -203,10 +228,12 @@ def loader_seconds(case: Case, root: Path, batches: int = 8) -> float:
     return statistics.median(times)
 
 
-def validate(cases: list[Case], root: Path, spec: GpuSpec, eff: Efficiency, *,
-             timeout_s: float = 600.0) -> ValidationReport:
-    """Measure every case on the real runtime, predict each from the calibration, report the errors
-    against the steps' CPU time (and, for reference, how much longer they took on the wall)."""
+def validate(cases: list[Case], root: Path, spec: GpuSpec, eff: Efficiency, *, repeat: int = 5) -> ValidationReport:
+    """Measure every case on the real runtime and predict each from the device's calibration (`spec`, `eff`:
+    its kernels) completed by a probe on two ranks (links and the runtime's wrappers:
+    `calibrate.profile_ranks`); report the errors."""
+    from omni_core.estimator.calibrate import profile_ranks, run_local_ranks, with_ranks
+
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
     profiles, loaders = {}, {}
@@ -216,34 +243,37 @@ def validate(cases: list[Case], root: Path, spec: GpuSpec, eff: Efficiency, *,
             profiles[key] = _profile(case, root)
         if (*key, case.micro_batch) not in loaders:
             loaders[(*key, case.micro_batch)] = loader_seconds(case, root)
+    pair = with_ranks(spec, eff, profile_ranks(2, repeat), 2) if any(c.world > 1 for c in cases) else (spec, eff, {})
     measured: dict[str, dict[str, float]] = {}
     for world in sorted({c.world for c in cases}):
-        measured.update(_run_world([c for c in cases if c.world == world], root, world, timeout_s))
+        measured.update(run_local_ranks(_measure_cases, world, str(root), [c for c in cases if c.world == world])[0])
     rows = []
     for case in cases:
         real = measured[case.name]
-        predicted = predict(case, profiles[(case.mix, case.seq_len)], spec, eff,
-                            loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)])
-        rows.append(CaseResult(case=case.name, world=case.world, flavor=case.flavor, predicted_s=predicted,
-                               measured_s=real["cpu_s"], measured_wall_s=real["wall_s"],
-                               ape_pct=100 * abs(predicted - real["cpu_s"]) / real["cpu_s"]))
+        est = predict(case, profiles[(case.mix, case.seq_len)], *((spec, eff) if case.world == 1 else pair[:2]),
+                      loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)])
+        rows.append(CaseResult(
+            case=case.name, world=case.world, flavor=case.flavor, plan=case.plan, predicted_s=est.step_time_s,
+            measured_s=real["wall_s"], measured_cpu_s=real["cpu_s"], waited_s=real["delay_s"],
+            ape_pct=100 * abs(est.step_time_s - real["wall_s"]) / real["wall_s"],
+            breakdown={k: float(v) for k, v in est.breakdown.items()},
+        ))
     by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in sorted({r.world for r in rows})}
     return ValidationReport(device=spec.name, rows=rows, mape_pct=statistics.mean(r.ape_pct for r in rows),
-                            mape_pct_by_world=by_world, calibration={k: float(v) for k, v in asdict(eff).items()},
-                            seconds=time.perf_counter() - started)
+                            mape_pct_by_world=by_world, ranks=pair[2], seconds=time.perf_counter() - started)
 
 
 def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> tuple[ValidationReport, dict]:
-    """Micro-profile this device (2 ranks), then validate `validation_cases(quick)` against it; returns the
-    report and the raw calibration. The CPU runtime all-reduces after backward: no DP overlap. Kernels and
-    steps are both timed in process CPU time, so that the other tenants of a shared host are not what is
-    measured; wall times are kept in the report."""
+    """Micro-profile this device's kernels, then validate `validation_cases(quick)` (each world size probed
+    on its ranks first); returns the report and the raw kernel calibration. Kernels are timed in process CPU
+    time, so that other tenants of a shared host are not what is measured."""
     from omni_core.estimator.calibrate import calibrate
     from omni_core.estimator.catalog import GpuCatalog
 
-    spec, eff, raw = calibrate(GpuCatalog()[device], world=2, repeat=5 if quick else 10, save=False,
+    repeat = 3 if quick else 5
+    spec, eff, raw = calibrate(GpuCatalog()[device], world=1, repeat=repeat, rounds=2 if quick else 3, save=False,
                                clock=time.process_time)
-    report = validate(validation_cases(quick), root, spec, replace(eff, dp_overlap=0.0))
+    report = validate(validation_cases(quick), root, replace(spec, cores=os.cpu_count() or 1), eff, repeat=repeat)
     return report, raw
 
 
@@ -268,23 +298,3 @@ def validation_figure(report: ValidationReport, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
-
-
-def _worker(args: argparse.Namespace) -> None:
-    """Under torchrun: every rank measures every case of this world size; rank 0 writes the results."""
-    from omni_core.runtime.dist import init_distributed, shutdown
-
-    info = init_distributed("auto", 300.0)
-    cases = [Case(**c) for c in json.loads(Path(args.worker).read_text())]
-    results = {c.name: measure(c, Path(args.root), info) for c in cases}
-    if info.is_main:
-        Path(args.out).write_text(json.dumps(results))
-    shutdown(0)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="torchrun worker of the estimator's validation")
-    parser.add_argument("--worker", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--root", required=True)
-    _worker(parser.parse_args())

@@ -30,20 +30,36 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer's costs per sample (forward). Backward is priced as 2x forward FLOPs by the cost model."""
+    """One layer's costs per sample (forward). Backward is priced as 2x forward FLOPs by the cost model.
+
+    Host costs are counted as the runtime's eager PyTorch runs them: `ops` aten operators per micro-batch and
+    `sample_ops` per sample, forward + backward together (counted once from the model code with a dispatch
+    counter, see the builders), and `attn_calls` attention calls per sample, one per packed document."""
 
     name: str
     params: float
     flops: float  # weight matmul / conv FLOPs
     attn_flops: float = 0.0  # attention scores and context (QK^T, AV): no weights, quadratic in document length
+    attn_scores: float = 0.0  # elements of the full score matrices (heads x sum of squared document lengths)
+    causal: bool = False  # causal attention: attn_flops count the visible half, a flash kernel skips the rest
+    mm_bytes: float = 0.0  # matmul inputs and outputs: small matmuls are bound by their operands, not FLOPs
+    mm_weight_bytes: float = 0.0  # matmul weights, read once per micro-batch
     act_bytes: float = 0.0  # activations kept for backward without checkpointing
     out_bytes: float = 0.0  # the output: what checkpointing keeps and what a pipeline stage sends on
     mem_bytes: float = 0.0  # memory-bound traffic (norms, activation functions, residuals, softmax)
     tp_bytes: float = 0.0  # bytes all-reduced across TP ranks per forward (backward: the same again)
     a2a_bytes: float = 0.0  # bytes dispatched to experts per forward all-to-all (dispatch + combine = 2)
     expert_params: float = 0.0  # of `params`, those sharded by expert parallelism
-    ops: float = 0.0  # kernels / operator calls per micro-batch forward (launch or dispatch overhead)
+    ops: float = 0.0  # aten operators per micro-batch, forward + backward (launch or dispatch overhead)
+    sample_ops: float = 0.0  # the same per sample (per image, per clip)
     attn_calls: float = 0.0  # attention calls per sample (one per packed document on the CPU runtime)
+    tensors: float = 0.0  # parameter tensors (the optimizer and the gradient norm pay per tensor)
+    units: float = 0.0  # FSDP units it forms (a block; an encoder's remaining modules); the rest is the root's
+    tp_colls: float = 0.0  # TP collectives per forward (sequence parallel: all-gather / reduce-scatter pairs)
+    tp_modules: float = 0.0  # modules TP parallelizes (each redistributes DTensors in forward and backward)
+    expert_ops: float = 0.0  # of `ops`, those of the routed experts' loop (a rank runs E / ep experts)
+    expert_tensors: float = 0.0  # of `tensors`, the routed experts' (sharded by EP)
+    expert_flops: float = 0.0  # of `flops`, the router's and the experts' (the runtime does not split them by TP)
 
 
 @dataclass(frozen=True)
@@ -56,24 +72,19 @@ class Workload:
     precision: str = "bf16"
     tokens_per_sample: float = 1.0  # LLM tokens per sample (for tokens/s and the PP message)
     encoder_cv: float = 0.0  # coefficient of variation of the encoder work per sample (load imbalance)
-    prefix: dict[str, tuple[float, ...]] = field(default_factory=dict, compare=False, repr=False)
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # stage partitions by pp
+    encoder_max_item: float = 0.0  # encoder work of the longest single item (image, clip), in mean samples' work
+    head_dim: int = 0  # the LLM's (ring attention's tiles)
+    doc_span: float = 0.0  # E[L^2] / E[L] of the LLM's documents: the length of the one a random token is in
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # stage partitions and sums by pp
 
-    def __post_init__(self) -> None:
-        for name in _SUMMED:
-            running, sums = 0.0, [0.0]
-            for layer in self.llm:
-                running += getattr(layer, name)
-                sums.append(running)
-            self.prefix[name] = tuple(sums)
-
-    def span(self, name: str, start: int, stop: int) -> float:
-        """Sum of a Layer field over llm[start:stop] in O(1)."""
-        sums = self.prefix[name]
-        return sums[stop] - sums[start]
-
-    def encoder_total(self, name: str) -> float:
-        return sum(getattr(layer, name) for layer in self.encoder)
+    @property
+    def cost_prefix(self) -> tuple[float, ...]:
+        """Running FLOPs (weights + attention) over the LLM layers: what the stage partition balances."""
+        prefix = self.cache.get("cost_prefix")
+        if prefix is None:
+            prefix = self.cache["cost_prefix"] = tuple(itertools.accumulate(
+                (layer.flops + layer.attn_flops for layer in self.llm), initial=0.0))
+        return prefix
 
     @property
     def params(self) -> float:
@@ -84,8 +95,17 @@ class Workload:
         return self.shape.num_experts > 0
 
 
-_SUMMED = ("params", "flops", "attn_flops", "act_bytes", "mem_bytes", "tp_bytes", "a2a_bytes", "expert_params",
-           "ops", "attn_calls")
+# Aten operators (forward + backward) of the runtime's eager modules, counted once with a TorchDispatchMode
+# around forward and backward of each module of the debug flavors (omni_core.models): fixed per micro-batch,
+# plus per document (varlen attention), per image / clip, per routed expert.
+BLOCK_OPS = 184  # a Llama block (RMSNorm, GQA + RoPE, SwiGLU), attention aside
+ENCODER_BLOCK_OPS = 104  # a ViT / Whisper block (LayerNorm, MHA, GELU MLP), attention aside
+MOE_OPS, EXPERT_OPS, SHARED_EXPERT_OPS = 187, 53, 33  # router + dispatch, each routed expert, the shared one
+EMBED_OPS, HEAD_OPS, LOSS_OPS = 20, 38, 30  # embedding + RoPE tables, final norm + output, cross-entropy
+PROJECTOR_OPS = 30
+PATCH_EMBED_OPS, IMAGE_OPS = 22, 30  # patch embedding + final norm; per image: positions, merge, anchor
+CONV_OPS, CLIP_OPS = 23, 22  # conv subsampling + final norm; per clip
+BLOCK_TP_MODULES, MOE_TP_MODULES = 11, 8  # norms, attention input, q/k/v/o, FFN input, w1/w3/w2 (or the MoE)
 
 
 # --- transformers --------------------------------------------------------------------------------------
@@ -94,47 +114,70 @@ _SUMMED = ("params", "flops", "attn_flops", "act_bytes", "mem_bytes", "tp_bytes"
 def transformer_block(
     name: str, *, dim: int, heads: int, kv_heads: int, ffn: int, tokens: float, sum_sq: float, docs: float,
     causal: bool, gated: bool, bias: bool, dtype_bytes: int = 2, experts: int = 0, top_k: int = 1,
+    shared_expert: bool = False,
 ) -> Layer:
     """A pre-norm attention + MLP block over `tokens` per sample, `docs` documents whose squared lengths
-    sum to `sum_sq`. MoE: `experts` FFNs, `top_k` of them per token (GShard: 2)."""
+    sum to `sum_sq`. MoE: `experts` routed FFNs, `top_k` of them per token (GShard: 2), plus an optional
+    shared FFN every token goes through."""
     head_dim = dim // heads
     attn_params = dim * (heads + 2 * kv_heads) * head_dim + heads * head_dim * dim
     mats = 3 if gated else 2
     ffn_params = mats * dim * ffn
     bias_params = (dim * 3 + dim + ffn * (mats - 1) + dim) if bias else 0
     norm_params = 2 * dim * (2 if bias else 1)
-    active_ffn = ffn_params * (top_k if experts else 1)
+    routes = (top_k if experts else 1) + shared_expert  # FFNs each token goes through
     router = dim * experts
     attn_pairs = sum_sq * (0.5 if causal else 1.0)
     b = dtype_bytes
+    ffns = max(experts, 1) + shared_expert
+    weights = 4 + mats * ffns + (1 if experts else 0)
+    if experts:
+        ops = MOE_OPS + EXPERT_OPS * experts + SHARED_EXPERT_OPS * shared_expert
+    else:
+        ops = BLOCK_OPS if gated else ENCODER_BLOCK_OPS
+    # matmul operands per token: q/k/v/o in and out, each FFN matrix's in and out (x routes), the router
+    io_per_token = 4 * dim + 2 * (heads + kv_heads) * head_dim + routes * mats * (dim + ffn) + (dim + experts)
     return Layer(
         name=name,
-        params=attn_params + ffn_params * max(experts, 1) + bias_params + norm_params + router,
-        flops=2 * tokens * (attn_params + active_ffn + router),
+        params=attn_params + ffn_params * ffns + bias_params + norm_params + router,
+        flops=2 * tokens * (attn_params + ffn_params * routes + router),
         attn_flops=4 * head_dim * heads * attn_pairs,
+        attn_scores=heads * sum_sq,
+        causal=causal,
+        mm_bytes=b * tokens * io_per_token, mm_weight_bytes=b * (attn_params + ffn_params * ffns + router),
         # Korthikanti et al. 2022 (flash attention: no s^2 term): inputs of each matmul, norm and activation
-        act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * (top_k if experts else 1)),
+        act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * routes),
         out_bytes=b * tokens * dim,
-        mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * (top_k if experts else 1)),
-        tp_bytes=2 * b * tokens * dim,  # two all-reduces (or RS + AG with sequence parallel) per forward
+        mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * routes),
+        tp_bytes=2 * b * tokens * dim,  # all-gather + reduce-scatter around attention and around the FFN
         a2a_bytes=b * tokens * dim * top_k if experts else 0.0,
-        expert_params=ffn_params * experts if experts else 0.0,
-        ops=24 + (6 if experts else 0),
+        expert_params=ffn_params * experts,
+        ops=ops,
         attn_calls=docs,
+        tensors=weights + (weights - 1 if bias else 0) + (4 if bias else 2),  # matrices, biases (no key bias), norms
+        units=1.0,
+        tp_colls=4.0,
+        tp_modules=MOE_TP_MODULES if experts else BLOCK_TP_MODULES,
+        expert_ops=EXPERT_OPS * experts,
+        expert_tensors=mats * experts,
+        expert_flops=2 * tokens * (ffn_params * routes + router) if experts else 0.0,
     )
 
 
 def embedding(name: str, vocab: int, dim: int, tokens: float, dtype_bytes: int = 2) -> Layer:
     return Layer(name, params=vocab * dim, flops=0.0, out_bytes=dtype_bytes * tokens * dim,
-                 mem_bytes=2 * dtype_bytes * tokens * dim, ops=2)
+                 mem_bytes=2 * dtype_bytes * tokens * dim, ops=EMBED_OPS, tensors=1, tp_modules=1)
 
 
 def lm_head(name: str, vocab: int, dim: int, tokens: float, tied: bool = False, dtype_bytes: int = 2) -> Layer:
-    """Final norm + vocabulary projection + cross-entropy; the fp32 logits dominate its activations."""
+    """Final norm + vocabulary projection + cross-entropy; the fp32 logits dominate its activations. Under TP
+    the projection is split over the vocabulary: tokens are gathered before it and logits after it."""
     return Layer(
         name, params=0 if tied else vocab * dim, flops=2 * tokens * vocab * dim,
+        mm_bytes=dtype_bytes * tokens * (dim + vocab), mm_weight_bytes=dtype_bytes * vocab * dim,
         act_bytes=tokens * (dtype_bytes * dim + 4 * vocab), out_bytes=0.0,
-        mem_bytes=tokens * (3 * 4 * vocab + 4 * dtype_bytes * dim), tp_bytes=4 * tokens, ops=12,
+        mem_bytes=tokens * (3 * 4 * vocab + 4 * dtype_bytes * dim), tp_bytes=dtype_bytes * tokens * (dim + vocab),
+        ops=HEAD_OPS + LOSS_OPS, tensors=1 if tied else 2, tp_colls=2.0, tp_modules=2,
     )
 
 
@@ -157,7 +200,8 @@ def transformer(
     )
     layers = (embedding("embed", vocab, dim, seq_len, b), *([block] * n_layers), lm_head("head", vocab, dim, seq_len, tied, b))
     shape = ModelShape(n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, num_experts=experts, seq_len=seq_len)
-    return Workload(name, layers, global_batch, shape, precision=precision, tokens_per_sample=seq_len)
+    return Workload(name, layers, global_batch, shape, precision=precision, tokens_per_sample=seq_len,
+                    head_dim=dim // heads, doc_span=doc_len)
 
 
 def vit(name: str, *, n_layers: int, dim: int, heads: int, patches: float, sum_sq: float, images: float,
@@ -168,9 +212,11 @@ def vit(name: str, *, n_layers: int, dim: int, heads: int, patches: float, sum_s
         sum_sq=sum_sq, docs=images, causal=False, gated=False, bias=True, dtype_bytes=dtype_bytes,
     )
     b = dtype_bytes
-    embed = Layer(f"{name}.patch_embed", params=patch_dim * dim + dim, flops=2 * patches * patch_dim * dim,
+    # with the positions (two factorized tables) and the final norm: the encoder's own FSDP unit
+    embed = Layer(f"{name}.patch_embed", params=patch_dim * dim + 3 * dim, flops=2 * patches * patch_dim * dim,
+                  mm_bytes=b * patches * (patch_dim + dim), mm_weight_bytes=b * patch_dim * dim,
                   act_bytes=b * patches * patch_dim, out_bytes=b * patches * dim, mem_bytes=4 * b * patches * dim,
-                  ops=6)
+                  ops=PATCH_EMBED_OPS, sample_ops=IMAGE_OPS * images, tensors=6, units=1)
     return (embed, *([block] * n_layers))
 
 
@@ -178,8 +224,10 @@ def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, 
     params = in_dim * hidden + hidden + hidden * out_dim + out_dim
     b = dtype_bytes
     return Layer(name, params=params, flops=2 * tokens * (in_dim * hidden + hidden * out_dim),
+                 mm_bytes=b * tokens * (in_dim + 2 * hidden + out_dim), mm_weight_bytes=b * (params - hidden - out_dim),
                  act_bytes=b * tokens * (in_dim + 2 * hidden), out_bytes=b * tokens * out_dim,
-                 mem_bytes=b * tokens * (3 * hidden + 2 * out_dim), tp_bytes=b * tokens * out_dim, ops=6)
+                 mem_bytes=b * tokens * (3 * hidden + 2 * out_dim), tp_bytes=b * tokens * out_dim, ops=PROJECTOR_OPS,
+                 tensors=4, units=1)
 
 
 # --- Wide-ResNet (Alpa benchmark suite) ------------------------------------------------------------------
@@ -300,46 +348,52 @@ def omni_workload(
             audio_tokens = clips * mods["audio"].encoder_tokens_mean
     b = BYTES[precision]
     moe = getattr(llm, "moe", None)
-    experts = moe.num_experts + (1 if moe.shared_expert else 0) if moe else 0
     block = transformer_block(
         "llm.block", dim=llm.dim, heads=llm.n_heads, kv_heads=llm.n_kv_heads, ffn=llm.ffn_hidden, tokens=seq_len,
-        sum_sq=sum_sq, docs=docs, causal=True, gated=True, bias=False, dtype_bytes=b, experts=experts,
-        top_k=(moe.top_k + (1 if moe.shared_expert else 0)) if moe else 1,
+        sum_sq=sum_sq, docs=docs, causal=True, gated=True, bias=False, dtype_bytes=b,
+        experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
+        shared_expert=bool(moe and moe.shared_expert),
     )
     layers = (embedding("llm.embed", llm.vocab_size, llm.dim, seq_len, b), *([block] * llm.n_layers),
               lm_head("llm.head", llm.vocab_size, llm.dim, seq_len, dtype_bytes=b))
-    encoder: list[Layer] = []
-    if patches:
-        v = args.vision
-        side = (patches / images) ** 0.5
-        encoder += vit("vision", n_layers=v.n_layers, dim=v.dim, heads=v.n_heads, patches=patches,
-                       sum_sq=images * side**4, images=images, patch_dim=v.patch_dim, mlp_ratio=v.mlp_ratio,
-                       dtype_bytes=b)
-        merge = getattr(args, "spatial_merge", 1) ** 2  # merge x merge patches concatenated per LLM token
-        encoder.append(projector("projector.image", v.dim * merge, args.projector_mult * llm.dim, llm.dim,
-                                 patches / merge, b))
-    if audio_tokens:
-        a = args.audio
-        from omni_core.data.batch import audio_tokens as tokens_of
+    # Both encoders always run (the runtime feeds a dummy input to one whose modality a batch lacks, so that
+    # every rank issues the same collectives): their host costs and parameters count even without data.
+    v = args.vision
+    side = (patches / images) ** 0.5 if images else 0.0
+    merge = getattr(args, "spatial_merge", 1) ** 2  # merge x merge patches concatenated per LLM token
+    encoder = [*vit("vision", n_layers=v.n_layers, dim=v.dim, heads=v.n_heads, patches=patches,
+                    sum_sq=images * side**4, images=images, patch_dim=v.patch_dim, mlp_ratio=v.mlp_ratio,
+                    dtype_bytes=b),
+               projector("projector.image", v.dim * merge, args.projector_mult * llm.dim, llm.dim, patches / merge, b)]
+    a = args.audio
+    from omni_core.data.batch import audio_tokens as tokens_of
 
-        frames = audio_tokens * 3000 / tokens_of(3000)  # the convs' subsampling, as the data path counts it
-        conv = Layer("audio.conv", params=3 * a.dim * (a.n_mels + a.dim) + 2 * a.dim,
-                     flops=2 * 3 * a.dim * (a.n_mels * frames + a.dim * audio_tokens),
-                     act_bytes=b * frames * (a.n_mels + a.dim), out_bytes=b * audio_tokens * a.dim,
-                     mem_bytes=4 * b * frames * a.dim, ops=8 * clips)
-        per_clip = audio_tokens / clips
-        blocks = transformer_block(
-            "audio.block", dim=a.dim, heads=a.n_heads, kv_heads=a.n_heads, ffn=int(a.dim * a.mlp_ratio),
-            tokens=audio_tokens, sum_sq=clips * per_clip**2, docs=clips, causal=False, gated=False, bias=True,
-            dtype_bytes=b,
-        )
-        encoder += [conv, *([blocks] * a.n_layers),
-                    projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b)]
+    frames = audio_tokens * 3000 / tokens_of(3000)  # the convs' subsampling, as the data path counts it
+    conv = Layer("audio.conv", params=3 * a.dim * (a.n_mels + a.dim) + 4 * a.dim,
+                 flops=2 * 3 * a.dim * (a.n_mels * frames + a.dim * audio_tokens),
+                 mm_bytes=b * 3 * (frames * (a.n_mels + a.dim) + audio_tokens * 2 * a.dim),  # unfolded windows
+                 mm_weight_bytes=b * 3 * a.dim * (a.n_mels + a.dim),
+                 act_bytes=b * frames * (a.n_mels + a.dim), out_bytes=b * audio_tokens * a.dim,
+                 mem_bytes=4 * b * frames * a.dim, ops=CONV_OPS, sample_ops=CLIP_OPS * clips, tensors=6, units=1)
+    per_clip = audio_tokens / clips if clips else 0.0
+    blocks = transformer_block(
+        "audio.block", dim=a.dim, heads=a.n_heads, kv_heads=a.n_heads, ffn=int(a.dim * a.mlp_ratio),
+        tokens=audio_tokens, sum_sq=clips * per_clip**2, docs=clips, causal=False, gated=False, bias=True,
+        dtype_bytes=b,
+    )
+    encoder += [conv, *([blocks] * a.n_layers),
+                projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b)]
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
                        num_experts=moe.num_experts if moe else 0, seq_len=seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)
+    max_item = 0.0
+    if items:  # the longest item, r times the mean length: linear work x r, attention's x r^2
+        quad = sum(l.attn_flops for l in encoder) / max(sum(l.flops + l.attn_flops for l in encoder), 1.0)
+        r = max(m.max / m.mean for key, m in profile.modalities.items() if key in ("image", "audio") and m.mean)
+        max_item = ((1 - quad) * r + quad * r * r) / items
     return Workload(name, layers, global_batch, shape, encoder=tuple(encoder), precision=precision,
-                    tokens_per_sample=seq_len, encoder_cv=items**-0.5 if items else 0.0)
+                    tokens_per_sample=seq_len, encoder_cv=items**-0.5 if items else 0.0, encoder_max_item=max_item,
+                    head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)
 
 
 # --- MegaScale-Omni's workloads ------------------------------------------------------------------------
@@ -378,4 +432,5 @@ def paper_workload(key: str, image_share: float) -> Workload:
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads, seq_len=seq_len)
     cv = images**-0.5 if images else 0.0  # images per sequence are a count: spread ~ 1 / sqrt(mean)
     return Workload(f"{key}@{image_share:.1f}", layers, batch, shape, encoder=encoder, tokens_per_sample=seq_len,
-                    encoder_cv=cv)
+                    encoder_cv=cv, encoder_max_item=1 / images if images else 0.0, head_dim=llm.dim // llm.n_heads,
+                    doc_span=sum_sq / seq_len)

@@ -554,9 +554,7 @@ def evaluate(
             long_item += (2 + recompute) * 4 * net.time("all_to_all", item_io / max(enc.attn_layers, 1), lssp, lssp,
                                                         enc.attn_layers)
         work = max(balanced, long_item)
-        work += (enc.ops * op_s * passes / 3 + enc_fsdp_mb) * m + enc_fsdp_step + enc_opt
-        work += (1 - eff.dp_overlap) * net.time("all_reduce", enc.params * eff.grad_bytes, plan.world_size,
-                                                plan.world_size)
+        work += (enc.ops * op_s * passes / 3 + enc_fsdp_mb) * m + enc_fsdp_step + enc_opt  # FSDP reduces its grads
         encoder = max(work - eff.joint_pipeline * bubble, 0.0)
     syncs = SYNC_COLLECTIVES + (1 if fsdp else 0) + 2 * (tp > 1) + (ep > 1) + pipelined
     sync = net.time("all_reduce", 64.0, plan.world_size, plan.world_size, syncs)

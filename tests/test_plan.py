@@ -74,7 +74,9 @@ def test_mesh_has_one_named_dimension_per_degree():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = ParallelPlan().build_mesh("cpu")
+        from omni_core.parallel.parallelize import build_meshes
+
+        mesh = build_meshes(ParallelPlan(), "cpu").world
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         assert mesh["tp"].size() == 1 and mesh.size() == 1
     finally:

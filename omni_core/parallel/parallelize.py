@@ -38,6 +38,7 @@ class ParallelMeshes:
     world: DeviceMesh
     dp_mesh: DeviceMesh | None
     expert_dp_mesh: DeviceMesh | None
+    ep_mesh: DeviceMesh | None  # (pp, dp_replicate, dp_mod_ep, ep, tp) when ep > 1
 
     def _local(self, dim: str) -> int:
         return self.world.get_local_rank(dim)
@@ -60,7 +61,7 @@ class ParallelMeshes:
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
-        return self._ep_mesh.get_group("ep")
+        return self.ep_mesh.get_group("ep")
 
     @property
     def is_last_stage(self) -> bool:
@@ -83,9 +84,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
         ep_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         expert_dp_mesh = ep_mesh["dp_replicate", "dp_mod_ep"]
-    meshes = ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh)
-    meshes._ep_mesh = ep_mesh
-    return meshes
+    return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh)
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:

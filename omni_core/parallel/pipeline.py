@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from omni_core.models.args import LLMArgs
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel
 from omni_core.parallel.plan import ParallelPlan, PlanError
-from omni_core.runtime.loss import token_loss_sums
+from omni_core.runtime.loss import local_targets, token_loss_sums
 
 STATS_SIZE = 1 + 2 * len(MODALITY_IDS)  # length of `LossSums.stats()`
 
@@ -278,10 +277,7 @@ class PipelineRunner:
         """The last stage's loss for micro-batch `target`: its summed token loss over the global target count.
         Under context parallelism the targets are cut to the tokens this rank's LLM holds."""
         micro = int(target)
-        batch = self.batches[micro]
-        index = self.last.token_index
-        if index is not None:
-            batch = replace(batch, labels=batch.labels[index], loss_modality=batch.loss_modality[index])
+        batch = local_targets(self.batches[micro], self.last.token_index)
         sums = token_loss_sums(logits, batch)
         self.stats[micro] = sums.stats()
         return sums.total / self.global_targets

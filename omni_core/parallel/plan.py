@@ -11,7 +11,8 @@ this object, so the plan that was estimated is the plan that runs. Degrees:
     ep            expert parallel, folded into dp_shard x cp as torchtitan does (it uses no ranks of its own)
 
 world size = pp * dp_replicate * dp_shard * cp * tp. The compact name, e.g. `dp2-tp2-pp2-cp2r-ep2`, is what
-MLflow tags, CellTables and logs show; `ParallelPlan.parse` reads it back.
+MLflow tags, CellTables and logs show; `ParallelPlan.parse` reads it back. `parallel.parallelize.build_meshes`
+turns a plan into device meshes.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from omni_core.recipe.schema import ParallelConfig
 
 CpKind = Literal["ulysses", "ring"]
@@ -211,10 +210,3 @@ class ParallelPlan:
         """Which of the `dp` data shards a rank loads: ranks differing only in pp, cp or tp share one."""
         coords = self.coordinates(rank)
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
-
-    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """The world DeviceMesh with one named dimension per degree (size-1 dimensions included)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = self.mesh_shape()
-        return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))

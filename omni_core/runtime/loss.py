@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +46,10 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
         if counts[idx] > 0:
             out[f"loss/{name}"] = float(sums[idx] / counts[idx])
     return out
+
+
+def local_targets(batch: PackedBatch, token_index: torch.Tensor | None) -> PackedBatch:
+    """The batch with its targets cut to the tokens this rank's LLM holds (context parallelism)."""
+    if token_index is None:
+        return batch
+    return replace(batch, labels=batch.labels[token_index], loss_modality=batch.loss_modality[token_index])

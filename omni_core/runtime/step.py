@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from omni_core.parallel import ParallelPlan
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, all_reduce_sum
-from omni_core.runtime.loss import summarize, token_loss_sums
+from omni_core.runtime.loss import local_targets, summarize, token_loss_sums
 
 
 @dataclass
@@ -196,13 +196,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def local_targets(batch: PackedBatch, token_index: torch.Tensor | None) -> PackedBatch:
-    """The batch with its targets cut to the tokens this rank's LLM holds (context parallelism)."""
-    if token_index is None:
-        return batch
-    return replace(batch, labels=batch.labels[token_index], loss_modality=batch.loss_modality[token_index])
-
-
 @dataclass
 class StepStats:
     metrics: dict[str, float]
@@ -251,7 +244,7 @@ def train_step(
             stats = sums.stats() if stats is None else stats + sums.stats()
     params = replica.trainable()
     for param in params:
-        if param.grad is None:  # frozen-free parameters the step never reached: keep optimizer state uniform
+        if param.grad is None:  # a trainable parameter the step never reached: keep optimizer state uniform
             param.grad = torch.zeros_like(param)
     grad_norm = clip_grad_norm(replica, grad_clip)
     optimizers.step()

@@ -131,18 +131,33 @@ class Optimizers:
         return self.schedulers[0].state_dict()
 
     def load_scheduler_state(self, state: dict) -> None:
-        for sched in self.schedulers:
-            sched.load_state_dict(state)
+        """Every group of every part shares one base LR and one schedule, but how many groups there are
+        depends on the plan (`build_optimizer`): the saved per-group lists are resized to this plan's."""
+        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+            groups = len(opt.param_groups)
+            sched.load_state_dict({**state, "base_lrs": state["base_lrs"][:1] * groups,
+                                   "_last_lr": state["_last_lr"][:1] * groups})
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": recipe.train.weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=recipe.train.lr, betas=recipe.train.betas)
+    """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions).
+
+    It runs the foreach implementation (a few batched operators per group instead of ~15 per tensor; on CPU
+    PyTorch's default is the per-tensor loop, and on DTensors each of those operators pays DTensor's
+    dispatch). A foreach group must be homogeneous, so parameters are grouped by decay and by kind: plain
+    tensors, or DTensors of one mesh (FSDP's, the experts', TP's)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for param in model.parameters():
+        if param.requires_grad:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            groups[(param.ndim >= 2, mesh)].append(param)
+    decay = recipe.train.weight_decay
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": decay if matrix else 0.0} for (matrix, _), params in groups.items()],
+        lr=recipe.train.lr, betas=recipe.train.betas, foreach=True,
+    )
 
 
 def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:

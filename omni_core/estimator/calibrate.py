@@ -12,8 +12,11 @@ What it measures (the current thread setting, CPU tensors; never a training step
     on `world` forked gloo ranks (one process group on loopback):
     collectives  all-reduce, all-gather, reduce-scatter, all-to-all and a point-to-point exchange at several
                  sizes -> alpha (latency per ring step) and beta (bytes/s) of each
-    parameters   the step's gradient clipping and AdamW over many small parameters, plain (one process) and as
-                 DTensors (on the ranks), and over one large one -> seconds per tensor and per element
+    memory       the elementwise add on every rank at once against rank 0 alone -> how much the ranks'
+                 sharing of the node's memory bandwidth slows memory-bound work
+    parameters   the step's gradient norm and the runtime's AdamW (foreach) over 8 and 64 small parameters,
+                 plain (one process) and as DTensors (on the ranks), and over one large one -> seconds per
+                 parameter group, per tensor and per element
     wrappers     forward + backward of stacks of small Linears under FSDP2, under DTensor TP and through a
                  1F1B pipeline, at two depths -> seconds per FSDP unit, per TP-parallel module and per
                  micro-batch per stage (hooks, redistributions, schedule, their collectives' latency)
@@ -44,8 +47,9 @@ MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256),
 # per-element from the per-FLOP cost), and many short documents (the per-call cost)
 ATTN_SHAPES = ((4, 16, 512, 1), (4, 64, 512, 1), (4, 32, 16, 32))
 COLLECTIVE_BYTES = (12 << 10, 96 << 10, 768 << 10, 3 << 20)  # divisible by 4-byte floats x world sizes 1..4
-PROBE_TENSORS = 48  # parameters of the per-tensor probes
+PROBE_TENSOR_COUNTS = (8, 64)  # parameters of the optimizer probes: the difference is what one more costs
 PROBE_DIM = 48  # width of the ranks probes' Linears: divisible by world sizes 1-4
+WRAPPER_REPEATS = 4  # the wrapper probes are differences of millisecond timings: more runs for their medians
 WRAP_DEPTHS = (2, 8)  # stacks of the wrapper probes: the difference is what one more wrapped module costs
 
 
@@ -152,19 +156,10 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter) -> dict[str, float
 
     tiny = _tiny_block()
     op_s = _timeit(tiny, 3 * repeat, clock) / _count_ops(tiny)
-    params = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(PROBE_TENSORS)]
-    for param in params:
-        param.grad = torch.randn(32, 32)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-    def update() -> None:
-        float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
-        optimizer.step()
-
-    tensor_s = _timeit(update, repeat, clock) / PROBE_TENSORS
+    group_s, tensor_s = _parameter_costs(lambda n: [torch.randn(32, 32) for _ in range(n)], repeat, clock)
     big = torch.nn.Parameter(torch.randn(4 << 20))
     big.grad = torch.randn(4 << 20)
-    big_optimizer = torch.optim.AdamW([big], lr=1e-3)
+    big_optimizer = torch.optim.AdamW([big], lr=1e-3, foreach=True)
 
     def update_big() -> None:  # the step's clipping (norm, scaling) and AdamW, per element
         torch.nn.utils.get_total_norm([big.grad], foreach=True)
@@ -179,7 +174,39 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter) -> dict[str, float
     mem_bw = 3 * x.numel() * 4 / _timeit(lambda: torch.add(x, y, out=out), repeat, clock)
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "optimizer_bytes_per_param": param_s * mem_bw}
+            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
+            "optimizer_bytes_per_param": param_s * mem_bw}
+
+
+def _parameter_costs(make: Callable[[int], list], repeat: int, clock=time.perf_counter,
+                     sync: Callable[[], Any] | None = None) -> tuple[float, float]:
+    """(seconds per parameter group, per tensor) of the step's gradient norm and the runtime's AdamW
+    (`runtime.step.build_optimizer`: foreach, one group per kind of tensor) over `make(n)` small tensors
+    (plain or DTensors), fitted over two group sizes."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from omni_core.recipe import Recipe
+    from omni_core.runtime.step import build_optimizer
+
+    recipe = Recipe.model_validate({"experiment": {"name": "calibration"}})
+    sizes, secs = PROBE_TENSOR_COUNTS, []
+    for n in sizes:
+        module = torch.nn.Module()
+        module.params = torch.nn.ParameterList(make(n))
+        grads = make(n)
+        for param, grad in zip(module.params, grads):
+            param.grad = grad
+        optimizer = build_optimizer(module, recipe)
+
+        def update(params=list(module.params)) -> None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            optimizer.step()
+
+        secs.append(_timeit(update, repeat, clock, sync))
+    group_s, tensor_s = _fit_line(list(sizes), secs)
+    return group_s, max(tensor_s, 0.0)
 
 
 def _tiny_block():
@@ -266,27 +293,16 @@ def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
     return times
 
 
-def _dtensor_cost(repeat: int) -> float:
-    """Seconds per sharded (DTensor) parameter tensor of an AdamW step plus a gradient norm (what FSDP and TP
-    make of every parameter)."""
+def _dtensor_costs(repeat: int) -> tuple[float, float]:
+    """`_parameter_costs` of sharded (DTensor) parameters: what FSDP and TP make of every parameter."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    params = []
-    for _ in range(PROBE_TENSORS):
-        param = torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]))
-        param.grad = distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)])
-        params.append(param)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-    def update() -> None:
-        float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).full_tensor())
-        optimizer.step()
-
-    return _timeit(update, repeat, sync=dist.barrier) / PROBE_TENSORS
+    return _parameter_costs(lambda n: [distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]) for _ in range(n)],
+                            repeat, sync=dist.barrier)
 
 
 def _stack(depth: int, width: int = 1):
@@ -305,6 +321,7 @@ def _wrapped_seconds(depth: int, width: int, wrap, repeat: int) -> float:
     import torch.distributed as dist
 
     model, x = _stack(depth, width), torch.randn(16, PROBE_DIM)
+    repeat *= WRAPPER_REPEATS
     plain = _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier)
     wrap(model)
     return _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier) - plain
@@ -357,14 +374,38 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
             else:
                 schedule.step()
 
-        secs.append(_timeit(step, repeat, sync=dist.barrier))
+        secs.append(_timeit(step, WRAPPER_REPEATS * repeat, sync=dist.barrier))
     costs["pp"] = max(0.0, (secs[1] - secs[0]) / (micro[1] - micro[0]))
     return costs
 
 
+def _memory_share(repeat: int) -> float:
+    """How much slower a memory-bound kernel (elementwise add over a large buffer) runs, in process CPU time,
+    when every rank streams at once than on rank 0 alone: the ranks of a CPU node share its memory bandwidth
+    (matmuls and operator dispatch measured ~1.0 here, so only memory-bound work is scaled)."""
+    import torch
+    import torch.distributed as dist
+
+    x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+    out = torch.empty_like(x)
+
+    def add() -> None:
+        torch.add(x, y, out=out)
+
+    alone, together = [], []
+    for _ in range(2 * repeat):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(_timeit(add, 1, time.process_time))
+        dist.barrier()
+        together.append(_timeit(add, 1, time.process_time))
+    return statistics.median(together) / statistics.median(alone) if alone else 1.0
+
+
 def _rank_probe(rank: int, world: int, repeat: int) -> dict:
-    return {"collectives": _collective_times(world, repeat), "wrappers": {"dtensor": _dtensor_cost(repeat),
-                                                                          **_wrapper_costs(repeat)}}
+    group_s, tensor_s = _dtensor_costs(repeat)
+    return {"collectives": _collective_times(world, repeat), "memory_share": _memory_share(repeat),
+            "wrappers": {"dtensor": tensor_s, "dtensor_group": group_s, **_wrapper_costs(repeat)}}
 
 
 def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[float, float]:
@@ -390,11 +431,12 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
     eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
                                          for kind, (a, b) in fits.items() if kind != "all_reduce"),
-                  dtensor_s=ranks["wrappers"]["dtensor"], fsdp_unit_s=ranks["wrappers"]["fsdp_unit"],
+                  dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"], fsdp_unit_s=ranks["wrappers"]["fsdp_unit"],
                   fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
-                  tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"])
+                  tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
+                  shared_memory=max(1.0, ranks["memory_share"]))
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
-               "wrappers": ranks["wrappers"]}
+               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"]}
     return spec, eff, summary
 
 
@@ -415,6 +457,7 @@ def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, rounds: int = 1
     eff = replace(Efficiency(), matmul=1.0, attention=raw["attn_flops"] / peak, memory=1.0, link=1.0,
                   op_overhead_s=raw["op_s"], attn_call_s=raw["attn_call_s"], matmul_bw=raw["matmul_bw"],
                   score_s=raw["score_s"], attention_full=True, tensor_s=raw["tensor_s"],
+                  tensor_group_s=raw["tensor_group_s"],
                   optimizer_bytes_per_param=raw["optimizer_bytes_per_param"])
     if world > 1:
         measured, eff, summary = with_ranks(measured, eff, profile_ranks(world, repeat), world)

@@ -14,7 +14,7 @@ Time of one training step (per rank; the slowest pipeline stage rules):
                  the hooks per unit and per parameter tensor
                + the pipeline's sends; `coupled`: the encoders on stage 0 (imbalanced batches)
     + per step: FSDP's gradient reduce-scatter (after the last micro-batch)
-    + per step: optimizer and gradient norm (per parameter tensor, plain or DTensor, + bytes), the step's
+    + per step: optimizer and gradient norm (per parameter group and tensor, plain or DTensor, + bytes), the step's
       small synchronising all-reduces, host work outside the model (`step_overhead_s`: data loading)
     + `omni`: the encoders on every rank, balanced (DESIGN.md §3), exposed beyond the pipeline's bubbles
       when the joint encoder-LLM schedule places their work there (`Efficiency.joint_pipeline`)
@@ -22,7 +22,8 @@ Time of one training step (per rank; the slowest pipeline stage rules):
 Collectives use an alpha-beta model per link class and per collective kind: a group whose ranks lie in one
 node uses the intra-node link, otherwise the inter-node one. When a node has fewer compute units than
 ranks (CPU "devices": processes sharing cores, `GpuSpec.cores`), the ranks' host and compute work is
-time-shared: the step is at least their total work over the units. Memory per GPU: weights, gradients
+time-shared: the step is at least their total work over the units; ranks of a CPU node also share its
+memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
 and AdamW states (divided by dp_shard under FSDP, copied over dp_replicate), activations of the
 micro-batches in flight (only layer outputs with checkpointing), workspace. Every assumption that is a
 choice (overlaps, efficiencies, overheads, what the implementation splits) lives in `Efficiency`.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -76,11 +77,16 @@ class Efficiency:
     cp_overlap: float = 0.5  # ring CP: share of the K/V passing hidden behind block attention
     pp_overlap: float = 0.5  # share of pipeline sends hidden
     grad_bytes: float = 4.0  # fp32 gradient accumulation and reduction
+    # memory-bound seconds x this when a node's ranks run at once on a CPU device (`GpuSpec.cores`): they share
+    # its memory bandwidth (a GPU has its own); measured by the ranks probe
+    shared_memory: float = 1.0
     workspace_frac: float = 0.05  # of the activations: temporaries, allocator slack
     # per-kind (latency, bandwidth) multipliers of the link's all-reduce figures, e.g. gloo's all-to-all
     collectives: tuple[tuple[str, float, float], ...] = ()
     tensor_s: float = 0.0  # host seconds per plain parameter tensor per step (optimizer, gradient norm)
     dtensor_s: float = 0.0  # the same for a sharded (DTensor) parameter: FSDP or TP
+    tensor_group_s: float = 0.0  # and per parameter group (the foreach AdamW's and the norm's calls), plain
+    dtensor_group_s: float = 0.0  # or DTensor
     # the runtime's wrappers, per micro-batch, forward + backward, with their collectives' latency (their
     # volume is priced by the links): an FSDP unit (hooks, copies, all-gathers and reduce-scatter), a
     # TP-parallel module (DTensor redistributions), a pipeline stage's schedule step (with its sends)
@@ -354,6 +360,9 @@ def evaluate(
     if est.reason:
         est.peak_mem_bytes = math.inf  # not a memory problem: never the "closest to fitting" plan
         return est
+    if gpu.cores and eff.shared_memory != 1.0 and min(plan.world_size, gpus_per_node, gpu.cores) > 1:
+        # ranks stream at once: memory-bound work (not matmul operands, which stay in cache) slows down
+        eff = replace(eff, memory=eff.memory / eff.shared_memory, matmul_bw=eff.matmul_bw or gpu.mem_bw * eff.memory)
     peak = gpu.peak_flops(workload.precision)
     mm_rate, attn_rate, mem_rate = peak * eff.matmul, peak * eff.attention, gpu.mem_bw * eff.memory
     op_s = eff.op_overhead_s
@@ -365,7 +374,11 @@ def evaluate(
     state_bytes = wbytes + eff.grad_bytes + (12.0 if wbytes == 2 else 8.0)  # + fp32 master with 16-bit weights
     shards = plan.dp_shard * cp  # FSDP shards model states over dp_shard x cp; dp_replicate copies them
     fsdp = dp * cp > 1  # the runtime wraps every block in FSDP (HSDP) whenever there is more than one replica
-    per_tensor = eff.dtensor_s if fsdp or tp > 1 else eff.tensor_s
+    sharded = fsdp or tp > 1
+    per_tensor = eff.dtensor_s if sharded else eff.tensor_s
+    # the runtime's AdamW groups parameters by decay and by kind (plain, or DTensors of one mesh): the dense
+    # model's, TP's (encoders are not split by TP), the experts' under EP
+    param_groups_s = 2 * (1 + (tp > 1) + (ep > 1)) * (eff.dtensor_group_s if sharded else eff.tensor_group_s)
     expert_shards = max(1, shards // ep)  # experts' own FSDP group: the ranks with the same EP index
     tokens = workload.tokens_per_sample * mb  # packed tokens per micro-batch
     rank_span = tp * cp * plan.dp_shard  # ranks of one FSDP group lie within this many consecutive ranks
@@ -514,7 +527,7 @@ def evaluate(
         tensors = st.tensors - st.expert_tensors * (1 - 1 / ep)
         fsdp_mb, fsdp_step = fsdp_time(dense_params + (expert_params if ep == 1 else 0.0), st.units + first, tensors,
                                        expert_params, expert_units)
-        opt = optimizer_time((dense_params + expert_params) / (shards if fsdp else 1), tensors)
+        opt = param_groups_s + optimizer_time((dense_params + expert_params) / (shards if fsdp else 1), tensors)
         if enc is not None and options.layout == "coupled" and first:
             compute += enc_compute_mb
             host += enc_host_mb

@@ -13,6 +13,7 @@ A-D at an image:text mix).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class Workload:
 # Aten operators (forward + backward) of the runtime's eager modules, counted once with a TorchDispatchMode
 # around forward and backward of each module of the debug flavors (omni_core.models): fixed per micro-batch,
 # plus per document (varlen attention), per image / clip, per routed expert.
+ATTENTION_CALL_OPS = 51  # one document's attention (`varlen_attention`), forward + backward
 BLOCK_OPS = 184  # a Llama block (RMSNorm, GQA + RoPE, SwiGLU), attention aside
 ENCODER_BLOCK_OPS = 104  # a ViT / Whisper block (LayerNorm, MHA, GELU MLP), attention aside
 MOE_OPS, EXPERT_OPS, SHARED_EXPERT_OPS = 187, 53, 33  # router + dispatch, each routed expert, the shared one
@@ -383,6 +385,9 @@ def omni_workload(
     )
     encoder += [conv, *([blocks] * a.n_layers),
                 projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b)]
+    # an encoder without data runs its one-window dummy through every block: one attention call each
+    dummy_calls = {"vision.block": not images, "audio.block": not clips}
+    encoder = [dataclasses.replace(l, ops=l.ops + ATTENTION_CALL_OPS) if dummy_calls.get(l.name) else l for l in encoder]
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
                        num_experts=moe.num_experts if moe else 0, seq_len=seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)

@@ -3,20 +3,22 @@
     .venv/bin/python benchmarks/estimator_bench.py [--quick] --out report.json
 
 1. Calibrate the CPU "device": a kernel micro-profile in process CPU time (matmuls, per-document attention,
-   operators, the optimizer, memory; the median of 2-3 rounds) and a probe on 2 gloo ranks (collectives,
-   FSDP units, TP modules, pipeline micro-batches, DTensor parameters).
+   operators, the runtime's optimizer, memory) and a probe on 2 gloo ranks (collectives, FSDP units, TP
+   modules, pipeline micro-batches, DTensor parameters).
 2. Validate: run the real runtime under plans with DP (FSDP/HSDP), TP, PP (1F1B, interleaved, GPipe), CP
    (Ulysses, ring) and EP, world 1-4, debug / debug-moe / small flavors and several mixes, and compare each
    case's median wall-clock step with its prediction from step 1 (never fitted to these runs; the loader's
    own speed on the case's data is measured alone): `mape_pct`, `mape_pct_by_world`, `n_plans_validated`,
-   and per case in `validation`.
+   and per case in `validation`. Steps 1-2 run in `validation_rounds` rounds (3; quick 1), each a fresh
+   calibration then every case; medians over rounds are compared, and `measured_spread_pct` /
+   `predicted_spread_pct` say how far the rounds themselves disagree (this host's drift; null for 1 round).
 3. Speed: `plans_per_s` (cost-model evaluations) and `celltable_seconds` (every Cell of the Crius trace's
    model x batch mix on its 1,280-GPU A100/V100/A40/A10 cluster).
 4. `paper_workloads[A-D][image:text] = {omni_step_s, coupled_step_s, disaggregated_step_s,
    speedup_vs_best_baseline}` on H100s, 8 per node, 400 Gb/s per GPU across nodes; `paper_assumptions`
    says what the layouts assume.
---quick keeps every key with 11 validation cases of 5 steps and three mixes of the paper's table (about a
-minute and a half on 2 cores).
+--quick keeps every key with 11 validation cases of 5 steps in one round and three mixes of the paper's
+table (about a minute and a half on 2 cores).
 """
 
 from __future__ import annotations
@@ -111,11 +113,14 @@ def main() -> None:
     cell_s, n_jobs, n_cells = crius_cell_table()
     workloads = paper(args.quick)
     with tempfile.TemporaryDirectory(prefix="omni-validate-") as tmp:
-        report, raw = calibrate_and_validate(args.quick, Path(tmp))
+        report = calibrate_and_validate(args.quick, Path(tmp))
     result = {
         "mape_pct": report.mape_pct,
         "mape_pct_by_world": report.mape_pct_by_world,
         "n_plans_validated": len(report.rows),
+        "validation_rounds": report.rounds,
+        "measured_spread_pct": report.measured_spread_pct,
+        "predicted_spread_pct": report.predicted_spread_pct,
         "plans_per_s": plans_s,
         "celltable_seconds": cell_s,
         "celltable_jobs": n_jobs,
@@ -124,7 +129,7 @@ def main() -> None:
         "paper_reported": PAPER_REPORTED,
         "paper_assumptions": PAPER_ASSUMPTIONS,
         "validation": [r.model_dump() for r in report.rows],
-        "calibration": {**raw, "ranks": report.ranks},
+        "calibration": report.calibration,
         "quick": args.quick,
         "seconds": time.perf_counter() - started,
     }

@@ -164,20 +164,26 @@ class CaseResult(Result):
     world: int
     flavor: str
     plan: str
-    predicted_s: float
-    measured_s: float  # median wall seconds per step on rank 0
+    predicted_s: float  # the median over rounds of each round's prediction
+    measured_s: float  # the median over rounds of rank 0's median wall seconds per step
     measured_cpu_s: float  # of which rank 0's process was on a core (CPU time)
     waited_s: float  # of which rank 0 was ready to run but waited for a core
     ape_pct: float
-    breakdown: dict[str, float]
+    predicted_rounds_s: list[float]
+    measured_rounds_s: list[float]
+    breakdown: dict[str, float]  # of the round whose prediction is the median
 
 
 class ValidationReport(Result):
     device: str
     rows: list[CaseResult]
+    rounds: int
     mape_pct: float
     mape_pct_by_world: dict[str, float]
-    ranks: dict[str, dict]  # the two-rank probe's links and wrapper costs
+    # how much the host itself moves: the mean over cases of (max - min) / median across rounds (None: 1 round)
+    measured_spread_pct: float | None
+    predicted_spread_pct: float | None
+    calibration: list[dict]  # each round's kernels, links and wrapper costs
     seconds: float
 
 
@@ -228,11 +234,21 @@ def loader_seconds(case: Case, root: Path, batches: int = 8) -> float:
     return statistics.median(times)
 
 
-def validate(cases: list[Case], root: Path, spec: GpuSpec, eff: Efficiency, *, repeat: int = 5) -> ValidationReport:
-    """Measure every case on the real runtime and predict each from the device's calibration (`spec`, `eff`:
-    its kernels) completed by a probe on two ranks (links and the runtime's wrappers:
-    `calibrate.profile_ranks`); report the errors."""
-    from omni_core.estimator.calibrate import profile_ranks, run_local_ranks, with_ranks
+def _spread(values: list[float]) -> float:
+    return 100 * (max(values) - min(values)) / statistics.median(values)
+
+
+def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5) -> ValidationReport:
+    """Measure every case on the real runtime and predict each from a calibration of the device (its kernels,
+    `calibrate.calibrate`, then links and the runtime's wrappers on two ranks, `calibrate.profile_ranks`);
+    report the errors.
+
+    A shared host's speed drifts by tens of percent within seconds, and the calibration's small probes drift
+    with it. So the whole is done in `rounds` rounds, each a calibration followed by every case's run (one
+    launch per world size): a case's prediction is the median of its rounds' predictions (each from its own
+    round's calibration, whose fitted terms compensate each other) and its measurement the median of its
+    rounds' medians; the spread across rounds is reported."""
+    from omni_core.estimator.calibrate import calibrate, profile_ranks, run_local_ranks, with_ranks
 
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -243,38 +259,57 @@ def validate(cases: list[Case], root: Path, spec: GpuSpec, eff: Efficiency, *, r
             profiles[key] = _profile(case, root)
         if (*key, case.micro_batch) not in loaders:
             loaders[(*key, case.micro_batch)] = loader_seconds(case, root)
-    pair = with_ranks(spec, eff, profile_ranks(2, repeat), 2) if any(c.world > 1 for c in cases) else (spec, eff, {})
-    measured: dict[str, dict[str, float]] = {}
-    for world in sorted({c.world for c in cases}):
-        measured.update(run_local_ranks(_measure_cases, world, str(root), [c for c in cases if c.world == world])[0])
+    multi_rank = any(c.world > 1 for c in cases)
+    estimates: dict[str, list] = {c.name: [] for c in cases}
+    measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
+    calibrations = []
+    for _ in range(rounds):
+        # kernels in process CPU time, so that other tenants of the host are not what is measured
+        spec, eff, raw = calibrate(device, world=1, repeat=repeat, rounds=1, save=False, clock=time.process_time)
+        spec = replace(spec, cores=os.cpu_count() or 1)
+        pair = with_ranks(spec, eff, profile_ranks(2, repeat), 2) if multi_rank else (spec, eff, {})
+        calibrations.append({**raw, "ranks": pair[2]})
+        for case in cases:
+            estimates[case.name].append(predict(
+                case, profiles[(case.mix, case.seq_len)], *((spec, eff) if case.world == 1 else pair[:2]),
+                loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)]))
+        for world in sorted({c.world for c in cases}):
+            batch = [c for c in cases if c.world == world]
+            for name, real in run_local_ranks(_measure_cases, world, str(root), batch)[0].items():
+                measured[name].append(real)
     rows = []
     for case in cases:
-        real = measured[case.name]
-        est = predict(case, profiles[(case.mix, case.seq_len)], *((spec, eff) if case.world == 1 else pair[:2]),
-                      loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)])
+        ests = sorted(estimates[case.name], key=lambda e: e.step_time_s)
+        middle = ests[(len(ests) - 1) // 2]
+        predicted = statistics.median(e.step_time_s for e in ests)
+        real = {key: statistics.median(r[key] for r in measured[case.name]) for key in measured[case.name][0]}
         rows.append(CaseResult(
-            case=case.name, world=case.world, flavor=case.flavor, plan=case.plan, predicted_s=est.step_time_s,
+            case=case.name, world=case.world, flavor=case.flavor, plan=case.plan, predicted_s=predicted,
             measured_s=real["wall_s"], measured_cpu_s=real["cpu_s"], waited_s=real["delay_s"],
-            ape_pct=100 * abs(est.step_time_s - real["wall_s"]) / real["wall_s"],
-            breakdown={k: float(v) for k, v in est.breakdown.items()},
+            ape_pct=100 * abs(predicted - real["wall_s"]) / real["wall_s"],
+            predicted_rounds_s=[e.step_time_s for e in estimates[case.name]],
+            measured_rounds_s=[r["wall_s"] for r in measured[case.name]],
+            breakdown={k: float(v) for k, v in middle.breakdown.items()},
         ))
     by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in sorted({r.world for r in rows})}
-    return ValidationReport(device=spec.name, rows=rows, mape_pct=statistics.mean(r.ape_pct for r in rows),
-                            mape_pct_by_world=by_world, ranks=pair[2], seconds=time.perf_counter() - started)
+
+    def spread(key: str) -> float | None:
+        return statistics.mean(_spread(getattr(r, key)) for r in rows) if rounds > 1 else None
+
+    return ValidationReport(
+        device=device.name, rows=rows, rounds=rounds, mape_pct=statistics.mean(r.ape_pct for r in rows),
+        mape_pct_by_world=by_world, measured_spread_pct=spread("measured_rounds_s"),
+        predicted_spread_pct=spread("predicted_rounds_s"), calibration=calibrations,
+        seconds=time.perf_counter() - started)
 
 
-def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> tuple[ValidationReport, dict]:
-    """Micro-profile this device's kernels, then validate `validation_cases(quick)` (each world size probed
-    on its ranks first); returns the report and the raw kernel calibration. Kernels are timed in process CPU
-    time, so that other tenants of a shared host are not what is measured."""
-    from omni_core.estimator.calibrate import calibrate
+def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> ValidationReport:
+    """Validate `validation_cases(quick)` on this host as `device` (quick: 1 round of 3 probe repeats, to stay
+    within two minutes; full: 3 rounds of 5)."""
     from omni_core.estimator.catalog import GpuCatalog
 
-    repeat = 3 if quick else 5
-    spec, eff, raw = calibrate(GpuCatalog()[device], world=1, repeat=repeat, rounds=2 if quick else 3, save=False,
-                               clock=time.process_time)
-    report = validate(validation_cases(quick), root, replace(spec, cores=os.cpu_count() or 1), eff, repeat=repeat)
-    return report, raw
+    return validate(validation_cases(quick), root, GpuCatalog()[device], rounds=1 if quick else 3,
+                    repeat=3 if quick else 5)
 
 
 def validation_figure(report: ValidationReport, path: Path) -> Path:

@@ -172,6 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(schedule)
     schedule.add_argument("--json", action="store_true", help="print the schedule as JSON instead of a table")
 
+    validate = sub.add_parser(
+        "validate",
+        formatter_class=raw,
+        help="measure the estimator against real runs of many plans on this machine",
+        description="Calibrate this machine (kernels, then links and the runtime's wrappers on 2 ranks), train "
+        "the validation plans (DP/FSDP/HSDP, TP, PP, CP, EP; world 1-4) for a few steps each on local gloo ranks "
+        "and compare their step times with the estimator's predictions. estimate.validation=quick (11 plans, one "
+        "round) or full (30 plans, three rounds). Logs validation.json, a predicted-vs-measured figure and the "
+        "MAPE per world size to the MLflow run `validate`; prints the report as JSON.",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(validate)
+
     data = sub.add_parser("data", help="write the recipe's synthetic dataset to disk")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     generate = data_sub.add_parser(
@@ -229,6 +242,7 @@ FLOWS = {
     "train": ("flows.train", "train_flow"),
     "evaluate": ("flows.evaluate", "evaluate_flow"),
     "schedule": ("flows.schedule", "schedule_flow"),
+    "validate": ("flows.validate", "validate_flow"),
 }
 
 

@@ -82,3 +82,31 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     assert "eval/perplexity" in metrics
     for modality in summary["evaluate"]["per_modality"]:
         assert f"eval/{modality}/loss" in metrics
+
+
+@pytest.mark.slow
+def test_validate_flow_logs_predicted_against_measured(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
+    """Two short plans (one and two ranks) through the real runtime: the report and MLflow agree, and every
+    case has a finite prediction and measurement."""
+    from mlflow import MlflowClient
+
+    import omni_core.estimator.validate as validate
+    from flows.validate import validate_flow
+
+    cases = [validate.Case("debug", "dp1", 128, mix="text", steps=4), validate.Case("debug", "dp2", 128, steps=4)]
+    monkeypatch.setattr(validate, "validation_cases", lambda quick: cases)
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+
+    report = validate_flow(str(recipe), ["estimate.validation=quick"])
+
+    assert [r.case for r in report.rows] == [c.name for c in cases] and report.rounds == 1
+    assert all(0 < r.predicted_s < 60 and 0 < r.measured_s < 60 for r in report.rows)
+    assert set(report.mape_pct_by_world) == {"1", "2"}
+    client = MlflowClient(mlflow_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("flow-test").experiment_id],
+                               "attributes.run_name = 'validate'")
+    assert run.data.metrics["validate/mape_pct"] == pytest.approx(report.mape_pct)
+    assert run.data.metrics["validate/mape_pct/world2"] == pytest.approx(report.mape_pct_by_world["2"])
+    assert {"validation.json", "validation.png"} <= artifact_paths(client, run.info.run_id)

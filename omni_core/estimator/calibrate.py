@@ -14,6 +14,8 @@ What it measures (the current thread setting, CPU tensors; never a training step
                  sizes -> alpha (latency per ring step) and beta (bytes/s) of each
     memory       the elementwise add on every rank at once against rank 0 alone -> how much the ranks'
                  sharing of the node's memory bandwidth slows memory-bound work
+    straggling   pieces of work each followed by an all-reduce on every rank, against the work alone -> how
+                 much the ranks' independent jitter (each collective waits for the slowest) stretches a step
     parameters   the step's gradient norm and the runtime's AdamW (foreach) over 8 and 64 small parameters,
                  plain (one process) and as DTensors (on the ranks), and over one large one -> seconds per
                  parameter group, per tensor and per element
@@ -402,9 +404,43 @@ def _memory_share(repeat: int) -> float:
     return statistics.median(together) / statistics.median(alone) if alone else 1.0
 
 
+def _straggle(repeat: int, iterations: int = 20) -> float:
+    """How much longer every rank's work takes when the ranks synchronise after each piece of it: a tiny block's
+    forward + backward x 5 (~10 ms, a phase between two of the runtime's collectives) then a small all-reduce,
+    on all ranks, against rank 0 doing the work alone plus the all-reduce's own time. The ranks jitter
+    independently and every collective waits for the slowest (and wakes the waiting ones)."""
+    import torch
+    import torch.distributed as dist
+
+    tiny, flag = _tiny_block(), torch.zeros(16)
+
+    def work() -> None:
+        for _ in range(5):
+            tiny()
+
+    def loop(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        return (time.perf_counter() - start) / iterations
+
+    work()
+    ratios = []
+    for _ in range(repeat):
+        dist.barrier()
+        alone = loop(work) if dist.get_rank() == 0 else 0.0
+        dist.barrier()
+        reduce = loop(lambda: dist.all_reduce(flag))
+        dist.barrier()
+        both = loop(lambda: (work(), dist.all_reduce(flag)))
+        ratios.append(both / (alone + reduce) if alone else 1.0)
+    return statistics.median(ratios)
+
+
 def _rank_probe(rank: int, world: int, repeat: int) -> dict:
     group_s, tensor_s = _dtensor_costs(repeat)
     return {"collectives": _collective_times(world, repeat), "memory_share": _memory_share(repeat),
+            "straggle": _straggle(repeat),
             "wrappers": {"dtensor": tensor_s, "dtensor_group": group_s, **_wrapper_costs(repeat)}}
 
 
@@ -434,9 +470,9 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
                   dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"], fsdp_unit_s=ranks["wrappers"]["fsdp_unit"],
                   fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
                   tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
-                  shared_memory=max(1.0, ranks["memory_share"]))
+                  shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]))
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
-               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"]}
+               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"]}
     return spec, eff, summary
 
 

@@ -80,6 +80,9 @@ class Efficiency:
     # memory-bound seconds x this when a node's ranks run at once on a CPU device (`GpuSpec.cores`): they share
     # its memory bandwidth (a GPU has its own); measured by the ranks probe
     shared_memory: float = 1.0
+    # a multi-rank step x this: ranks jitter independently and every collective waits for the slowest (and
+    # wakes the waiting ones); 1 on a device never probed, measured by the ranks probe
+    straggle: float = 1.0
     workspace_frac: float = 0.05  # of the activations: temporaries, allocator slack
     # per-kind (latency, bandwidth) multipliers of the link's all-reduce figures, e.g. gloo's all-to-all
     collectives: tuple[tuple[str, float, float], ...] = ()
@@ -580,6 +583,8 @@ def evaluate(
         work = (sum(device_times) + sum(runtime_times)) / pp + eff.step_overhead_s
         step = max(step, work * share + encoder + sync)
 
+    if plan.world_size > 1:
+        step *= eff.straggle
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step
     est.breakdown = {"pipeline_s": pipeline, "bubble_s": bubble, "encoder_s": encoder, "encoder_long_item_s": long_item,

@@ -467,8 +467,8 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
     eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
                                          for kind, (a, b) in fits.items() if kind != "all_reduce"),
-                  dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"], fsdp_unit_s=ranks["wrappers"]["fsdp_unit"],
-                  fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
+                  dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"],
+                  fsdp_unit_s=ranks["wrappers"]["fsdp_unit"], fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
                   tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
                   shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]))
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
@@ -476,18 +476,17 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
     return spec, eff, summary
 
 
-def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, rounds: int = 1, save: bool = True,
+def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = True,
               clock=time.perf_counter) -> tuple[GpuSpec, Efficiency, dict]:
     """Micro-profile this device: the catalogue entry with measured peaks and links, the Efficiency relative
     to it, and the raw measurements. Saved per device type unless `save` is false. `clock` times the compute
     kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants, whose
     load would otherwise be measured instead of the device (what ranks do together is always timed on the
-    wall). `world` = 1 skips the ranks (links and wrappers keep the catalogue's and default values).
-    `rounds` > 1 profiles the kernels that many times and keeps each figure's median: a shared host's speed
-    drifts by tens of percent within seconds."""
+    wall). `world` = 1 skips the ranks (links and wrappers keep the catalogue's and default values). A
+    shared host's speed drifts by tens of percent within seconds, and the fitted terms compensate each other
+    within one profile: repeat whole calibrations rather than averaging terms (`validate.validate` does)."""
     started = time.perf_counter()
-    runs = [profile_compute(repeat, clock) for _ in range(rounds)]
-    raw: dict[str, Any] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    raw: dict[str, Any] = profile_compute(repeat, clock)
     peak = raw["matmul_flops"]
     measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=raw["mem_bw"])
     eff = replace(Efficiency(), matmul=1.0, attention=raw["attn_flops"] / peak, memory=1.0, link=1.0,

@@ -265,7 +265,7 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
     calibrations = []
     for _ in range(rounds):
         # kernels in process CPU time, so that other tenants of the host are not what is measured
-        spec, eff, raw = calibrate(device, world=1, repeat=repeat, rounds=1, save=False, clock=time.process_time)
+        spec, eff, raw = calibrate(device, world=1, repeat=repeat, save=False, clock=time.process_time)
         spec = replace(spec, cores=os.cpu_count() or 1)
         pair = with_ranks(spec, eff, profile_ranks(2, repeat), 2) if multi_rank else (spec, eff, {})
         calibrations.append({**raw, "ranks": pair[2]})
@@ -291,7 +291,8 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
             measured_rounds_s=[r["wall_s"] for r in measured[case.name]],
             breakdown={k: float(v) for k, v in middle.breakdown.items()},
         ))
-    by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in sorted({r.world for r in rows})}
+    worlds = sorted({r.world for r in rows})
+    by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in worlds}
 
     def spread(key: str) -> float | None:
         return statistics.mean(_spread(getattr(r, key)) for r in rows) if rounds > 1 else None

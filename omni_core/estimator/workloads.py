@@ -13,10 +13,9 @@ A-D at an image:text mix).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -387,7 +386,8 @@ def omni_workload(
                 projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b)]
     # an encoder without data runs its one-window dummy through every block: one attention call each
     dummy_calls = {"vision.block": not images, "audio.block": not clips}
-    encoder = [dataclasses.replace(l, ops=l.ops + ATTENTION_CALL_OPS) if dummy_calls.get(l.name) else l for l in encoder]
+    encoder = [replace(layer, ops=layer.ops + ATTENTION_CALL_OPS) if dummy_calls.get(layer.name) else layer
+               for layer in encoder]
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
                        num_experts=moe.num_experts if moe else 0, seq_len=seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)

@@ -46,7 +46,7 @@ class TrainResult(Result):
     logging_overhead_pct: float  # share of step time spent inside metric-logging calls on rank 0
     mfu_pct: float | None  # model FLOPs / (step time x peak of all ranks' devices); None: peak unknown
     peak_mem_mb: float  # rank 0: peak allocated GPU memory, or peak resident memory on CPU
-    checkpoint: str  # directory of the newest complete checkpoint
+    checkpoint: str  # directory of the newest complete checkpoint ("" when the run saved none)
     resumed_from_step: int = 0
 
     @property

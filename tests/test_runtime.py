@@ -169,6 +169,14 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert TrainResult.from_json(again.to_json()) == again
 
 
+def test_a_run_that_only_measures_saves_nothing(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=2, ckpt_every=1)
+    result = train(recipe, CPU, log=lambda _: None, save=False)
+    assert result.steps == 2 and result.checkpoint == ""
+    saved = Path(recipe.checkpoint_dir())
+    assert not saved.exists() or not any(p.is_file() for p in saved.rglob("*"))
+
+
 def test_resume_when_an_encoder_never_saw_input(tmp_path):
     recipe = tiny_recipe(tmp_path, steps=4, ckpt_every=2)
     recipe.data.synthetic.mix = {"text": 1.0}  # vision and audio encoders get no gradient at all

@@ -58,9 +58,11 @@ def train(
     tracker: Tracker | None = None,
     stop_after: int | None = None,
     log: Log = print,
+    save: bool = True,
 ) -> TrainResult:
     """Train to `recipe.train.steps`, or stop early at `train.stop_at_step` (a scheduler's segment end) or
-    after `stop_after` steps of this call; an early stop checkpoints where it stops."""
+    after `stop_after` steps of this call; an early stop checkpoints where it stops. `save=False` writes no
+    checkpoint at all (runs that only measure steps: the estimator's validation)."""
     tracker = tracker or NullTracker()
     cfg = recipe.train
     plan = resolve_plan(recipe, info.world_size)
@@ -135,12 +137,12 @@ def train(
             window = Window(cluster_peak)
         history.record(result, time.perf_counter() - step_start, tracker.logging_s - logging_s_before)
         logging_s_before = tracker.logging_s
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+        if save and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps):
             last_ckpt, saved_step = checkpoint(step), step
-    if last_ckpt is None or saved_step != step:
+    if save and (last_ckpt is None or saved_step != step):
         last_ckpt = checkpoint(step)  # stopped early (or nothing saved yet): keep what was trained
     return history.result(
-        cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt),
+        cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt or ""),
         resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device),
     )
 

@@ -1,7 +1,9 @@
 """On-device micro-profile: a few seconds of kernels, runtime primitives and collectives that correct the
 catalogue's peaks for the device at hand, stored per device type.
 
-What it measures (the current thread setting, CPU tensors; never a training step):
+What it measures (the current thread setting, CPU tensors; never a training step), every probe sampled in
+interleaved passes and averaged (`_sample`: a shared host switches between fast and slow states within a
+second, and a training step lasts through several):
 
     matmul       forward + backward of [tokens x k] @ [k x n] for several shapes -> peak FLOP/s and the
                  bandwidth of their operands (a least-squares fit of both)
@@ -15,7 +17,8 @@ What it measures (the current thread setting, CPU tensors; never a training step
     memory       the elementwise add on every rank at once against rank 0 alone -> how much the ranks'
                  sharing of the node's memory bandwidth slows memory-bound work
     straggling   pieces of work each followed by an all-reduce on every rank, against the work alone -> how
-                 much the ranks' independent jitter (each collective waits for the slowest) stretches a step
+                 much the ranks' independent jitter (each collective waits for the slowest) stretches a
+                 rank's own work
     parameters   the step's gradient norm and the runtime's AdamW (foreach) over 8 and 64 small parameters,
                  plain (one process) and as DTensors (on the ranks), and over one large one -> seconds per
                  parameter group, per tensor and per element
@@ -53,6 +56,10 @@ PROBE_TENSOR_COUNTS = (8, 64)  # parameters of the optimizer probes: the differe
 PROBE_DIM = 48  # width of the ranks probes' Linears: divisible by world sizes 1-4
 WRAPPER_REPEATS = 4  # the wrapper probes are differences of millisecond timings: more runs for their medians
 WRAP_DEPTHS = (2, 8)  # stacks of the wrapper probes: the difference is what one more wrapped module costs
+COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repeat` (~0.5 s each here)
+SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe
+BIG_PARAM = 4 << 20  # elements of the optimizer's per-element probe
+STREAM = 8 << 20  # elements of the memory bandwidth probe's buffers
 
 
 def calibration_dir() -> Path:
@@ -125,42 +132,60 @@ def _count_ops(fn) -> int:
     return Count.ops
 
 
-def profile_compute(repeat: int = 5, clock=time.perf_counter) -> dict[str, float]:
-    """The device's kernels, forward + backward, fitted to the cost model's terms:
+def _sample(probes: dict[Any, Callable[[], Any]], passes: int, clock=time.perf_counter,
+            sync: Callable[[], Any] | None = None) -> dict[Any, float]:
+    """Mean seconds of each probe's run over `passes` round-robin passes.
 
-    matmul      seconds ~ FLOPs / peak + operand bytes / bandwidth (small matmuls are bound by their operands)
-    attention   per document, as the runtime calls it (`varlen_attention`): seconds ~ a call's overhead + FLOPs
-                / rate + score elements x seconds each (the CPU kernel materialises the full score matrix)
-    operators   a tiny LLM block (all overhead) over the aten operators it dispatches: seconds per operator
-    memory      elementwise add over a large buffer -> bandwidth
-    """
+    A shared host's cores switch between a fast and a slow state every 0.1-1 s (on this VM: operator
+    dispatch 6.5 against 11 us, matmuls 82 against 62 GFLOP/s, both at once), so a probe timed in one burst
+    measures one state, while a training step runs through several. Interleaving spreads every probe over
+    the whole calibration, and the mean (not the median) of its passes is what a long run averages to.
+
+    Alone, a probe's warm-up run sets how many runs make one of its samples (at least SAMPLE_SECONDS: a
+    single run right after another probe's large buffers pays for cold caches, which a long stream of
+    operators does not). With `sync` (a barrier before each sample: ranks start collectives together) every
+    sample is one run, so that all ranks run the same calls."""
+    runs = {}
+    for key, fn in probes.items():
+        if sync:
+            sync()
+        start = clock()
+        fn()
+        runs[key] = 1 if sync else max(1, round(SAMPLE_SECONDS / max(clock() - start, 1e-6)))
+    totals = dict.fromkeys(probes, 0.0)
+    for _ in range(passes):
+        for key, fn in probes.items():
+            if sync:
+                sync()
+            start = clock()
+            for _ in range(runs[key]):
+                fn()
+            totals[key] += clock() - start
+    return {key: total / (passes * runs[key]) for key, total in totals.items()}
+
+
+def kernel_probes() -> dict[Any, Callable[[], Any]]:
+    """The kernel micro-profile's probes (`profile_compute`), forward + backward where there is one; built once
+    (their buffers, models and optimizers take a second), sampled as often as needed."""
     import torch
 
     from omni_core.models.attention import varlen_attention
 
     torch.manual_seed(0)
-    features, secs = [], []
+    probes: dict[Any, Callable[[], Any]] = {}
     for m, k, n in MATMUL_SHAPES:
         a, w = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
-        secs.append(_timeit(lambda a=a, w=w: (a @ w).sum().backward(), repeat if m * k * n > 1 << 26 else 3 * repeat,
-                            clock))
-        features.append((6.0 * m * k * n, 3 * 4.0 * (m * k + k * n + m * n), 1.0))
-    inv_peak, inv_bw, _ = fit_costs(features, secs)
-
-    features, secs = [], []
+        probes[("matmul", m, k, n)] = lambda a=a, w=w: (a @ w).sum().backward()
     for heads, dim, length, docs in ATTN_SHAPES:
         q, k, v = (torch.randn(docs * length, heads, dim, requires_grad=True) for _ in range(3))
         bounds = list(range(0, docs * length + 1, length))
-        secs.append(_timeit(lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward(),
-                            2 * repeat, clock))
-        features.append((docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs))
-    call_s, inv_attn, score_s = fit_costs(features, secs)
-
-    tiny = _tiny_block()
-    op_s = _timeit(tiny, 3 * repeat, clock) / _count_ops(tiny)
-    group_s, tensor_s = _parameter_costs(lambda n: [torch.randn(32, 32) for _ in range(n)], repeat, clock)
-    big = torch.nn.Parameter(torch.randn(4 << 20))
-    big.grad = torch.randn(4 << 20)
+        probes[("attention", heads, dim, length, docs)] = (
+            lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward())
+    probes["tiny"] = _tiny_block()
+    for n, update in _parameter_probes(lambda n: [torch.randn(32, 32) for _ in range(n)]).items():
+        probes[("optimizer", n)] = update
+    big = torch.nn.Parameter(torch.randn(BIG_PARAM))
+    big.grad = torch.randn(BIG_PARAM)
     big_optimizer = torch.optim.AdamW([big], lr=1e-3, foreach=True)
 
     def update_big() -> None:  # the step's clipping (norm, scaling) and AdamW, per element
@@ -168,23 +193,45 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter) -> dict[str, float
         big.grad.mul_(1.0)  # a scaling pass (not by < 1: repeated, it would sink the values into slow denormals)
         big_optimizer.step()
 
-    param_s = _timeit(update_big, 3 * repeat, clock) / big.numel()
-
-    x = torch.randn(8 << 20)
-    y = torch.randn(8 << 20)
+    probes["update_big"] = update_big
+    x, y = torch.randn(STREAM), torch.randn(STREAM)
     out = torch.empty_like(x)
-    mem_bw = 3 * x.numel() * 4 / _timeit(lambda: torch.add(x, y, out=out), repeat, clock)
+    probes["add"] = lambda: torch.add(x, y, out=out)
+    return probes
+
+
+def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | None = None) -> dict[str, float]:
+    """The device's kernels (`kernel_probes`, built here unless given), fitted to the cost model's terms:
+
+    matmul      seconds ~ FLOPs / peak + operand bytes / bandwidth (small matmuls are bound by their operands)
+    attention   per document, as the runtime calls it (`varlen_attention`): seconds ~ a call's overhead + FLOPs
+                / rate + score elements x seconds each (the CPU kernel materialises the full score matrix)
+    operators   a tiny LLM block (all overhead) over the aten operators it dispatches: seconds per operator
+    optimizer   the step's gradient norm and the runtime's AdamW at two tensor counts and over one large
+                tensor: seconds per parameter group, per tensor and per element
+    memory      elementwise add over a large buffer -> bandwidth
+
+    Every probe is sampled in COMPUTE_PASSES x `repeat` interleaved passes (`_sample`), a few seconds in all."""
+    probes = probes or kernel_probes()
+    secs = _sample(probes, COMPUTE_PASSES * repeat, clock)
+    inv_peak, inv_bw, _ = fit_costs([(6.0 * m * k * n, 3 * 4.0 * (m * k + k * n + m * n), 1.0) for m, k, n in MATMUL_SHAPES],
+                                    [secs[("matmul", *shape)] for shape in MATMUL_SHAPES])
+    call_s, inv_attn, score_s = fit_costs(
+        [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
+         for heads, dim, length, docs in ATTN_SHAPES], [secs[("attention", *shape)] for shape in ATTN_SHAPES])
+    op_s = secs["tiny"] / _count_ops(probes["tiny"])
+    group_s, tensor_s = _fit_line(list(PROBE_TENSOR_COUNTS), [secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
+    mem_bw = 3 * STREAM * 4 / secs["add"]
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
-            "optimizer_bytes_per_param": param_s * mem_bw}
+            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": max(tensor_s, 0.0), "tensor_group_s": group_s,
+            "optimizer_bytes_per_param": secs["update_big"] / BIG_PARAM * mem_bw}
 
 
-def _parameter_costs(make: Callable[[int], list], repeat: int, clock=time.perf_counter,
-                     sync: Callable[[], Any] | None = None) -> tuple[float, float]:
-    """(seconds per parameter group, per tensor) of the step's gradient norm and the runtime's AdamW
+def _parameter_probes(make: Callable[[int], list]) -> dict[int, Callable[[], None]]:
+    """Per tensor count n of PROBE_TENSOR_COUNTS: the step's gradient norm and the runtime's AdamW
     (`runtime.step.build_optimizer`: foreach, one group per kind of tensor) over `make(n)` small tensors
-    (plain or DTensors), fitted over two group sizes."""
+    (plain or DTensors). A line through their times gives seconds per parameter group and per tensor."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -192,23 +239,21 @@ def _parameter_costs(make: Callable[[int], list], repeat: int, clock=time.perf_c
     from omni_core.runtime.step import build_optimizer
 
     recipe = Recipe.model_validate({"experiment": {"name": "calibration"}})
-    sizes, secs = PROBE_TENSOR_COUNTS, []
-    for n in sizes:
+    probes = {}
+    for n in PROBE_TENSOR_COUNTS:
         module = torch.nn.Module()
         module.params = torch.nn.ParameterList(make(n))
-        grads = make(n)
-        for param, grad in zip(module.params, grads):
+        for param, grad in zip(module.params, make(n)):
             param.grad = grad
         optimizer = build_optimizer(module, recipe)
 
-        def update(params=list(module.params)) -> None:
+        def update(params=list(module.params), optimizer=optimizer) -> None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             optimizer.step()
 
-        secs.append(_timeit(update, repeat, clock, sync))
-    group_s, tensor_s = _fit_line(list(sizes), secs)
-    return group_s, max(tensor_s, 0.0)
+        probes[n] = update
+    return probes
 
 
 def _tiny_block():
@@ -273,7 +318,7 @@ def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
+    probes = {}
     for size in COLLECTIVE_BYTES:
         n = size // 4
         buf, out, scattered = torch.ones(n), torch.empty(n * world), torch.empty(n // world)
@@ -290,21 +335,27 @@ def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
                  "reduce_scatter": lambda buf=buf, s=scattered: dist.reduce_scatter_single(s, buf),
                  "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
                  "p2p": exchange}
-        for kind, call in calls.items():
-            times[kind][size] = _timeit(call, 2 * repeat, sync=dist.barrier)
+        probes.update({(kind, size): call for kind, call in calls.items()})
+    secs = _sample(probes, 2 * repeat, sync=dist.barrier)
+    times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
+    for (kind, size), seconds in secs.items():
+        times[kind][size] = seconds
     return times
 
 
 def _dtensor_costs(repeat: int) -> tuple[float, float]:
-    """`_parameter_costs` of sharded (DTensor) parameters: what FSDP and TP make of every parameter."""
+    """Seconds per parameter group and per tensor (`_parameter_probes`) of sharded (DTensor) parameters: what
+    FSDP and TP make of every parameter."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return _parameter_costs(lambda n: [distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]) for _ in range(n)],
-                            repeat, sync=dist.barrier)
+    probes = _parameter_probes(lambda n: [distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]) for _ in range(n)])
+    secs = _sample(probes, 2 * repeat, sync=dist.barrier)
+    group_s, tensor_s = _fit_line(list(PROBE_TENSOR_COUNTS), [secs[n] for n in PROBE_TENSOR_COUNTS])
+    return group_s, max(tensor_s, 0.0)
 
 
 def _stack(depth: int, width: int = 1):
@@ -317,22 +368,11 @@ def _stack(depth: int, width: int = 1):
                            for _ in range(depth)])
 
 
-def _wrapped_seconds(depth: int, width: int, wrap, repeat: int) -> float:
-    """What `wrap(model)` adds to a forward + backward of `_stack(depth, width)` on a few tokens."""
-    import torch
-    import torch.distributed as dist
-
-    model, x = _stack(depth, width), torch.randn(16, PROBE_DIM)
-    repeat *= WRAPPER_REPEATS
-    plain = _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier)
-    wrap(model)
-    return _timeit(lambda: model(x).sum().backward(), repeat, sync=dist.barrier) - plain
-
-
 def _wrapper_costs(repeat: int) -> dict[str, float]:
     """Seconds the runtime's wrappers add per forward + backward, with their collectives' latency (their volume
     is priced by the links): an FSDP2 unit and each parameter tensor in it (units of one and of four tiny
-    Linears), a TP-parallel Linear, one more micro-batch through a 1F1B pipeline with a stage per rank."""
+    Linears), a TP-parallel Linear, one more micro-batch through a 1F1B pipeline with a stage per rank. Each
+    is a difference between stacks (wrapped against plain, deep against shallow) sampled together."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -347,21 +387,26 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
 
-    def fsdp(model) -> None:
+    def fsdp(model):
         for unit in model:
             fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
 
-    def tp(model) -> None:
-        parallelize_module(model, mesh, {f"{i}.0": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-                                         for i in range(len(model))})
+    def tp(model):
+        return parallelize_module(model, mesh, {f"{i}.0": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                                for i in range(len(model))})
+
+    x = torch.randn(16, PROBE_DIM)
+
+    def forward_backward(model) -> Callable[[], None]:
+        return lambda: model(x).sum().backward()
 
     low, high = WRAP_DEPTHS
-    per_unit = (_wrapped_seconds(high, 1, fsdp, repeat) - _wrapped_seconds(low, 1, fsdp, repeat)) / (high - low)
-    per_tensor = max(0.0, (_wrapped_seconds(high, 4, fsdp, repeat) / high - per_unit) / 6)  # 3 more Linears
-    costs = {"fsdp_unit": max(0.0, per_unit - 2 * per_tensor), "fsdp_tensor": per_tensor,
-             "tp": max(0.0, (_wrapped_seconds(high, 1, tp, repeat) - _wrapped_seconds(low, 1, tp, repeat)) / (high - low))}
-    secs = []
+    stacks = {"plain": ((low, 1), (high, 1), (high, 4)), "fsdp": ((low, 1), (high, 1), (high, 4)),
+              "tp": ((low, 1), (high, 1))}
+    wraps = {"plain": lambda model: model, "fsdp": fsdp, "tp": tp}
+    probes = {(name, depth, width): forward_backward(wraps[name](_stack(depth, width)))
+              for name, shapes in stacks.items() for depth, width in shapes}
     micro = [max(d, world) for d in WRAP_DEPTHS]
     for n in micro:  # every rank a stage of one Linear; n micro-batches of 16 tokens
         schedule = Schedule1F1B(PipelineStage(_stack(1), rank, world, torch.device("cpu")), n,
@@ -376,9 +421,17 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
             else:
                 schedule.step()
 
-        secs.append(_timeit(step, WRAPPER_REPEATS * repeat, sync=dist.barrier))
-    costs["pp"] = max(0.0, (secs[1] - secs[0]) / (micro[1] - micro[0]))
-    return costs
+        probes[("pp", n)] = step
+    secs = _sample(probes, WRAPPER_REPEATS * repeat, sync=dist.barrier)
+
+    def added(wrap: str, depth: int, width: int) -> float:
+        return secs[(wrap, depth, width)] - secs[("plain", depth, width)]
+
+    per_unit = (added("fsdp", high, 1) - added("fsdp", low, 1)) / (high - low)
+    per_tensor = max(0.0, (added("fsdp", high, 4) / high - per_unit) / 6)  # 3 more Linears
+    return {"fsdp_unit": max(0.0, per_unit - 2 * per_tensor), "fsdp_tensor": per_tensor,
+            "tp": max(0.0, (added("tp", high, 1) - added("tp", low, 1)) / (high - low)),
+            "pp": max(0.0, (secs[("pp", micro[1])] - secs[("pp", micro[0])]) / (micro[1] - micro[0]))}
 
 
 def _memory_share(repeat: int) -> float:
@@ -394,17 +447,17 @@ def _memory_share(repeat: int) -> float:
     def add() -> None:
         torch.add(x, y, out=out)
 
-    alone, together = [], []
+    alone = together = 0.0  # sums over alternating passes: the host's fast and slow states average out
     for _ in range(2 * repeat):
         dist.barrier()
         if dist.get_rank() == 0:
-            alone.append(_timeit(add, 1, time.process_time))
+            alone += _timeit(add, 1, time.process_time)
         dist.barrier()
-        together.append(_timeit(add, 1, time.process_time))
-    return statistics.median(together) / statistics.median(alone) if alone else 1.0
+        together += _timeit(add, 1, time.process_time)
+    return together / alone if alone else 1.0
 
 
-def _straggle(repeat: int, iterations: int = 20) -> float:
+def _straggle(repeat: int, iterations: int = 10) -> float:
     """How much longer every rank's work takes when the ranks synchronise after each piece of it: a tiny block's
     forward + backward x 5 (~10 ms, a phase between two of the runtime's collectives) then a small all-reduce,
     on all ranks, against rank 0 doing the work alone plus the all-reduce's own time. The ranks jitter
@@ -425,16 +478,15 @@ def _straggle(repeat: int, iterations: int = 20) -> float:
         return (time.perf_counter() - start) / iterations
 
     work()
-    ratios = []
-    for _ in range(repeat):
+    alone = reduce = both = 0.0  # sums over alternating passes: the host's fast and slow states average out
+    for _ in range(2 * repeat):
         dist.barrier()
-        alone = loop(work) if dist.get_rank() == 0 else 0.0
+        alone += loop(work) if dist.get_rank() == 0 else 0.0
         dist.barrier()
-        reduce = loop(lambda: dist.all_reduce(flag))
+        reduce += loop(lambda: dist.all_reduce(flag))
         dist.barrier()
-        both = loop(lambda: (work(), dist.all_reduce(flag)))
-        ratios.append(both / (alone + reduce) if alone else 1.0)
-    return statistics.median(ratios)
+        both += loop(lambda: (work(), dist.all_reduce(flag)))
+    return both / (alone + reduce) if alone else 1.0
 
 
 def _rank_probe(rank: int, world: int, repeat: int) -> dict:
@@ -458,22 +510,50 @@ def profile_ranks(world: int = 2, repeat: int = 5) -> dict:
     return run_local_ranks(_rank_probe, world, repeat)[0]
 
 
+def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> float:
+    """Seconds of the collectives inside one unit of the FSDP wrapper probe (two all-gathers and a
+    reduce-scatter of a PROBE_DIM Linear over `world` ranks), by the fitted links."""
+    nbytes = 4.0 * (PROBE_DIM * PROBE_DIM + PROBE_DIM)
+
+    def seconds(kind: str) -> float:
+        steps, volume = ring_volume(kind, world)
+        alpha, beta = fits[kind]
+        return steps * alpha + volume * nbytes / beta
+
+    return 2 * seconds("all_gather") + seconds("reduce_scatter")
+
+
 def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
     """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
     on `world` ranks, and their summary: all-reduce gives the link's alpha and beta, the other kinds factors
-    of them."""
+    of them. An FSDP unit's cost is kept without its collectives (`cost.evaluate` prices those per plan, by
+    the size of its shard and replica groups)."""
     fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
     base_alpha, base_beta = fits["all_reduce"]
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
     eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
                                          for kind, (a, b) in fits.items() if kind != "all_reduce"),
                   dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"],
-                  fsdp_unit_s=ranks["wrappers"]["fsdp_unit"], fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
+                  fsdp_unit_s=max(0.0, ranks["wrappers"]["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
+                  fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
                   tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
                   shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]))
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
                "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"]}
     return spec, eff, summary
+
+
+def with_compute(spec: GpuSpec, compute: dict[str, float]) -> tuple[GpuSpec, Efficiency]:
+    """The catalogue entry with the peaks a kernel profile (`profile_compute`) measured, and the Efficiency
+    relative to it (links and wrappers keep the catalogue's and default values)."""
+    peak = compute["matmul_flops"]
+    measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=compute["mem_bw"])
+    eff = replace(Efficiency(), matmul=1.0, attention=compute["attn_flops"] / peak, memory=1.0, link=1.0,
+                  op_overhead_s=compute["op_s"], attn_call_s=compute["attn_call_s"], matmul_bw=compute["matmul_bw"],
+                  score_s=compute["score_s"], attention_full=True, tensor_s=compute["tensor_s"],
+                  tensor_group_s=compute["tensor_group_s"],
+                  optimizer_bytes_per_param=compute["optimizer_bytes_per_param"])
+    return measured, eff
 
 
 def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = True,
@@ -483,17 +563,12 @@ def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = Tr
     kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants, whose
     load would otherwise be measured instead of the device (what ranks do together is always timed on the
     wall). `world` = 1 skips the ranks (links and wrappers keep the catalogue's and default values). A
-    shared host's speed drifts by tens of percent within seconds, and the fitted terms compensate each other
-    within one profile: repeat whole calibrations rather than averaging terms (`validate.validate` does)."""
+    shared host's speed drifts by tens of percent within minutes, and the fitted terms compensate each other
+    within one profile: repeat whole calibrations rather than averaging terms (`validate.validate` profiles
+    the kernels next to each run it compares with)."""
     started = time.perf_counter()
     raw: dict[str, Any] = profile_compute(repeat, clock)
-    peak = raw["matmul_flops"]
-    measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=raw["mem_bw"])
-    eff = replace(Efficiency(), matmul=1.0, attention=raw["attn_flops"] / peak, memory=1.0, link=1.0,
-                  op_overhead_s=raw["op_s"], attn_call_s=raw["attn_call_s"], matmul_bw=raw["matmul_bw"],
-                  score_s=raw["score_s"], attention_full=True, tensor_s=raw["tensor_s"],
-                  tensor_group_s=raw["tensor_group_s"],
-                  optimizer_bytes_per_param=raw["optimizer_bytes_per_param"])
+    measured, eff = with_compute(spec, raw)
     if world > 1:
         measured, eff, summary = with_ranks(measured, eff, profile_ranks(world, repeat), world)
         raw.update(summary)

@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/estimator_bench.py [--quick] --out report.json
 
 1. Calibrate the CPU "device": a kernel micro-profile in process CPU time (matmuls, per-document attention,
-   operators, the runtime's optimizer, memory) and a probe on 2 gloo ranks (collectives, FSDP units, TP
-   modules, pipeline micro-batches, DTensor parameters).
+   operators, the runtime's optimizer, memory), every probe sampled in interleaved passes and averaged, and
+   a probe on 2 gloo ranks (collectives, FSDP units, TP modules, pipeline micro-batches, DTensor parameters,
+   shared memory bandwidth, straggling).
 2. Validate: run the real runtime under plans with DP (FSDP/HSDP), TP, PP (1F1B, interleaved, GPipe), CP
    (Ulysses, ring) and EP, world 1-4, debug / debug-moe / small flavors and several mixes, and compare each
-   case's median wall-clock step with its prediction from step 1 (never fitted to these runs; the loader's
-   own speed on the case's data is measured alone): `mape_pct`, `mape_pct_by_world`, `n_plans_validated`,
-   and per case in `validation`. Steps 1-2 run in `validation_rounds` rounds (3; quick 1), each a fresh
-   calibration then every case; medians over rounds are compared, and `measured_spread_pct` /
+   case's mean wall-clock step with its prediction from step 1 (never fitted to these runs; the kernels are
+   profiled right before each run, the ranks probe once per round, the loader's own speed on the case's data
+   alone): `mape_pct`, `mape_pct_by_world`, `n_plans_validated`, and per case in `validation`. It runs in
+   `validation_rounds` rounds (3; quick 1), means over rounds are compared, and `measured_spread_pct` /
    `predicted_spread_pct` say how far the rounds themselves disagree (this host's drift; null for 1 round).
 3. Speed: `plans_per_s` (cost-model evaluations) and `celltable_seconds` (every Cell of the Crius trace's
    model x batch mix on its 1,280-GPU A100/V100/A40/A10 cluster).

@@ -306,8 +306,9 @@ def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_pa
 
 
 def test_cpu_node_terms_apply_only_where_ranks_share_the_node():
-    """Straggling stretches multi-rank steps only; shared memory bandwidth slows memory-bound work only when
-    several ranks of a CPU node (GpuSpec.cores) run at once, never on a GPU."""
+    """Straggling stretches multi-rank steps only (their compute, not the wrappers and links, whose probes ran on
+    the ranks together); shared memory bandwidth slows memory-bound work only when several ranks of a CPU
+    node (GpuSpec.cores) run at once, never on a GPU."""
     w = _flavor_workload("debug", 256, 4)
     cpu = replace(CATALOG["cpu"], cores=2)
     base = Efficiency()
@@ -318,7 +319,7 @@ def test_cpu_node_terms_apply_only_where_ranks_share_the_node():
 
     for gpu in (cpu, CATALOG["a100"]):
         assert step(gpu, "dp1", replace(base, straggle=1.3)) == step(gpu, "dp1", base)
-        assert step(gpu, "dp2", replace(base, straggle=1.3)) == pytest.approx(1.3 * step(gpu, "dp2", base))
+        assert step(gpu, "dp2", base) < step(gpu, "dp2", replace(base, straggle=1.3)) < 1.3 * step(gpu, "dp2", base)
     assert step(cpu, "dp2", replace(base, shared_memory=1.5)) > step(cpu, "dp2", base)
     assert step(cpu, "dp1", replace(base, shared_memory=1.5)) == step(cpu, "dp1", base)
     assert step(CATALOG["a100"], "dp2", replace(base, shared_memory=1.5)) == step(CATALOG["a100"], "dp2", base)

@@ -80,8 +80,9 @@ class Efficiency:
     # memory-bound seconds x this when a node's ranks run at once on a CPU device (`GpuSpec.cores`): they share
     # its memory bandwidth (a GPU has its own); measured by the ranks probe
     shared_memory: float = 1.0
-    # a multi-rank step x this: ranks jitter independently and every collective waits for the slowest (and
-    # wakes the waiting ones); 1 on a device never probed, measured by the ranks probe
+    # a rank's own work (compute and operators, profiled on one rank alone) x this in a multi-rank step: ranks
+    # jitter independently and every collective waits for the slowest (and wakes the waiting ones); 1 on a
+    # device never probed, measured by the ranks probe (the wrappers' and links' probes include it)
     straggle: float = 1.0
     workspace_frac: float = 0.05  # of the activations: temporaries, allocator slack
     # per-kind (latency, bandwidth) multipliers of the link's all-reduce figures, e.g. gloo's all-to-all
@@ -90,9 +91,9 @@ class Efficiency:
     dtensor_s: float = 0.0  # the same for a sharded (DTensor) parameter: FSDP or TP
     tensor_group_s: float = 0.0  # and per parameter group (the foreach AdamW's and the norm's calls), plain
     dtensor_group_s: float = 0.0  # or DTensor
-    # the runtime's wrappers, per micro-batch, forward + backward, with their collectives' latency (their
-    # volume is priced by the links): an FSDP unit (hooks, copies, all-gathers and reduce-scatter), a
-    # TP-parallel module (DTensor redistributions), a pipeline stage's schedule step (with its sends)
+    # the runtime's wrappers, per micro-batch, forward + backward: an FSDP unit (hooks, copies; its
+    # collectives are priced by the links), a TP-parallel module (DTensor redistributions, with their
+    # collectives' latency), a pipeline stage's schedule step (with its sends' latency)
     fsdp_unit_s: float = 1e-4
     fsdp_tensor_s: float = 0.0  # and per parameter tensor in a unit (copies in and out, gradient views)
     tp_module_s: float = 2e-5
@@ -394,22 +395,28 @@ def evaluate(
     enc_split = split if eff.split_encoders_experts else 1
 
     def fsdp_time(params: float, units: float, tensors: float, expert_params: float, expert_units: float) -> tuple:
-        """(per micro-batch, per step) seconds of FSDP over a rank's units: each unit's wrapper (hooks, copies,
-        its collectives' latency) and the volume of the parameter all-gathers (forward and backward) per
-        micro-batch; the gradients' reduce-scatter (+ HSDP all-reduce) once per step, after the last
-        micro-batch. The volume not hidden behind compute (`dp_overlap`) counts."""
+        """(per micro-batch, per step) seconds of FSDP over a rank's units: each unit's wrapper (hooks, copies)
+        and its collectives: the parameter all-gathers (forward and backward) per micro-batch, the gradients'
+        reduce-scatter (+ HSDP all-reduce) once per step, after the last micro-batch. Their latency counts
+        per unit and call (a collective waits for every rank); of their volume, what is not hidden behind
+        compute (`dp_overlap`)."""
         if not fsdp:
             return 0.0, 0.0
         exposed = 1 - eff.dp_overlap
-        gather = 2 * net.time("all_gather", params * wbytes, shards, rank_span, 0)
-        reduce = (net.time("reduce_scatter", params * eff.grad_bytes, shards, rank_span, 0)
-                  + net.time("all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
-                             rank_span * plan.dp_replicate, units))
+
+        def cost(kind: str, nbytes: float, n: int, span: int, calls: float) -> float:
+            latency = net.time(kind, 0.0, n, span, calls)
+            return latency + exposed * (net.time(kind, nbytes, n, span, calls) - latency)
+
+        all_units = units + expert_units
+        gather = 2 * cost("all_gather", params * wbytes, shards, rank_span, units)
+        reduce = (cost("reduce_scatter", params * eff.grad_bytes, shards, rank_span, units)
+                  + cost("all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
+                         rank_span * plan.dp_replicate, all_units))
         if expert_units:
-            gather += 2 * net.time("all_gather", expert_params * wbytes, expert_shards, rank_span, 0)
-            reduce += net.time("reduce_scatter", expert_params * eff.grad_bytes, expert_shards, rank_span, 0)
-        wrappers = (units + expert_units) * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s
-        return wrappers + exposed * gather, exposed * reduce
+            gather += 2 * cost("all_gather", expert_params * wbytes, expert_shards, rank_span, expert_units)
+            reduce += cost("reduce_scatter", expert_params * eff.grad_bytes, expert_shards, rank_span, expert_units)
+        return all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s + gather, reduce
 
     def optimizer_time(params: float, tensors: float) -> float:
         return tensors * per_tensor + params * eff.optimizer_bytes_per_param / mem_rate
@@ -475,7 +482,9 @@ def evaluate(
         ring_plan = cp * (2 * math.ceil(tokens / (2 * cp) / side)) ** 2 * RING_PLAN_OPS * op_s
 
     # per stage: one micro-batch's time; per step, what its ranks' cores do (`device`) and what the runtime's
-    # wrappers and links take (measured together with the ranks, so already shared)
+    # wrappers and links take (measured together with the ranks, so already shared and already waiting for
+    # each other); a rank's own work, profiled alone, is stretched by the ranks' straggling
+    straggle = eff.straggle if plan.world_size > 1 else 1.0
     stage_times, device_times, runtime_times, step_times, counts = [], [], [], [], []
     def stage_cost(st: Sums, first: bool) -> tuple[float, float, float, float, float, float]:
         """(micro-batch time, device work, runtime work, per-step time, dense and expert parameters per rank)
@@ -537,6 +546,7 @@ def evaluate(
             fsdp_mb += enc_fsdp_mb
             fsdp_step += enc_fsdp_step
             opt += enc_opt
+        compute, host = compute * straggle, host * straggle
         return (compute + host + wrappers + comm + send + fsdp_mb, m * (compute + host),
                 m * (wrappers + comm + send + fsdp_mb) + fsdp_step + opt, opt + fsdp_step)
 
@@ -583,8 +593,6 @@ def evaluate(
         work = (sum(device_times) + sum(runtime_times)) / pp + eff.step_overhead_s
         step = max(step, work * share + encoder + sync)
 
-    if plan.world_size > 1:
-        step *= eff.straggle
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step
     est.breakdown = {"pipeline_s": pipeline, "bubble_s": bubble, "encoder_s": encoder, "encoder_long_item_s": long_item,

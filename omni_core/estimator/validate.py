@@ -4,7 +4,7 @@ Each `Case` (flavor, `ParallelPlan` name, sequence length, micro-batch, gradient
 becomes a recipe that `omni_core.runtime.trainer.train` runs for a few steps on as many local gloo ranks as
 the plan has (forked from this process, one launch per world size running all of its cases in turn). A
 step's time is the gap between two consecutive per-step metric calls (log_every=1) on rank 0; the
-measurement is the median over the steps after warm-up, on the wall clock (a pipeline's bubbles and a
+measurement is the mean over the steps after warm-up, on the wall clock (a pipeline's bubbles and a
 collective's waiting are only there), with the seconds rank 0 waited for a core alongside it: a step that
 waited much longer than the ranks' own sharing of the cores explains was measured on a loaded host.
 
@@ -69,8 +69,8 @@ class Case:
 
 
 def case_recipe(case: Case, root: Path):
-    """The recipe the runtime trains for a case: its plan, float32, a metric call every step, a checkpoint
-    only at the end (the trainer always writes one)."""
+    """The recipe the runtime trains for a case: its plan, float32, a metric call every step (`measure` saves
+    no checkpoint)."""
     from omni_core.recipe import Recipe
 
     plan = case.parallel_plan
@@ -114,19 +114,29 @@ def measure(case: Case, root: Path, info) -> dict[str, float]:
     from omni_core.runtime.trainer import train
 
     clock = _StepClock()
-    train(case_recipe(case, root), info, tracker=clock, log=lambda _: None)
-    return {key: statistics.median([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
+    train(case_recipe(case, root), info, tracker=clock, log=lambda _: None, save=False)
+    return {key: statistics.mean([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
             for key, stamps in clock.stamps.items()}
 
 
-def _measure_cases(rank: int, world: int, root: str, cases: list[Case]) -> dict[str, dict[str, float]]:
-    """On each forked rank: every case of this world size in turn."""
+def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: int) -> dict[str, dict]:
+    """On each forked rank: every case of this world size in turn, each right after rank 0 profiles the
+    device's kernels (`calibrate.profile_compute`, in process CPU time; the other ranks wait at a barrier):
+    the host's speed drifts within minutes, so a prediction and the run it is compared with are measured
+    seconds apart."""
     import torch
 
-    from omni_core.runtime.dist import DistInfo
+    from omni_core.estimator.calibrate import kernel_probes, profile_compute
+    from omni_core.runtime.dist import DistInfo, barrier
 
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    return {case.name: measure(case, Path(root), info) for case in cases}
+    probes = kernel_probes() if rank == 0 else None
+    out = {}
+    for case in cases:
+        kernels = profile_compute(repeat, clock=time.process_time, probes=probes) if rank == 0 else {}
+        barrier()
+        out[case.name] = {"kernels": kernels, **measure(case, Path(root), info)}
+    return out
 
 
 def validation_cases(quick: bool) -> list[Case]:
@@ -164,14 +174,14 @@ class CaseResult(Result):
     world: int
     flavor: str
     plan: str
-    predicted_s: float  # the median over rounds of each round's prediction
-    measured_s: float  # the median over rounds of rank 0's median wall seconds per step
+    predicted_s: float  # the mean over rounds of each round's prediction
+    measured_s: float  # the mean over rounds of rank 0's mean wall seconds per step
     measured_cpu_s: float  # of which rank 0's process was on a core (CPU time)
     waited_s: float  # of which rank 0 was ready to run but waited for a core
     ape_pct: float
     predicted_rounds_s: list[float]
     measured_rounds_s: list[float]
-    breakdown: dict[str, float]  # of the round whose prediction is the median
+    breakdown: dict[str, float]  # each term's mean over rounds
 
 
 class ValidationReport(Result):
@@ -183,7 +193,7 @@ class ValidationReport(Result):
     # how much the host itself moves: the mean over cases of (max - min) / median across rounds (None: 1 round)
     measured_spread_pct: float | None
     predicted_spread_pct: float | None
-    calibration: list[dict]  # each round's kernels, links and wrapper costs
+    calibration: list[dict]  # each round's kernels (per case) and its links and wrapper costs
     seconds: float
 
 
@@ -239,16 +249,17 @@ def _spread(values: list[float]) -> float:
 
 
 def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5) -> ValidationReport:
-    """Measure every case on the real runtime and predict each from a calibration of the device (its kernels,
-    `calibrate.calibrate`, then links and the runtime's wrappers on two ranks, `calibrate.profile_ranks`);
-    report the errors.
+    """Measure every case on the real runtime and predict each from a calibration of the device: its kernels
+    profiled right before the case's run (`calibrate.profile_compute`, in the launched rank 0), links and the
+    runtime's wrappers on two ranks once per round (`calibrate.profile_ranks`); report the errors.
 
-    A shared host's speed drifts by tens of percent within seconds, and the calibration's small probes drift
-    with it. So the whole is done in `rounds` rounds, each a calibration followed by every case's run (one
-    launch per world size): a case's prediction is the median of its rounds' predictions (each from its own
-    round's calibration, whose fitted terms compensate each other) and its measurement the median of its
-    rounds' medians; the spread across rounds is reported."""
-    from omni_core.estimator.calibrate import calibrate, profile_ranks, run_local_ranks, with_ranks
+    A shared host's speed drifts by tens of percent within seconds and minutes, and the calibration's probes
+    drift with it. So the whole is done in `rounds` rounds (one launch per world size running all of its
+    cases): a case's prediction is the mean of its rounds' predictions (each from its own calibration,
+    whose fitted terms compensate each other) and its measurement the mean of its rounds' means (the host
+    switches between a fast and a slow state within a second, and a run's time is what it averages to, as
+    in `calibrate._sample`); the spread across rounds is reported."""
+    from omni_core.estimator.calibrate import profile_ranks, run_local_ranks, with_compute, with_ranks
 
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -264,32 +275,33 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
     measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
     calibrations = []
     for _ in range(rounds):
-        # kernels in process CPU time, so that other tenants of the host are not what is measured
-        spec, eff, raw = calibrate(device, world=1, repeat=repeat, save=False, clock=time.process_time)
-        spec = replace(spec, cores=os.cpu_count() or 1)
-        pair = with_ranks(spec, eff, profile_ranks(2, repeat), 2) if multi_rank else (spec, eff, {})
-        calibrations.append({**raw, "ranks": pair[2]})
-        for case in cases:
-            estimates[case.name].append(predict(
-                case, profiles[(case.mix, case.seq_len)], *((spec, eff) if case.world == 1 else pair[:2]),
-                loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)]))
+        ranks = profile_ranks(2, repeat) if multi_rank else None
+        kernels, links = {}, {}
         for world in sorted({c.world for c in cases}):
             batch = [c for c in cases if c.world == world]
-            for name, real in run_local_ranks(_measure_cases, world, str(root), batch)[0].items():
-                measured[name].append(real)
+            results = run_local_ranks(_measure_cases, world, str(root), batch, repeat)[0]
+            for case in batch:
+                real = results[case.name]
+                kernels[case.name] = real.pop("kernels")
+                spec, eff = with_compute(replace(device, cores=os.cpu_count() or 1), kernels[case.name])
+                if case.world > 1:
+                    spec, eff, links = with_ranks(spec, eff, ranks, 2)
+                estimates[case.name].append(predict(case, profiles[(case.mix, case.seq_len)], spec, eff,
+                                                    loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)]))
+                measured[case.name].append(real)
+        calibrations.append({"kernels": kernels, "ranks": links})
     rows = []
     for case in cases:
-        ests = sorted(estimates[case.name], key=lambda e: e.step_time_s)
-        middle = ests[(len(ests) - 1) // 2]
-        predicted = statistics.median(e.step_time_s for e in ests)
-        real = {key: statistics.median(r[key] for r in measured[case.name]) for key in measured[case.name][0]}
+        ests = estimates[case.name]
+        predicted = statistics.mean(e.step_time_s for e in ests)
+        real = {key: statistics.mean(r[key] for r in measured[case.name]) for key in measured[case.name][0]}
         rows.append(CaseResult(
             case=case.name, world=case.world, flavor=case.flavor, plan=case.plan, predicted_s=predicted,
             measured_s=real["wall_s"], measured_cpu_s=real["cpu_s"], waited_s=real["delay_s"],
             ape_pct=100 * abs(predicted - real["wall_s"]) / real["wall_s"],
-            predicted_rounds_s=[e.step_time_s for e in estimates[case.name]],
+            predicted_rounds_s=[e.step_time_s for e in ests],
             measured_rounds_s=[r["wall_s"] for r in measured[case.name]],
-            breakdown={k: float(v) for k, v in middle.breakdown.items()},
+            breakdown={k: statistics.mean(float(e.breakdown[k]) for e in ests) for k in ests[0].breakdown},
         ))
     worlds = sorted({r.world for r in rows})
     by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in worlds}
@@ -305,12 +317,12 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
 
 
 def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> ValidationReport:
-    """Validate `validation_cases(quick)` on this host as `device` (quick: 1 round of 3 probe repeats, to stay
-    within two minutes; full: 3 rounds of 5)."""
+    """Validate `validation_cases(quick)` on this host as `device` (quick: 1 round of 1 probe repeat, to stay
+    within two minutes; full: 3 rounds of 3)."""
     from omni_core.estimator.catalog import GpuCatalog
 
     return validate(validation_cases(quick), root, GpuCatalog()[device], rounds=1 if quick else 3,
-                    repeat=3 if quick else 5)
+                    repeat=1 if quick else 3)
 
 
 def validation_figure(report: ValidationReport, path: Path) -> Path:

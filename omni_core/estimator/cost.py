@@ -571,7 +571,7 @@ def evaluate(
         # except that no rank can finish before the longest item (image, clip) it got, which LSSP splits
         # over `lssp` ranks with Ulysses (all-to-alls of q, k, v and the output in every encoder layer).
         # The joint schedule places this work in the pipeline's bubbles (`joint_pipeline` of them).
-        per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
+        per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff) * straggle
         balanced = per_sample * workload.global_batch / plan.world_size
         lssp = options.lssp
         long_item = per_sample * workload.encoder_max_item / lssp

@@ -19,7 +19,7 @@
    speedup_vs_best_baseline}` on H100s, 8 per node, 400 Gb/s per GPU across nodes; `paper_assumptions`
    says what the layouts assume.
 --quick keeps every key with 11 validation cases of 5 steps in one round and three mixes of the paper's
-table (about a minute and a half on 2 cores).
+table (about two minutes on 2 cores).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ schedule: {{policy: crius, segment_steps: 3}}
 train: {{warmup_steps: 1, log_every: 1, ckpt_every: 0, timeout_s: 300}}
 eval: {{max_batches: 2}}
 tracking: {{flush_every_s: 0.5}}
+# a slow link (0.2 GB/s), so that plain data parallelism is clearly the best 2-slot plan (tensor parallelism moves
+# activations in every layer); with the catalogue's placeholder it is within 2% of TP, and the plans below follow
+estimate: {{gpus: {{cpu: {{intra_bw: 2.0e8}}}}}}
 """
 
 

@@ -18,8 +18,8 @@ from omni_core.tracking import stage_run
 def validate_flow(recipe: str, overrides: list[str] | None = None) -> ValidationReport:
     """Calibrate this machine and run the validation plans (`estimate.validation`: quick or full) on the real
     runtime; log validation.json (every case, predicted and measured, per round), the predicted-vs-measured
-    figure and the MAPE overall and per world size to the "validate" run. The runs' own data and
-    checkpoints live in a temporary folder."""
+    figure and the MAPE overall and per world size to the "validate" run. The runs' own data lives in a
+    temporary folder (they save no checkpoint)."""
     r = load_recipe(recipe, overrides or ())
     with stage_run("validate", r, flow_run_id=flow_run.id) as run:
         out_dir = stage_dir(r, run.run_id)

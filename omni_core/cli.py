@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         formatter_class=raw,
         help="measure the estimator against real runs of many plans on this machine",
-        description="Calibrate this machine (kernels, then links and the runtime's wrappers on 2 ranks), train "
-        "the validation plans (DP/FSDP/HSDP, TP, PP, CP, EP; world 1-4) for a few steps each on local gloo ranks "
+        description="Calibrate this machine (links and the runtime's wrappers on 2 ranks, kernels right before "
+        "each run), train the validation plans (DP/FSDP/HSDP, TP, PP, CP, EP; world 1-4) for a few steps each on local gloo ranks "
         "and compare their step times with the estimator's predictions. estimate.validation=quick (11 plans, one "
         "round) or full (30 plans, three rounds). Logs validation.json, a predicted-vs-measured figure and the "
         "MAPE per world size to the MLflow run `validate`; prints the report as JSON.",

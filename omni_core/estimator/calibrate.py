@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -75,20 +74,6 @@ def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
     eff = stored["efficiency"]
     eff["collectives"] = tuple(tuple(c) for c in eff.get("collectives", ()))
     return GpuSpec(**stored["spec"]), Efficiency(**eff)
-
-
-def _timeit(fn, repeat: int, clock=time.perf_counter, sync: Callable[[], Any] | None = None) -> float:
-    """Median seconds of `fn()` over `repeat` runs after one warm-up, on `clock` (`sync()` before each run:
-    a barrier, so that ranks start collectives together)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if sync:
-            sync()
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -441,19 +426,22 @@ def _memory_share(repeat: int) -> float:
     import torch
     import torch.distributed as dist
 
-    x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+    x, y = torch.randn(STREAM), torch.randn(STREAM)
     out = torch.empty_like(x)
 
-    def add() -> None:
+    def add_seconds() -> float:  # one add in process CPU time, after a warm-up one
         torch.add(x, y, out=out)
+        start = time.process_time()
+        torch.add(x, y, out=out)
+        return time.process_time() - start
 
     alone = together = 0.0  # sums over alternating passes: the host's fast and slow states average out
     for _ in range(2 * repeat):
         dist.barrier()
         if dist.get_rank() == 0:
-            alone += _timeit(add, 1, time.process_time)
+            alone += add_seconds()
         dist.barrier()
-        together += _timeit(add, 1, time.process_time)
+        together += add_seconds()
     return together / alone if alone else 1.0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from distributed import run_ranks
 from omni_core.data.dataset import ManifestDataset
@@ -194,3 +194,40 @@ def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, 
     ensure_dataset(recipe_for(tmp_path))
     for continued, after_resume in run_ranks(_resume_worker, 4, str(tmp_path), saved, resumed):
         assert after_resume == pytest.approx(continued, rel=1e-5)
+
+
+def _partial_grads_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from omni_core.runtime.step import replicate_partial_grads
+
+    mesh = init_device_mesh("cpu", (world,))
+    norms = [torch.nn.Parameter(distribute_tensor(torch.zeros(n), mesh, [Replicate()])) for n in (3, 5)]
+    for param in norms:
+        param.grad = DTensor.from_local(torch.full(param.shape, rank + 1.0), mesh, [Partial()], run_check=False)
+    averaged = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Replicate()]))
+    averaged.grad = DTensor.from_local(torch.full((2,), rank + 1.0), mesh, [Partial("avg")], run_check=False)
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+    sharded.grad = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: calls.append(tensor.numel()) or all_reduce(tensor, *args, **kwargs)
+    try:
+        replicate_partial_grads([*norms, averaged, sharded])
+    finally:
+        dist.all_reduce = all_reduce
+    return {"calls": calls, "placements": [p.grad.placements for p in (*norms, averaged, sharded)],
+            "local": [p.grad.to_local().tolist() for p in (*norms, averaged, sharded)]}
+
+
+def test_partial_gradients_are_summed_once_per_group_and_become_replicated():
+    """TP leaves the norms' gradients partial; summed by one flat all-reduce per placement group, they are what
+    every later operator (norm, AdamW) would have reduced them to, without a collective per operator."""
+    for rank, out in enumerate(run_ranks(_partial_grads_worker, 2)):
+        assert sorted(out["calls"]) == [2, 8], "one all-reduce per group: the two sums together, the average"
+        assert out["placements"][:3] == [(Replicate(),)] * 3
+        assert out["placements"][3] == (Shard(0),)
+        assert out["local"][:3] == [[3.0] * 3, [3.0] * 5, [1.5] * 2]
+        assert out["local"][3] == [1.0, 1.0]

@@ -51,6 +51,9 @@ RING_PLAN_OPS = 9  # the host's tile plan per (source, query tile, key tile), on
 RING_BLOCK = 1024  # ContextParallelAttention's tile size
 EP_OPS = 40  # EP dispatch: sort by expert, count exchange, split sizes, regrouping, in forward and backward
 SYNC_COLLECTIVES = 2  # the step's all-reduces of its loss and token statistics
+# TP: the gradient norm's full tensors (row- and column-sharded groups) and the one reduction of the replicated
+# weights' partial gradients (`runtime.step.replicate_partial_grads`)
+TP_SYNC_COLLECTIVES = 3
 
 
 @dataclass(frozen=True)
@@ -582,7 +585,7 @@ def evaluate(
         work = max(balanced, long_item)
         work += (enc.ops * op_s * passes / 3 + enc_fsdp_mb) * m + enc_fsdp_step + enc_opt  # FSDP reduces its grads
         encoder = max(work - eff.joint_pipeline * bubble, 0.0)
-    syncs = SYNC_COLLECTIVES + (1 if fsdp else 0) + 2 * (tp > 1) + (ep > 1) + pipelined
+    syncs = SYNC_COLLECTIVES + (1 if fsdp else 0) + TP_SYNC_COLLECTIVES * (tp > 1) + (ep > 1) + pipelined
     sync = net.time("all_reduce", 64.0, plan.world_size, plan.world_size, syncs)
     step = pipeline + max(step_times) + encoder + sync + eff.step_overhead_s
     ranks_per_node = min(plan.world_size, gpus_per_node)

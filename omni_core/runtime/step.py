@@ -160,6 +160,39 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     )
 
 
+def replicate_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum the gradients DTensor leaves partial (TP-replicated weights, e.g. the norms before sequence-sharded
+    inputs) with one flat all-reduce per (mesh, placements), and make them replicated.
+
+    Left partial, every operator that reads such a gradient all-reduces it again: three per tensor in
+    AdamW's foreach step and one in the gradient norm, each paying a collective's latency."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            groups[(grad.device_mesh, grad.placements)].append(param)
+    for (mesh, placements), members in groups.items():
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])
+        for dim, placement in enumerate(placements):
+            if not isinstance(placement, Partial):
+                continue
+            if placement.reduce_op not in ("sum", "avg"):
+                raise ValueError(f"gradient partial by {placement.reduce_op!r}: only sum and avg are reduced")
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+            if placement.reduce_op == "avg":
+                flat /= mesh.size(dim)
+        replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+        offset = 0
+        for param in members:
+            local = param.grad.to_local()
+            reduced = flat[offset:offset + local.numel()].view_as(local)
+            offset += local.numel()
+            param.grad = DTensor.from_local(reduced, mesh, replicated, run_check=False,
+                                            shape=param.grad.shape, stride=param.grad.stride())
+
+
 def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
     """Clip all ranks' gradients together by the norm of the whole model's gradient; returns that norm.
 
@@ -261,6 +294,7 @@ def train_step(
     for param in params:
         if param.grad is None:  # a trainable parameter the step never reached: keep optimizer state uniform
             param.grad = torch.zeros_like(param)
+    replicate_partial_grads(params)
     grad_norm = clip_grad_norm(replica, grad_clip)
     optimizers.step()
     reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64)])) / plan.tp

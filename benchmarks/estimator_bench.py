@@ -18,7 +18,7 @@
 4. `paper_workloads[A-D][image:text] = {omni_step_s, coupled_step_s, disaggregated_step_s,
    speedup_vs_best_baseline}` on H100s, 8 per node, 400 Gb/s per GPU across nodes; `paper_assumptions`
    says what the layouts assume.
---quick keeps every key with 11 validation cases of 5 steps in one round and three mixes of the paper's
+--quick keeps every key with 10 validation cases of 5 steps in one round and three mixes of the paper's
 table (about two minutes on 2 cores).
 """
 

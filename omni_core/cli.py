@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the estimator against real runs of many plans on this machine",
         description="Calibrate this machine (links and the runtime's wrappers on 2 ranks, kernels right before "
         "each run), train the validation plans (DP/FSDP/HSDP, TP, PP, CP, EP; world 1-4) for a few steps each on local gloo ranks "
-        "and compare their step times with the estimator's predictions. estimate.validation=quick (11 plans, one "
+        "and compare their step times with the estimator's predictions. estimate.validation=quick (10 plans, one "
         "round) or full (30 plans, three rounds). Logs validation.json, a predicted-vs-measured figure and the "
         "MAPE per world size to the MLflow run `validate`; prints the report as JSON.",
         epilog=OVERRIDES_EPILOG,

@@ -54,6 +54,10 @@ COLLECTIVE_BYTES = (12 << 10, 96 << 10, 768 << 10, 3 << 20)  # divisible by 4-by
 PROBE_TENSOR_COUNTS = (8, 64)  # parameters of the optimizer probes: the difference is what one more costs
 PROBE_DIM = 48  # width of the ranks probes' Linears: divisible by world sizes 1-4
 WRAPPER_REPEATS = 4  # the wrapper probes are differences of millisecond timings: more passes for their means
+# and the collectives' latency is the intercept of a line through millisecond timings: at 2 passes per repeat it
+# moved 2x between probes (all-reduce 0.5-1.2 ms) while all of them take ~1 s
+COLLECTIVE_REPEATS = 8
+RATIO_REPEATS = 6  # and the ratios of the ranks' work together to rank 0's alone (straggling: 1.1-1.37 at 2)
 WRAP_DEPTHS = (2, 8)  # stacks of the wrapper probes: the difference is what one more wrapped module costs
 COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repeat` (~0.5 s each here)
 SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe
@@ -321,7 +325,7 @@ def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
                  "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
                  "p2p": exchange}
         probes.update({(kind, size): call for kind, call in calls.items()})
-    secs = _sample(probes, 2 * repeat, sync=dist.barrier)
+    secs = _sample(probes, COLLECTIVE_REPEATS * repeat, sync=dist.barrier)
     times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
     for (kind, size), seconds in secs.items():
         times[kind][size] = seconds
@@ -436,7 +440,7 @@ def _memory_share(repeat: int) -> float:
         return time.process_time() - start
 
     alone = together = 0.0  # sums over alternating passes: the host's fast and slow states average out
-    for _ in range(2 * repeat):
+    for _ in range(RATIO_REPEATS * repeat):
         dist.barrier()
         if dist.get_rank() == 0:
             alone += add_seconds()
@@ -467,7 +471,7 @@ def _straggle(repeat: int, iterations: int = 10) -> float:
 
     work()
     alone = reduce = both = 0.0  # sums over alternating passes: the host's fast and slow states average out
-    for _ in range(2 * repeat):
+    for _ in range(RATIO_REPEATS * repeat):
         dist.barrier()
         alone += loop(work) if dist.get_rank() == 0 else 0.0
         dist.barrier()

@@ -280,7 +280,7 @@ class EstimateConfig(Strict):
         description="GPU catalogue overrides or new types, e.g. {a100: {inter_bw: 5.0e10}} (fields of GpuSpec)",
     )
     validation: Literal["quick", "full"] = Field(
-        "quick", description="`omni validate`: 11 plans in one round (~2 min) or 30 plans in three rounds (~20 min)"
+        "quick", description="`omni validate`: 10 plans in one round (~2 min) or 30 plans in three rounds (~20 min)"
     )
 
 

@@ -54,10 +54,11 @@ COLLECTIVE_BYTES = (12 << 10, 96 << 10, 768 << 10, 3 << 20)  # divisible by 4-by
 PROBE_TENSOR_COUNTS = (8, 64)  # parameters of the optimizer probes: the difference is what one more costs
 PROBE_DIM = 48  # width of the ranks probes' Linears: divisible by world sizes 1-4
 WRAPPER_REPEATS = 4  # the wrapper probes are differences of millisecond timings: more passes for their means
-# and the collectives' latency is the intercept of a line through millisecond timings: at 2 passes per repeat it
-# moved 2x between probes (all-reduce 0.5-1.2 ms) while all of them take ~1 s
+# passes per repeat of the collectives (their latency, the intercept of a line through millisecond timings, moved
+# 2x between probes at 2 passes: all-reduce 0.5-1.2 ms) and of the ratios of the ranks' work together to rank 0's
+# alone (straggling moved 1.1-1.37): all of them take a few seconds
 COLLECTIVE_REPEATS = 8
-RATIO_REPEATS = 6  # and the ratios of the ranks' work together to rank 0's alone (straggling: 1.1-1.37 at 2)
+RATIO_REPEATS = 6
 WRAP_DEPTHS = (2, 8)  # stacks of the wrapper probes: the difference is what one more wrapped module costs
 COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repeat` (~0.5 s each here)
 SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe

@@ -199,7 +199,7 @@ def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, 
 def _partial_grads_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Partial, distribute_tensor
 
     from omni_core.runtime.step import replicate_partial_grads
 
@@ -225,7 +225,7 @@ def _partial_grads_worker(rank: int, world: int) -> dict:
 def test_partial_gradients_are_summed_once_per_group_and_become_replicated():
     """TP leaves the norms' gradients partial; summed by one flat all-reduce per placement group, they are what
     every later operator (norm, AdamW) would have reduced them to, without a collective per operator."""
-    for rank, out in enumerate(run_ranks(_partial_grads_worker, 2)):
+    for out in run_ranks(_partial_grads_worker, 2):
         assert sorted(out["calls"]) == [2, 8], "one all-reduce per group: the two sums together, the average"
         assert out["placements"][:3] == [(Replicate(),)] * 3
         assert out["placements"][3] == (Shard(0),)

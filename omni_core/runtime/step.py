@@ -178,8 +178,8 @@ def replicate_partial_grads(params: list[nn.Parameter]) -> None:
         for dim, placement in enumerate(placements):
             if not isinstance(placement, Partial):
                 continue
-            if placement.reduce_op not in ("sum", "avg"):
-                raise ValueError(f"gradient partial by {placement.reduce_op!r}: only sum and avg are reduced")
+            if type(placement) is not Partial or placement.reduce_op not in ("sum", "avg"):  # e.g. a norm's
+                raise ValueError(f"gradient partial as {placement}: only sums and averages are reduced")
             dist.all_reduce(flat, group=mesh.get_group(dim))
             if placement.reduce_op == "avg":
                 flat /= mesh.size(dim)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_core.estimator.catalog import GpuSpec
-from omni_core.estimator.cost import COLLECTIVES, Efficiency, ring_volume
+from omni_core.estimator.cost import COLLECTIVES, Efficiency, collective_time, ring_volume
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
 # (heads, head dim, document length, documents): two head sizes over the same score matrices (separating the
@@ -210,11 +210,11 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
         [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
          for heads, dim, length, docs in ATTN_SHAPES], [secs[("attention", *shape)] for shape in ATTN_SHAPES])
     op_s = secs["tiny"] / _count_ops(probes["tiny"])
-    group_s, tensor_s = _fit_line(list(PROBE_TENSOR_COUNTS), [secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
+    group_s, tensor_s = _per_group_and_tensor([secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
     mem_bw = 3 * STREAM * 4 / secs["add"]
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": max(tensor_s, 0.0), "tensor_group_s": group_s,
+            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
             "optimizer_bytes_per_param": secs["update_big"] / BIG_PARAM * mem_bw}
 
 
@@ -244,6 +244,13 @@ def _parameter_probes(make: Callable[[int], list]) -> dict[int, Callable[[], Non
 
         probes[n] = update
     return probes
+
+
+def _per_group_and_tensor(seconds: list[float]) -> tuple[float, float]:
+    """(seconds per parameter group, per tensor): the line through the `_parameter_probes` times at
+    PROBE_TENSOR_COUNTS tensors (a tensor never costs less than nothing)."""
+    group_s, tensor_s = _fit_line(list(PROBE_TENSOR_COUNTS), seconds)
+    return group_s, max(tensor_s, 0.0)
 
 
 def _tiny_block():
@@ -344,8 +351,7 @@ def _dtensor_costs(repeat: int) -> tuple[float, float]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     probes = _parameter_probes(lambda n: [distribute_tensor(torch.randn(32, 32), mesh, [Shard(0)]) for _ in range(n)])
     secs = _sample(probes, 2 * repeat, sync=dist.barrier)
-    group_s, tensor_s = _fit_line(list(PROBE_TENSOR_COUNTS), [secs[n] for n in PROBE_TENSOR_COUNTS])
-    return group_s, max(tensor_s, 0.0)
+    return _per_group_and_tensor([secs[n] for n in PROBE_TENSOR_COUNTS])
 
 
 def _stack(depth: int, width: int = 1):
@@ -509,9 +515,8 @@ def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> 
     nbytes = 4.0 * (PROBE_DIM * PROBE_DIM + PROBE_DIM)
 
     def seconds(kind: str) -> float:
-        steps, volume = ring_volume(kind, world)
         alpha, beta = fits[kind]
-        return steps * alpha + volume * nbytes / beta
+        return collective_time(kind, nbytes, world, beta, alpha)
 
     return 2 * seconds("all_gather") + seconds("reduce_scatter")
 

@@ -144,7 +144,7 @@ def validation_cases(quick: bool) -> list[Case]:
     their combinations, on the debug, debug-moe and small flavors and four mixes. Quick: 10 short cases (5
     steps); full: 30, with longer sequences and 10 steps."""
     d, moe, small = "debug", "debug-moe", "small"
-    if quick:  # one case per mechanism, short sequences: about a minute on two cores
+    if quick:  # one case per mechanism, short sequences: about a minute and a half on two cores
         cases = [
             Case(d, "dp1", 256, mix="text"), Case(small, "dp1", 64),
             Case(d, "dp2", 256), Case(d, "dp1-tp2", 256, mix="audio"), Case(d, "dp1-pp2v2", 128, grad_accum=4, mix="image"),

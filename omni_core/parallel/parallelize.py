@@ -32,7 +32,8 @@ from omni_core.parallel.plan import MESH_ORDER, ParallelPlan
 @dataclass
 class ParallelMeshes:
     """This rank's process groups for a plan. `dp_mesh` is FSDP's (dp_replicate, dp_shard x cp) mesh, None
-    when there is a single replica; `expert_dp_mesh` is the experts' (dp_replicate, dp_mod_ep) mesh."""
+    when there is a single replica, 1-D (dp_shard x cp) without replicas; `expert_dp_mesh` is the experts'
+    (dp_replicate, dp_mod_ep) mesh, likewise."""
 
     plan: ParallelPlan
     world: DeviceMesh
@@ -76,14 +77,17 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
     flat = init_device_mesh(device_type, (plan.world_size,), mesh_dim_names=("world",))
     world = flat._unflatten(0, tuple(plan.mesh_shape().values()), MESH_ORDER)
     dp_mesh = expert_dp_mesh = None
+    # FSDP's meshes are 2-D (HSDP) only when there is more than one replica: with a replicate dimension of
+    # size 1, FSDP2 would still all-reduce every unit's gradients over that one rank (a blocking call each)
+    replicas = ("dp_replicate",) if plan.dp_replicate > 1 else ()
     if plan.dp * plan.cp > 1:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp)
-        dp_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))["dp_replicate", "dp_shard_cp"]
+        dp_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
     ep_mesh = None
     if plan.ep > 1:
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
         ep_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
-        expert_dp_mesh = ep_mesh["dp_replicate", "dp_mod_ep"]
+        expert_dp_mesh = ep_mesh[(*replicas, "dp_mod_ep")]
     return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh)
 
 

@@ -83,6 +83,33 @@ def test_mesh_has_one_named_dimension_per_degree():
         dist.destroy_process_group()
 
 
+def test_fsdp_mesh_has_a_replicate_dimension_only_with_replicas():
+    """With one replica FSDP2 would all-reduce each unit's gradients over a group of one rank (a blocking call
+    per unit per step); the meshes are built on a fake 4-rank process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        from omni_core.parallel.parallelize import build_meshes
+
+        shapes = {}
+        for name in ("dp4", "dp1-cp4u", "dp2x2", "dp4-ep2", "dp2x2-ep2"):
+            meshes = build_meshes(ParallelPlan.parse(name), "cpu")
+            shapes[name] = (meshes.dp_mesh.mesh_dim_names, meshes.dp_mesh.shape)
+            if meshes.expert_dp_mesh is not None:
+                shapes[f"{name} experts"] = (meshes.expert_dp_mesh.mesh_dim_names, meshes.expert_dp_mesh.shape)
+        assert shapes == {
+            "dp4": (("dp_shard_cp",), (4,)), "dp1-cp4u": (("dp_shard_cp",), (4,)),
+            "dp2x2": (("dp_replicate", "dp_shard_cp"), (2, 2)),
+            "dp4-ep2": (("dp_shard_cp",), (4,)), "dp4-ep2 experts": (("dp_mod_ep",), (2,)),
+            "dp2x2-ep2": (("dp_replicate", "dp_shard_cp"), (2, 2)),
+            "dp2x2-ep2 experts": (("dp_replicate", "dp_mod_ep"), (2, 1)),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
 def test_pipeline_schedules_need_enough_microbatches():
     ParallelPlan.parse("dp1-pp2g").check_microbatches(1)
     ParallelPlan.parse("dp1-pp2").check_microbatches(2)

@@ -15,6 +15,7 @@ CPU tensors only: GPU calibration is not implemented yet.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -120,10 +121,10 @@ def measure(case: Case, root: Path, info) -> dict[str, float]:
 
 
 def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: int) -> dict[str, dict]:
-    """On each forked rank: every case of this world size in turn, each right after rank 0 profiles the
-    device's kernels (`calibrate.profile_compute`, in process CPU time; the other ranks wait at a barrier):
-    the host's speed drifts within minutes, so a prediction and the run it is compared with are measured
-    seconds apart."""
+    """On each forked rank: every case of this world size in turn, each from a collected heap and right after
+    rank 0 profiles the device's kernels (`calibrate.profile_compute`, in process CPU time; the other ranks
+    wait at a barrier): the host's speed drifts within minutes, so a prediction and the run it is compared
+    with are measured seconds apart."""
     import torch
 
     from omni_core.estimator.calibrate import kernel_probes, profile_compute
@@ -133,6 +134,9 @@ def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: 
     probes = kernel_probes() if rank == 0 else None
     out = {}
     for case in cases:
+        # the previous case's model, hooks and graphs sit in reference cycles until a full collection: left
+        # alive, they slowed the next case by a third (debug dp2 mb2 right after small dp2: 0.34 -> 0.45 s)
+        gc.collect()
         kernels = profile_compute(repeat, clock=time.process_time, probes=probes) if rank == 0 else {}
         barrier()
         out[case.name] = {"kernels": kernels, **measure(case, Path(root), info)}

@@ -31,9 +31,9 @@ from omni_core.parallel.plan import MESH_ORDER, ParallelPlan
 
 @dataclass
 class ParallelMeshes:
-    """This rank's process groups for a plan. `dp_mesh` is FSDP's (dp_replicate, dp_shard x cp) mesh, None
-    when there is a single replica, 1-D (dp_shard x cp) without replicas; `expert_dp_mesh` is the experts'
-    (dp_replicate, dp_mod_ep) mesh, likewise."""
+    """This rank's process groups for a plan. `dp_mesh` is FSDP's (dp_replicate, dp_shard x cp) mesh: None
+    when dp x cp is 1, 1-D (dp_shard x cp) when dp_replicate is 1; `expert_dp_mesh` is the experts'
+    (dp_replicate, dp_mod_ep) mesh, 1-D (dp_mod_ep) when dp_replicate is 1."""
 
     plan: ParallelPlan
     world: DeviceMesh

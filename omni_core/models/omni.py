@@ -11,7 +11,7 @@ from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_train_flops, projector_dims
-from omni_core.models.llm import LLM
+from omni_core.models.llm import LLM, MoE
 from omni_core.models.projector import Projector, spatial_merge
 from omni_core.models.vision import VisionEncoder
 
@@ -79,6 +79,14 @@ class OmniModel(nn.Module):
     def aux_loss(self) -> torch.Tensor | None:
         """Weighted MoE load-balancing loss of the last forward (zero for a dense LLM; None before any)."""
         return self.llm.aux_loss
+
+    def clear_aux_losses(self) -> None:
+        """Drop the last forward's aux losses, once the step has used them. Each holds its forward's autograd
+        graph, whose FSDP hooks hold the modules: a cycle through C++ that Python's collector cannot free, so
+        a MoE model outlived its training run (with its process groups and their polling threads)."""
+        for module in self.modules():
+            if isinstance(module, (LLM, MoE)):
+                module.aux_loss = None
 
     def project_image(self, features: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """Vision features of images with these (rows, cols) grids -> LLM embeddings, merged spatially."""

@@ -297,6 +297,8 @@ def train_step(
     replicate_partial_grads(params)
     grad_norm = clip_grad_norm(replica, grad_clip)
     optimizers.step()
+    for part in replica.parts:
+        part.clear_aux_losses()
     reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64)])) / plan.tp
     metrics = summarize(reduced[:-1])
     if replica.args.llm.moe is not None:

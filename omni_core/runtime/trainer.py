@@ -141,6 +141,8 @@ def train(
             last_ckpt, saved_step = checkpoint(step), step
     if save and (last_ckpt is None or saved_step != step):
         last_ckpt = checkpoint(step)  # stopped early (or nothing saved yet): keep what was trained
+    if replica.meshes:  # a failed run skips this: its process is about to exit, and a peer may be gone
+        replica.meshes.release()
     return history.result(
         cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt or ""),
         resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device),

@@ -77,7 +77,8 @@ class OmniModel(nn.Module):
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
-        """Weighted MoE load-balancing loss of the last forward (zero for a dense LLM; None before any)."""
+        """Weighted MoE load-balancing loss of the last forward (zero for a dense LLM; None before any forward
+        and once the training step has used it: `clear_aux_losses`)."""
         return self.llm.aux_loss
 
     def clear_aux_losses(self) -> None:

@@ -134,8 +134,9 @@ def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: 
     probes = kernel_probes() if rank == 0 else None
     out = {}
     for case in cases:
-        # the previous case's model, hooks and graphs sit in reference cycles until a full collection: left
-        # alive, they slowed the next case by a third (debug dp2 mb2 right after small dp2: 0.34 -> 0.45 s)
+        # the previous case's model, meshes and graphs sit in reference cycles until a full collection, and the
+        # threads of its (destroyed) process groups poll until then: left alive, they slowed the next case by
+        # a third (debug dp2 mb2 right after small dp2: 0.34 -> 0.45 s, measured before train() released them)
         gc.collect()
         kernels = profile_compute(repeat, clock=time.process_time, probes=probes) if rank == 0 else {}
         barrier()

@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from omni_core.estimator.catalog import GpuCatalog
+from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.cost import Efficiency, Options, evaluate
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.search import build_cell_table, candidate_plans
-from omni_core.estimator.validate import calibrate_and_validate, validation_figure
 from omni_core.estimator.workloads import PAPER_WORKLOADS, paper_workload, trace_workload
+from omni_core.measure.validate import calibrate_and_validate, validation_figure
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "crius" / "simulate_trace_philly.csv"
 CRIUS_GPUS = {"a100": 320, "v100": 320, "a40": 320, "a10": 320}

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from omni_core.common.plan import ParallelPlan
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
-from omni_core.parallel import ParallelPlan
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, shutdown
 from omni_core.runtime.perf import peak_memory_mb

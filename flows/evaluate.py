@@ -8,8 +8,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import stage_dir
+from omni_core.common.results import EvalReport
 from omni_core.recipe import load_recipe
-from omni_core.results import EvalReport
 from omni_core.runtime.evaluate import evaluate
 from omni_core.tracking import stage_run
 

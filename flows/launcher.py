@@ -1,143 +1,16 @@
-"""Launch training as `torchrun ... -m omni_core.runtime.launch` in its own process group.
-
-A process group, because torchrun's workers (and anything they start) must die with it: on the wall-clock
-limit, on flow cancellation, on Ctrl-C or on any error here, the whole group gets SIGTERM, then SIGKILL.
-"""
+"""The torchrun task: training launched as `torchrun ... -m omni_core.runtime.launch` under the process-group
+supervisor (omni_core.runtime.supervisor), rank 0's output streamed into the task's log."""
 
 from __future__ import annotations
 
 import os
-import queue
-import shlex
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from collections.abc import Mapping
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from omni_core.results import TrainResult
-
-TAIL_LINES = 40
-GRACE_S = 10.0
-
-
-class LaunchError(RuntimeError):
-    """The launched command failed or ran too long; the message carries the end of its output."""
-
-
-def _with_tail(message: str, tail: Sequence[str]) -> str:
-    return f"{message}; last {len(tail)} lines of output:\n" + "\n".join(tail) if tail else message
-
-
-def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    with stream:
-        for line in stream:
-            lines.put(line.rstrip("\n"))
-    lines.put(None)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def terminate_group(proc: subprocess.Popen[str], grace_s: float = GRACE_S) -> None:
-    """SIGTERM the process group led by `proc`, SIGKILL whatever is left after `grace_s`."""
-    pgid = proc.pid  # start_new_session=True: the child leads its own group
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader, or it would keep the group "alive" as a zombie
-        if not _group_alive(pgid):
-            return
-        time.sleep(0.05)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def run_process_group(
-    cmd: Sequence[str],
-    *,
-    timeout_s: float,
-    env: Mapping[str, str] | None = None,
-    on_line: Callable[[str], object] = print,
-    grace_s: float = GRACE_S,
-    tail_lines: int = TAIL_LINES,
-    name: str | None = None,
-) -> None:
-    """Run `cmd` in a new session, pass each output line (stdout and stderr merged) to `on_line` as it comes,
-    and raise LaunchError on a non-zero exit or after `timeout_s`. The group never outlives this call."""
-    proc = subprocess.Popen(
-        list(cmd),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        env=dict(env) if env is not None else None,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
-    tail: deque[str] = deque(maxlen=tail_lines)
-    deadline = time.monotonic() + timeout_s
-    exited_at: float | None = None
-    name = name or shlex.join(cmd)
-
-    def timed_out() -> LaunchError:
-        return LaunchError(_with_tail(f"{name} exceeded its {timeout_s:g}s limit and was killed", tail))
-
-    try:
-        while True:
-            try:
-                line = lines.get(timeout=0.1)
-            except queue.Empty:
-                now = time.monotonic()
-                if now > deadline:
-                    raise timed_out()
-                if proc.poll() is not None:
-                    exited_at = exited_at or now
-                    if now - exited_at > 1.0:
-                        break  # a leftover grandchild holds the output open; the group is killed below
-                continue
-            if line is None:
-                break
-            tail.append(line)
-            on_line(line)
-        try:  # output closed early does not mean done: the limit still applies
-            returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise timed_out() from None
-        if returncode != 0:
-            raise LaunchError(_with_tail(f"{name} exited with code {returncode}", tail))
-    finally:
-        terminate_group(proc, grace_s)
-
-
-def torchrun_command(recipe_path: str, nproc: int, result_path: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "omni_core.runtime.launch", "--recipe", recipe_path, "--result", result_path,
-    ]  # fmt: skip
+from omni_core.common.results import TrainResult
+from omni_core.runtime.supervisor import LaunchError, run_process_group, torchrun_command
 
 
 @task(name="torchrun", cache_policy=NO_CACHE)

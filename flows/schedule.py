@@ -8,9 +8,9 @@ from prefect.runtime import flow_run
 
 from flows import stage_dir
 from flows.train import train_flow
+from omni_core.common.results import TrainResult
 from omni_core.data.profile import DatasetProfile
 from omni_core.recipe import load_recipe
-from omni_core.results import TrainResult
 from omni_core.scheduler.local import JobRun, ScheduleRun, run_schedule
 from omni_core.tracking import children_of, stage_run
 

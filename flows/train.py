@@ -7,8 +7,8 @@ from prefect.runtime import flow_run
 
 from flows import stage_dir
 from flows.launcher import run_torchrun
+from omni_core.common.results import TrainResult
 from omni_core.recipe import dump_recipe, load_recipe
-from omni_core.results import TrainResult
 from omni_core.runtime.checkpoint import local_manifest
 from omni_core.tracking import log_checkpoint, register_checkpoint, stage_run
 

@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import stage_dir
-from omni_core.estimator.validate import ValidationReport, calibrate_and_validate, validation_figure
+from omni_core.measure.validate import ValidationReport, calibrate_and_validate, validation_figure
 from omni_core.recipe import load_recipe
 from omni_core.tracking import stage_run
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from omni_core.cli import main
+from flows.cli import main
 from omni_core.recipe import load_recipe, recipe_hash
 
 RECIPE = """\
@@ -21,7 +21,7 @@ train: {steps: 5}
 
 IMPORT_PROBE = """\
 import sys
-from omni_core.cli import main
+from flows.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
@@ -50,7 +50,7 @@ def test_help_and_recipe_check_import_no_heavy_packages(args, recipe_file):
 
 
 def test_module_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "omni_core.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for command in ("run", "profile", "train", "evaluate", "recipe"):
         assert command in out.stdout

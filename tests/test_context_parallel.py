@@ -17,7 +17,7 @@ from omni_core.parallel.context import (
     cp_token_index,
     ulysses_kv_repeats,
 )
-from tests.distributed import run_ranks
+from omni_core.runtime.ranks import run_ranks
 
 TOKENS, HEAD_DIM = 32, 8
 # Uneven documents: a 1-token one (5) and ones crossing the chunk boundaries of cp=2 (8, 16, 24) and cp=4.

@@ -18,8 +18,9 @@ import soundfile as sf
 import torch
 from PIL import Image
 
+from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens
+from omni_core.common.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID
 from omni_core.data.audio import log_mel, mel_frames
-from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
 from omni_core.data.dataset import DecodedSample, ManifestDataset
 from omni_core.data.image import patch_grid, patchify
 from omni_core.data.loader import ConsumerStream, PackedLoader
@@ -27,7 +28,6 @@ from omni_core.data.packing import OVERDUE, BatchPacker, collate
 from omni_core.data.profile import profile_dataset
 from omni_core.data.sources import CorruptSample, Record, View, in_heldout
 from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
-from omni_core.data.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID
 from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
 from omni_core.recipe.schema import DataConfig, Recipe
 

@@ -12,7 +12,8 @@ import numpy as np
 import orjson
 import pytest
 
-from omni_core.cli import main
+from flows.cli import main
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
@@ -20,7 +21,6 @@ from omni_core.data.profile import DatasetProfile, Profiler, profile_dataset, pr
 from omni_core.data.sample import KINDS, Sample, Segments, measure
 from omni_core.data.sources import View
 from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of
-from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe import load_recipe

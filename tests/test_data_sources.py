@@ -15,13 +15,13 @@ import soundfile as sf
 import torch
 from PIL import Image
 
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
 from omni_core.data.sources import Record, View, in_heldout
 from omni_core.data.synthetic import ensure_dataset
-from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.recipe.schema import DataConfig, Recipe
 
 MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from omni_core.estimator.catalog import GpuCatalog
+from omni_core.common.catalog import GpuCatalog
+from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.cost import Efficiency, Options, evaluate
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
 from omni_core.estimator.search import build_cell_table, candidate_plans, search_cell
@@ -20,7 +21,6 @@ from omni_core.estimator.workloads import (
     transformer,
     transformer_block,
 )
-from omni_core.parallel import ParallelPlan
 
 CATALOG = GpuCatalog()
 A100 = CATALOG["a100"]
@@ -162,7 +162,7 @@ def test_omni_workload_prices_encoders_from_the_profile_and_layouts_differ():
 
 
 def test_omni_estimate_cli_prints_cells_as_json(tmp_path, capsys):
-    from omni_core.cli import main
+    from flows.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -181,16 +181,21 @@ def test_omni_estimate_cli_prints_cells_as_json(tmp_path, capsys):
 
 
 def test_calibration_is_stored_per_device_and_used_by_the_search(tmp_path, monkeypatch):
-    from omni_core.estimator.calibrate import calibrate, load_calibration
-    from omni_core.estimator.search import calibrated
+    from omni_core.estimator.calibration import calibrated, calibration_digest, load_calibration
+    from omni_core.measure.calibrate import calibrate
 
     monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path))
     cpu = CATALOG["cpu"]
     assert load_calibration("cpu") is None and calibrated(cpu) == (cpu, Efficiency())
+    assert calibration_digest("cpu") == ""
     spec, eff, raw = calibrate(cpu, world=1, repeat=1)
     assert (tmp_path / "cpu.json").exists() and raw["matmul_flops"] > 0
     assert spec.fp32_flops == raw["matmul_flops"] and 0 < eff.attention
     assert calibrated(cpu) == (spec, eff)
+    digest = calibration_digest("cpu")
+    gpt = transformer("gpt", n_layers=2, dim=256, heads=4, vocab=1000, seq_len=128, global_batch=8)
+    table = build_cell_table({"gpt": gpt}, CATALOG, {"cpu": 2})
+    assert len(digest) == 12 and table.calibrations == {"cpu": digest}
 
 
 # --- the runtime's plans: executable, split like the runtime, priced with what the runtime does ------------
@@ -292,7 +297,7 @@ def test_omni_layout_hides_encoders_in_bubbles_and_splits_long_items():
 
 
 def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_path):
-    from omni_core.estimator.validate import case_recipe, validation_cases
+    from omni_core.measure.validate import case_recipe, validation_cases
     from omni_core.runtime.trainer import resolve_plan
 
     full, quick = validation_cases(False), validation_cases(True)

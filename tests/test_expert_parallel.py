@@ -18,7 +18,7 @@ from omni_core.parallel.expert import (
     apply_expert_parallel_to_model,
     local_experts,
 )
-from tests.distributed import run_ranks
+from omni_core.runtime.ranks import run_ranks
 
 DIM, HIDDEN, EXPERTS = 16, 24, 4
 # (shared expert, layers, tokens per EP-group rank, experts starved on group rank 0, on group rank 1).

@@ -90,7 +90,7 @@ def test_validate_flow_logs_predicted_against_measured(tmp_path, monkeypatch, ml
     case has a finite prediction and measurement."""
     from mlflow import MlflowClient
 
-    import omni_core.estimator.validate as validate
+    import omni_core.measure.validate as validate
     from flows.validate import validate_flow
 
     cases = [validate.Case("debug", "dp1", 128, mix="text", steps=4), validate.Case("debug", "dp2", 128, steps=4)]

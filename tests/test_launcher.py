@@ -1,4 +1,4 @@
-"""flows.launcher: the process-group runner behind the torchrun task, driven with plain commands."""
+"""omni_core.runtime.supervisor: the process-group runner behind the torchrun task, driven with plain commands."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.launcher import LaunchError, run_process_group, torchrun_command
+from omni_core.runtime.supervisor import LaunchError, run_process_group, torchrun_command
 
 
 def alive(pid: int) -> bool:

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
-from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID, VOCAB_SIZE
+from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VOCAB_SIZE
 from omni_core.models import (
     FLAVORS,
     OmniModel,

@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from distributed import run_ranks
+from omni_core.common.plan import ParallelPlan
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
-from omni_core.parallel import ParallelPlan
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
 from omni_core.runtime.ckpt_store import LocalStore
+from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.ranks import run_ranks
 from omni_core.runtime.step import Optimizers, build_replica, train_step
 
 STEPS = 3

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from omni_core.common.loss import token_loss_sums
+from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel.pipeline import (
@@ -22,9 +24,7 @@ from omni_core.parallel.pipeline import (
     pipeline_split,
     stage_ids,
 )
-from omni_core.parallel.plan import ParallelPlan, PlanError
-from omni_core.runtime.loss import token_loss_sums
-from tests.distributed import run_ranks
+from omni_core.runtime.ranks import run_ranks
 from tests.test_models import N_MELS, PATCH_SIZE, make_batch
 
 # Four micro-batches of 48 tokens: images and audio, none at all (the encoders' dummy path), one kind only.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_core.parallel import ModelShape, ParallelPlan, PlanError
+from omni_core.common.plan import ModelShape, ParallelPlan, PlanError
 from omni_core.recipe.schema import ParallelConfig
 
 LLAMA_TINY = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, seq_len=256)

@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni_core.data.batch import MODALITY_IDS, audio_tokens
-from omni_core.parallel import PlanError
+from omni_core.common.batch import MODALITY_IDS, audio_tokens
+from omni_core.common.loss import summarize, token_loss_sums
+from omni_core.common.plan import PlanError
+from omni_core.common.results import TrainResult
 from omni_core.recipe.schema import ParallelConfig, Recipe
-from omni_core.results import TrainResult
 from omni_core.runtime.checkpoint import checkpoint_store, latest_checkpoint
 from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, step_name
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.evaluate import evaluate
-from omni_core.runtime.loss import summarize, token_loss_sums
 from omni_core.runtime.step import lr_lambda
 from omni_core.runtime.trainer import resolve_plan, train
 from omni_core.tracking import NullTracker
@@ -70,10 +70,10 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
 
 
 def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
+    from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
     from omni_core.data.dataset import ManifestDataset
     from omni_core.data.loader import PackedLoader
     from omni_core.data.synthetic import ensure_dataset
-    from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
     from omni_core.runtime.generate import documents
 
     recipe = tiny_recipe(tmp_path)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from omni_core.common.results import TrainResult
 from omni_core.recipe import RecipeError, load_recipe
-from omni_core.results import TrainResult
 from omni_core.scheduler.local import JobRun, LocalScheduler, ScheduleRun, run_schedule
 
 RECIPE = """\
@@ -150,7 +150,7 @@ def test_real_mode_refuses_what_it_cannot_run_in_one_message(tmp_path):
 
 
 def test_omni_schedule_reports_a_recipe_it_cannot_run_before_starting_anything(tmp_path, capsys):
-    from omni_core.cli import main
+    from flows.cli import main
 
     assert main(["schedule", str(write_recipe(tmp_path)), "--set", "jobs.1.model=moe__10B"]) == 2
     assert "omni: schedule: jobs[1].model 'moe__10B' is not a model flavor" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_core.parallel import ParallelPlan
+from omni_core.common.plan import ParallelPlan
 from omni_core.recipe.schema import ClusterConfig, NodeGroup
 from omni_core.scheduler import Cluster, GroupSpec, Job, ThroughputTable, make_policy, simulate
 from omni_core.scheduler.policies import View
@@ -255,7 +255,7 @@ def test_load_trace_reads_the_real_crius_trace():
 # --- CLI ----------------------------------------------------------------------------------------------------------
 
 def test_omni_simulate_cli(tmp_path: Path, capsys):
-    from omni_core.cli import main
+    from flows.cli import main
 
     recipe = tmp_path / "sim.yaml"
     recipe.write_text(f"""\
@@ -281,7 +281,7 @@ schedule: {{policies: [crius, fcfs], max_rounds: 50}}
 def test_omni_simulate_logs_schedule_plans_and_figures_to_mlflow(tmp_path: Path, mlflow_uri: str, capsys):
     from mlflow import MlflowClient
 
-    from omni_core.cli import main
+    from flows.cli import main
 
     recipe = tmp_path / "sim.yaml"
     recipe.write_text(f"""\

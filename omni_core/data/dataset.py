@@ -13,12 +13,12 @@ from typing import Literal
 
 import torch
 
+from omni_core.common.tokenizer import PAD_ID
 from omni_core.data.audio import log_mel, resample
 from omni_core.data.image import patchify
 from omni_core.data.sample import Segment, token_ids
 from omni_core.data.sources import CorruptSample, JsonlSource, Record, Source, WdsSource
 from omni_core.data.synthetic import DynamicSource
-from omni_core.data.tokenizer import PAD_ID
 from omni_core.recipe.schema import DataConfig
 
 __all__ = ["CorruptSample", "DecodedSample", "ManifestDataset", "Split"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from omni_core.data.batch import PackedBatch
+from omni_core.common.batch import PackedBatch
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
 from omni_core.data.packing import BatchPacker, collate
 from omni_core.data.sources import Record, View

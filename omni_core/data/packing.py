@@ -11,9 +11,9 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from omni_core.data.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.tokenizer import EOS_ID, NUM_BYTES
 from omni_core.data.dataset import DecodedSample
-from omni_core.data.tokenizer import EOS_ID, NUM_BYTES
 from omni_core.recipe.schema import DataConfig
 
 IGNORE = -100

@@ -22,6 +22,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from omni_core.common.results import Result
 from omni_core.data.dataset import CorruptSample, ManifestDataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
@@ -29,7 +30,6 @@ from omni_core.data.sample import KIND_CODE, KINDS
 from omni_core.data.sources import Record, ShardedSource, Sizes, View
 from omni_core.data.synthetic import DynamicSource, ensure_dataset
 from omni_core.recipe.schema import DataConfig, Recipe
-from omni_core.results import Result
 
 HIST_BINS = 20
 KS_CRITICAL = 1.949  # c(alpha) of the two-sample Kolmogorov-Smirnov test at alpha = 0.001

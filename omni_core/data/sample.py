@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from omni_core.common.batch import audio_tokens
+from omni_core.common.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PLACEHOLDER_IDS, ByteTokenizer
 from omni_core.data.audio import mel_frames, resampled_length
-from omni_core.data.batch import audio_tokens
 from omni_core.data.image import patch_grid, sampled_frames
-from omni_core.data.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PLACEHOLDER_IDS, ByteTokenizer
 from omni_core.recipe.schema import MODALITIES, DataConfig
 
 KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment

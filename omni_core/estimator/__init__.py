@@ -1,18 +1,18 @@
-"""Crius-style performance estimation: GPU catalogue, per-layer cost model, Cells and plan search.
+"""Crius-style performance estimation, torch-free: per-layer cost model, Cells and plan search. The GPU
+catalogue it prices is `omni_core.common.catalog`; calibration and validation, which run the runtime, are
+`omni_core.measure`.
 
-    catalog     GpuSpec / GpuCatalog: peaks, memory, links per GPU type (datasheet-cited), recipe overrides
     workloads   Layer / Workload builders: dense and MoE transformers, ViT, Wide-ResNet, OmniModel flavors
                 (document lengths from a DatasetProfile), the Crius trace's models, MegaScale-Omni's A-D
     cost        evaluate(workload, gpu, plan, options) -> Estimate (step time, peak memory, or the reason)
     search      Cells, the plan search inside each, CellTable (the stage's typed result)
     layouts     omni / coupled / disaggregated encoder placement compared, each with its own best plan
     oracle      ThroughputOracle (the scheduler's interface) and CellOracle (memoised)
-    calibrate   on-device micro-profile -> Efficiency per device
-    validate    predicted vs measured step times of the real runtime
+    calibration the stored micro-profile of a device type (spec + Efficiency) and its digest
     stage       recipe -> CellTable (+ figure), used by `omni estimate` and flows/estimate.py
 """
 
-from omni_core.estimator.catalog import GpuCatalog, GpuSpec
+from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.estimator.cost import Efficiency, Estimate, Options, evaluate
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
 from omni_core.estimator.search import CellTable, best_for_gpus, build_cell_table, search_cell

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
-from omni_core.estimator.catalog import GpuSpec
+from omni_core.common.catalog import GpuSpec
+from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.estimator.workloads import BYTES, Layer, Workload
-from omni_core.parallel import ParallelPlan, PlanError
 
 Layout = Literal["omni", "coupled"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")

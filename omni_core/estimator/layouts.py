@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from omni_core.estimator.catalog import GpuSpec
+from omni_core.common.catalog import GpuSpec
 from omni_core.estimator.cost import (
     Efficiency,
     collective_time,

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from omni_core.estimator.catalog import GpuCatalog
+    from omni_core.common.catalog import GpuCatalog
+    from omni_core.common.plan import ParallelPlan
     from omni_core.estimator.search import CellResult
     from omni_core.estimator.workloads import Workload
-    from omni_core.parallel import ParallelPlan
 
 
 @runtime_checkable

@@ -15,11 +15,12 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from omni_core.estimator.catalog import GpuCatalog, GpuSpec
+from omni_core.common.catalog import GpuCatalog, GpuSpec
+from omni_core.common.plan import ParallelPlan, PlanError
+from omni_core.common.results import Result
+from omni_core.estimator.calibration import calibrated, calibration_digest
 from omni_core.estimator.cost import Efficiency, Estimate, Layout, Options, evaluate
 from omni_core.estimator.workloads import Workload
-from omni_core.parallel import ParallelPlan, PlanError
-from omni_core.results import Result
 
 RUNNERS_UP = 3
 LONG_SEQ = 8192  # context parallelism is searched only from this many tokens per sample
@@ -166,13 +167,6 @@ def best_for_gpus(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node
     return best
 
 
-def calibrated(gpu: GpuSpec) -> tuple[GpuSpec, Efficiency]:
-    """The stored micro-profile of this device type if there is one, else the catalogue entry and defaults."""
-    from omni_core.estimator.calibrate import load_calibration
-
-    return load_calibration(gpu.name) or (gpu, Efficiency())
-
-
 # --- the typed result --------------------------------------------------------------------------------------
 
 
@@ -220,6 +214,8 @@ class CellTable(Result):
     cells: list[CellRow]
     unfit: list[Unfit]
     seconds: float = 0.0  # time the search took
+    # per GPU type of the cluster, the digest of the stored calibration the estimates used ("": the catalogue's)
+    calibrations: dict[str, str] = {}
 
     def best(self, job: str) -> CellRow | None:
         rows = [c for c in self.cells if c.job == job]
@@ -286,4 +282,5 @@ def build_cell_table(jobs: dict[str, Workload], catalog: GpuCatalog, gpus: dict[
         results = [_job_cells(t) for t in tasks]
     rows = [row for job_rows, _ in results for row in job_rows]
     unfit = [u for _, u in results if u is not None]
-    return CellTable(cells=rows, unfit=unfit, seconds=time.perf_counter() - start)
+    return CellTable(cells=rows, unfit=unfit, seconds=time.perf_counter() - start,
+                     calibrations={gpu_type: calibration_digest(catalog[gpu_type].name) for gpu_type in gpus})

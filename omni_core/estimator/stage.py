@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omni_core.estimator.catalog import GpuCatalog
+from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
 

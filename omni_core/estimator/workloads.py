@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
-from omni_core.parallel import ModelShape
+from omni_core.common.plan import ModelShape
 
 if TYPE_CHECKING:
     from omni_core.data.profile import DatasetProfile
@@ -367,7 +367,7 @@ def omni_workload(
                     dtype_bytes=b),
                projector("projector.image", v.dim * merge, args.projector_mult * llm.dim, llm.dim, patches / merge, b)]
     a = args.audio
-    from omni_core.data.batch import audio_tokens as tokens_of
+    from omni_core.common.batch import audio_tokens as tokens_of
 
     frames = audio_tokens * 3000 / tokens_of(3000)  # the convs' subsampling, as the data path counts it
     conv = Layer("audio.conv", params=3 * a.dim * (a.n_mels + a.dim) + 4 * a.dim,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omni_core.data.tokenizer import VOCAB_SIZE
+from omni_core.common.tokenizer import VOCAB_SIZE
 
 
 def _check_heads(name: str, dim: int, n_heads: int, n_kv_heads: int | None = None) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_core.data.batch import audio_tokens
+from omni_core.common.batch import audio_tokens
 from omni_core.models.args import AudioArgs
 from omni_core.models.attention import EncoderBlock
 

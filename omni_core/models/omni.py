@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omni_core.data.batch import PackedBatch
-from omni_core.data.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.common.batch import PackedBatch
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.flavors import get_flavor

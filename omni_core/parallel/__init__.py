@@ -1,5 +1,3 @@
-"""Parallel layouts: the shared plan object (and, as they land, the parallelize functions that apply it)."""
-
-from omni_core.parallel.plan import ModelShape, ParallelPlan, PlanError
-
-__all__ = ["ModelShape", "ParallelPlan", "PlanError"]
+"""Parallel layouts applied to a model from outside: `parallelize` (TP -> EP -> CP -> AC -> compile -> FSDP2),
+`pipeline` (stages and schedules), `context` (Ulysses and ring attention), `expert` (expert-parallel MoE).
+The plan they apply is `omni_core.common.plan.ParallelPlan`."""

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from omni_core.common.plan import MESH_ORDER, ParallelPlan
 from omni_core.models.omni import OmniModel
-from omni_core.parallel.plan import MESH_ORDER, ParallelPlan
 
 
 @dataclass

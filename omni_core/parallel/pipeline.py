@@ -26,12 +26,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from omni_core.data.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.loss import local_targets, token_loss_sums
+from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.models.args import LLMArgs
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel
-from omni_core.parallel.plan import ParallelPlan, PlanError
-from omni_core.runtime.loss import local_targets, token_loss_sums
 
 STATS_SIZE = 1 + 2 * len(MODALITY_IDS)  # length of `LossSums.stats()`
 

@@ -7,19 +7,19 @@ import math
 
 import torch
 
-from omni_core.data.batch import MODALITY_IDS
+from omni_core.common.batch import MODALITY_IDS
+from omni_core.common.loss import summarize, token_loss_sums
+from omni_core.common.results import EvalReport, ModalityScore, TaskScore
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.omni import build_model
 from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
-from omni_core.results import EvalReport, ModalityScore, TaskScore
 from omni_core.runtime.checkpoint import checkpoint_cache, checkpoint_store, latest_checkpoint, load_checkpoint
 from omni_core.runtime.ckpt_store import CheckpointError
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
-from omni_core.runtime.loss import summarize, token_loss_sums
 
 
 def evaluate(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_core.data.batch import MODALITY_IDS, PackedBatch, audio_tokens
-from omni_core.data.tokenizer import AUDIO_ID, EOS_ID, IMAGE_ID, NUM_BYTES, PAD_ID, ByteTokenizer
+from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens
+from omni_core.common.tokenizer import AUDIO_ID, EOS_ID, IMAGE_ID, NUM_BYTES, PAD_ID, ByteTokenizer
 from omni_core.models.omni import OmniModel
 
 MODALITY_NAMES = {index: name for name, index in MODALITY_IDS.items()}

@@ -43,7 +43,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 def catalog_gpu(device_name: str):
     """The catalogue entry whose name tokens all appear in a CUDA device name, most specific first:
     "NVIDIA A100-SXM4-80GB" -> a100-80gb, "NVIDIA GeForce RTX 4090" -> rtx4090, "NVIDIA H200" -> h200."""
-    from omni_core.estimator.catalog import GpuCatalog
+    from omni_core.common.catalog import GpuCatalog
 
     words = re.split(r"[\s_-]+", device_name.lower())
     tokens = set(words) | {a + b for a, b in zip(words, words[1:])}

@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_core.data.batch import PackedBatch
-from omni_core.data.tokenizer import PAD_ID
+from omni_core.common.batch import PackedBatch
+from omni_core.common.loss import local_targets, summarize, token_loss_sums
+from omni_core.common.plan import ParallelPlan
+from omni_core.common.tokenizer import PAD_ID
 from omni_core.models.omni import OmniModel, build_model
-from omni_core.parallel import ParallelPlan
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, all_reduce_sum
-from omni_core.runtime.loss import local_targets, summarize, token_loss_sums
 
 
 @dataclass

@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from omni_core.data.batch import PackedBatch
+from omni_core.common.batch import PackedBatch
+from omni_core.common.plan import ModelShape, ParallelPlan
+from omni_core.common.results import TrainResult
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.flavors import get_flavor
-from omni_core.parallel import ModelShape, ParallelPlan
 from omni_core.recipe.schema import Recipe, recipe_hash
-from omni_core.results import TrainResult
 from omni_core.runtime.checkpoint import (
     checkpoint_cache,
     checkpoint_store,

@@ -16,8 +16,8 @@ import numpy as np
 from omni_core.recipe.schema import JobConfig
 
 if TYPE_CHECKING:
+    from omni_core.common.plan import ParallelPlan
     from omni_core.estimator.oracle import ThroughputOracle
-    from omni_core.parallel import ParallelPlan
 
 
 @dataclass(frozen=True)

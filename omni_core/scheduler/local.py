@@ -34,8 +34,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from omni_core.common.results import Result, TrainResult
 from omni_core.recipe.schema import ClusterConfig, ParallelConfig, Recipe
-from omni_core.results import Result, TrainResult
 from omni_core.scheduler.cluster import Cluster, GroupSpec
 from omni_core.scheduler.jobs import Job, ThroughputTable
 from omni_core.scheduler.policies import View, make_policy
@@ -92,7 +92,7 @@ def check_recipe(recipe: Recipe) -> None:
 
 def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None) -> CellOracle:
     """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given)."""
-    from omni_core.estimator.catalog import GpuCatalog
+    from omni_core.common.catalog import GpuCatalog
     from omni_core.estimator.oracle import CellOracle
     from omni_core.estimator.stage import flavor_workload
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import Field
 
-from omni_core.results import Result
+from omni_core.common.results import Result
 from omni_core.scheduler.cluster import Cluster
 from omni_core.scheduler.jobs import Config, Job, ThroughputTable
 from omni_core.scheduler.policies import Policy, View

@@ -43,7 +43,7 @@ class Study:
 
 
 def default_oracle(cluster: Cluster) -> ThroughputOracle:
-    from omni_core.estimator.catalog import GpuCatalog
+    from omni_core.common.catalog import GpuCatalog
     from omni_core.estimator.oracle import CellOracle
 
     return CellOracle(GpuCatalog(), {t: g.gpus_per_node for t, g in cluster.groups.items()})

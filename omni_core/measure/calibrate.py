@@ -35,16 +35,16 @@ The result is the catalogue entry with the measured peaks and link, and an `Effi
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
-from omni_core.estimator.catalog import GpuSpec
+from omni_core.common.catalog import GpuSpec
+from omni_core.estimator.calibration import calibration_path, store_calibration
 from omni_core.estimator.cost import COLLECTIVES, Efficiency, collective_time, ring_volume
+from omni_core.runtime.ranks import run_ranks
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
 # (heads, head dim, document length, documents): two head sizes over the same score matrices (separating the
@@ -64,21 +64,6 @@ COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repea
 SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe
 BIG_PARAM = 4 << 20  # elements of the optimizer's per-element probe
 STREAM = 8 << 20  # elements of the memory bandwidth probe's buffers
-
-
-def calibration_dir() -> Path:
-    return Path(os.environ.get("OMNI_CALIBRATION_DIR", Path.home() / ".cache" / "omni" / "calibration"))
-
-
-def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
-    """The stored (measured spec, efficiency) of a device type, or None when it was never calibrated."""
-    path = calibration_dir() / f"{device}.json"
-    if not path.exists():
-        return None
-    stored = json.loads(path.read_text())
-    eff = stored["efficiency"]
-    eff["collectives"] = tuple(tuple(c) for c in eff.get("collectives", ()))
-    return GpuSpec(**stored["spec"]), Efficiency(**eff)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -268,45 +253,6 @@ def _tiny_block():
         block(x, cos, sin, [0, 4]).sum().backward()
 
     return tiny
-
-
-# --- forked local ranks -------------------------------------------------------------------------------------
-
-
-def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    import pickle
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from omni_core.runtime.dist import init_distributed
-
-    init_distributed("gloo", 120.0)
-    result = fn(rank, world, *args)
-    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_local_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` ranks forked from this process, joined in one gloo process group
-    on loopback (fork costs ~1 s per 2 ranks, torchrun ~5 s); returns the ranks' results in rank order.
-    `fn` must be a module-level function and its results picklable."""
-    import pickle
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world, port, out_dir, fn, args), nprocs=world, start_method="fork")
-        return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
 def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
@@ -506,7 +452,7 @@ def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[floa
 def profile_ranks(world: int = 2, repeat: int = 5) -> dict:
     """Collectives, per-parameter and per-wrapper costs on `world` forked ranks (wall clock: they wait for
     each other): rank 0's measurements."""
-    return run_local_ranks(_rank_probe, world, repeat)[0]
+    return run_ranks(_rank_probe, world, repeat)[0]
 
 
 def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> float:
@@ -572,17 +518,14 @@ def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = Tr
         raw.update(summary)
     raw["seconds"] = time.perf_counter() - started
     if save:
-        path = calibration_dir() / f"{spec.name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": spec.name, "spec": asdict(measured), "efficiency": asdict(eff),
-                                    "raw": raw}, indent=2))
+        store_calibration(measured, eff, raw)
     return measured, eff, raw
 
 
 if __name__ == "__main__":
-    # python -m omni_core.estimator.calibrate [DEVICE]: profile this host as DEVICE (default cpu) and store it
-    from omni_core.estimator.catalog import GpuCatalog
+    # python -m omni_core.measure.calibrate [DEVICE]: profile this host as DEVICE (default cpu) and store it
+    from omni_core.common.catalog import GpuCatalog
 
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     print(json.dumps(calibrate(GpuCatalog()[device])[2], indent=2))
-    print(f"stored in {calibration_dir() / (GpuCatalog()[device].name + '.json')}")
+    print(f"stored in {calibration_path(GpuCatalog()[device].name)}")

@@ -98,7 +98,7 @@ BUILTIN: dict[str, GpuSpec] = {
         GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,
                 intra_link="gloo-loopback", intra_bw=1 * GBps, intra_lat=50e-6, inter_bw=0.1 * GBps,
                 inter_lat=1e-3, reserved_gb=4.0,
-                source="placeholder; replaced by the on-device micro-profile (omni_core.estimator.calibrate)"),
+                source="placeholder; replaced by the on-device micro-profile (omni_core.measure.calibrate)"),
     )
 }
 ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "l40": "l40s", "3090": "rtx3090", "4090": "rtx4090"}

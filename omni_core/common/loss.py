@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from omni_core.data.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.batch import MODALITY_IDS, PackedBatch
 
 IGNORE = -100
 

@@ -287,7 +287,7 @@ def _flow_command(args: argparse.Namespace) -> int:
             return USAGE_ERROR
     module, name = FLOWS[args.command]
     flow = getattr(importlib.import_module(module), name)
-    from flows.launcher import LaunchError
+    from omni_core.runtime.supervisor import LaunchError
 
     try:
         result = flow(args.recipe, args.overrides)

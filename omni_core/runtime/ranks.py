@@ -1,8 +1,9 @@
-"""Run a function on several gloo ranks forked from the test process, and collect what each rank returns.
+"""The rank harness: run a function on several gloo ranks forked from this process and collect what each
+returns. Calibration, validation and the multi-rank tests share it.
 
-Forking costs ~1 s for 2 ranks (torchrun ~5 s, PLATFORM-NOTES.md), so multi-rank tests batch several checks
-into one `run_ranks` call. A rank that raises fails the call with its traceback; the process group has a
-short timeout so that the other ranks do not hang waiting for it.
+Forking costs ~1 s for 2 ranks (torchrun ~5 s, PLATFORM-NOTES.md), so callers batch several pieces of work
+into one call. A rank that raises fails the call with its traceback; the process group has a timeout so
+that the other ranks do not wait for it forever.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+class RankError(RuntimeError):
+    """A forked rank raised or died; the message carries its traceback."""
 
 
 def free_port() -> int:
@@ -28,11 +28,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable[..., Any],
+               args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from omni_core.runtime.dist import init_distributed
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    init_distributed("gloo", timeout_s)
     try:
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
@@ -43,13 +49,15 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable[...,
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` forked gloo ranks; returns the ranks' results in rank order.
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` forked gloo ranks on loopback; the ranks' results in rank order.
 
     `fn` must be a module-level function and its results picklable."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world,
+            mp.start_processes(_rank_main, args=(world, free_port(), out_dir, timeout_s, fn, args), nprocs=world,
                                start_method="fork")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, written below, says more
@@ -57,9 +65,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         for rank in range(world):
             path = Path(out_dir, f"rank{rank}.pkl")
             if not path.is_file():
-                raise RuntimeError(f"rank {rank} of {world} died without a result")
+                raise RankError(f"rank {rank} of {world} died without a result")
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
-                raise AssertionError(f"rank {rank} of {world} failed:\n{value}")
+                raise RankError(f"rank {rank} of {world} failed:\n{value}")
             results.append(value)
         return results

@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
-from omni_core.estimator.catalog import GpuSpec
+from omni_core.common.catalog import GpuSpec
+from omni_core.common.plan import ParallelPlan
+from omni_core.common.results import Result
 from omni_core.estimator.cost import Efficiency, Options, evaluate
 from omni_core.estimator.workloads import omni_workload
-from omni_core.parallel import ParallelPlan
-from omni_core.results import Result
+from omni_core.runtime.ranks import run_ranks
 from omni_core.tracking import NullTracker
 
 WARMUP = 2  # steps left out: the first builds pipeline shapes and grows the allocator
@@ -127,7 +128,7 @@ def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: 
     with are measured seconds apart."""
     import torch
 
-    from omni_core.estimator.calibrate import kernel_probes, profile_compute
+    from omni_core.measure.calibrate import kernel_probes, profile_compute
     from omni_core.runtime.dist import DistInfo, barrier
 
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
@@ -264,7 +265,7 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
     whose fitted terms compensate each other) and its measurement the mean of its rounds' means (the host
     switches between a fast and a slow state within a second, and a run's time is what it averages to, as
     in `calibrate._sample`); the spread across rounds is reported."""
-    from omni_core.estimator.calibrate import profile_ranks, run_local_ranks, with_compute, with_ranks
+    from omni_core.measure.calibrate import profile_ranks, with_compute, with_ranks
 
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -284,7 +285,7 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
         kernels, links = {}, {}
         for world in sorted({c.world for c in cases}):
             batch = [c for c in cases if c.world == world]
-            results = run_local_ranks(_measure_cases, world, str(root), batch, repeat)[0]
+            results = run_ranks(_measure_cases, world, str(root), batch, repeat)[0]
             for case in batch:
                 real = results[case.name]
                 kernels[case.name] = real.pop("kernels")
@@ -324,7 +325,7 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
 def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> ValidationReport:
     """Validate `validation_cases(quick)` on this host as `device` (quick: 1 round of 1 probe repeat, to stay
     within two minutes; full: 3 rounds of 3)."""
-    from omni_core.estimator.catalog import GpuCatalog
+    from omni_core.common.catalog import GpuCatalog
 
     return validate(validation_cases(quick), root, GpuCatalog()[device], rounds=1 if quick else 3,
                     repeat=1 if quick else 3)

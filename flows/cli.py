@@ -312,7 +312,7 @@ def _flow_command(args: argparse.Namespace) -> int:
 
 
 def _estimate_command(args: argparse.Namespace) -> int:
-    from omni_core.estimator.stage import estimate_recipe, format_table
+    from omni_core.estimator.recipe_cells import estimate_recipe, format_table
 
     profile = None
     if args.profile:

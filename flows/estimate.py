@@ -7,8 +7,8 @@ from prefect.runtime import flow_run
 
 from flows import stage_dir
 from omni_core.data.profile import DatasetProfile
+from omni_core.estimator.recipe_cells import cell_figure, estimate_recipe
 from omni_core.estimator.search import CellTable
-from omni_core.estimator.stage import cell_figure, estimate_recipe
 from omni_core.recipe import load_recipe
 from omni_core.tracking import stage_run
 

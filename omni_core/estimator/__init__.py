@@ -9,7 +9,7 @@ catalogue it prices is `omni_core.common.catalog`; calibration and validation, w
     layouts     omni / coupled / disaggregated encoder placement compared, each with its own best plan
     oracle      ThroughputOracle (the scheduler's interface) and CellOracle (memoised)
     calibration the stored micro-profile of a device type (spec + Efficiency) and its digest
-    stage       recipe -> CellTable (+ figure), used by `omni estimate` and flows/estimate.py
+    recipe_cells a recipe's jobs and cluster -> CellTable (+ figure): `omni estimate`, flows/estimate.py
 """
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec

@@ -94,7 +94,7 @@ def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | No
     """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given)."""
     from omni_core.common.catalog import GpuCatalog
     from omni_core.estimator.oracle import CellOracle
-    from omni_core.estimator.stage import flavor_workload
+    from omni_core.estimator.recipe_cells import flavor_workload
 
     return CellOracle(GpuCatalog().with_overrides(recipe.estimate.gpus),
                       {t: g.gpus_per_node for t, g in cluster.groups.items()},

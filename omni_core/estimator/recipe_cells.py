@@ -1,4 +1,4 @@
-"""The estimate stage: a recipe's jobs -> their CellTable on the recipe's cluster, plus a figure.
+"""A recipe's jobs on its cluster -> their CellTable, plus a figure (what the estimate stage runs).
 
 Jobs are `recipe.jobs` (trace model names or model flavors), or, when there are none, the recipe's own
 model at its own batch (micro_batch x grad_accum x nproc packed sequences). The cluster is

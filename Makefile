@@ -11,7 +11,7 @@ export DO_NOT_TRACK := true
 export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install run test clean
+.PHONY: install run test test-fast clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit tier only (tests/unit: pure CPU, seconds), for the edit loop; `make test` runs every tier.
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs mlflow.db mlartifacts .pytest_cache

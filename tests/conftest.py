@@ -1,5 +1,12 @@
-"""Shared test set-up: telemetry off, a throw-away PREFECT_HOME for the session (Prefect's result storage
+"""Shared test set-up: the tiers, telemetry off, a throw-away PREFECT_HOME for the session (Prefect's result storage
 outlives prefect_test_harness otherwise), a session sqlite MLflow store, and the Prefect test harness.
+
+A test file's folder is its tier, and the tier its marker (`-m unit`, `-m "not integration"`):
+  tests/unit         pure CPU, no ranks, flows or servers: seconds (`make test-fast`)
+  tests/ranks        forks gloo ranks (omni_core.runtime.ranks.run_ranks) or launches torchrun
+  tests/flows        Prefect flows (prefect_harness) and MLflow on sqlite (mlflow_store, mlflow_uri)
+  tests/integration  real server processes: moto's S3 (s3_server, s3_endpoint), `mlflow server`, `prefect server`
+Helpers that tests of several files share live in tests/helpers/ (imported as tests.helpers.<name>).
 
 PREFECT_HOME and the telemetry switches are set at import, before any test module imports Prefect or MLflow.
 """
@@ -16,6 +23,10 @@ import pytest
 
 from omni_core.tracking import disable_telemetry
 
+pytest.register_assert_rewrite("tests.helpers")  # their asserts explain failures as a test module's do
+TESTS_DIR = Path(__file__).resolve().parent
+TIERS = ("unit", "ranks", "flows", "integration")
+
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="omni-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 disable_telemetry()
@@ -25,6 +36,31 @@ for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "PREFECT_API_URL"):  # neve
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of a test file: the first folder under tests/, when it is one of TIERS."""
+    try:
+        parts = path.resolve().relative_to(TESTS_DIR).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its file's tier; a test file outside the tier folders fails the collection."""
+    stray = set()
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is None:
+            stray.add(item.nodeid.split("::", 1)[0])
+        else:
+            item.add_marker(tier)
+    if stray:
+        raise pytest.UsageError(
+            "test files outside the tier folders tests/{" + ",".join(TIERS) + "}/ (the folder gives a test its "
+            "marker; see tests/conftest.py):\n  " + "\n  ".join(sorted(stray))
+        )
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +89,12 @@ def prefect_harness() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def uncalibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimator's catalogue numbers for `cpu`, not a micro-profile someone stored on this machine."""
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "no-calibration"))
 
 
 @pytest.fixture(scope="session")

@@ -316,5 +316,5 @@ def test_data_generate_writes_the_recipe_as_jsonl_or_webdataset(tmp_path, capsys
 
 
 def test_dynamic_mix_recipe_is_valid_and_real_scale():
-    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "dynamic_mix.yaml")
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "dynamic_mix.yaml")
     assert recipe.data.source == "dynamic" and recipe.data.synthetic.long_doc_tokens.max <= recipe.data.seq_len

@@ -10,7 +10,7 @@ import torch
 from omni_core.models import OmniModel, build_model
 from omni_core.models.args import MoEArgs
 from omni_core.models.llm import MoE, load_balancing_loss
-from tests.test_models import N_MELS, PATCH_SIZE, make_batch
+from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch
 
 
 def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:

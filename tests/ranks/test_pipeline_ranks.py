@@ -5,35 +5,16 @@ chunks wrapped by FSDP2."""
 
 from __future__ import annotations
 
-import itertools
-import random
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from omni_core.common.loss import token_loss_sums
-from omni_core.common.plan import ParallelPlan, PlanError
-from omni_core.models.flops import llm_block_matmul_params
-from omni_core.models.omni import OmniModel, build_model
-from omni_core.parallel.pipeline import (
-    STATS_SIZE,
-    PipelineRunner,
-    balance_layers,
-    layer_costs,
-    pipeline_split,
-    stage_ids,
-)
+from omni_core.common.plan import ParallelPlan
+from omni_core.parallel.pipeline import STATS_SIZE, PipelineRunner, pipeline_split
 from omni_core.runtime.ranks import run_ranks
-from tests.test_models import N_MELS, PATCH_SIZE, make_batch
+from tests.helpers.pipeline import make_model, micro_batches
 
-# Four micro-batches of 48 tokens: images and audio, none at all (the encoders' dummy path), one kind only.
-MICRO_DOCS = [
-    [[("text", 5), ("image", (2, 3)), ("text", 4)], [("audio", 16), ("text", 6), ("image", (3, 2))], [("text", 13)]],
-    [[("text", 20)], [("text", 28)]],
-    [[("text", 7), ("audio", 8), ("text", 3)], [("image", (4, 4)), ("text", 18)]],
-    [[("audio", 20), ("text", 10)], [("text", 28)]],
-]
 # (flavor, schedule, virtual stages, compute dtype)
 CASES = [
     ("debug", "1F1B", 1, torch.float32),
@@ -43,93 +24,6 @@ CASES = [
     ("debug-moe", "Interleaved1F1B", 2, torch.float32),
     ("debug", "1F1B", 1, torch.bfloat16),
 ]
-
-
-def make_model(flavor: str) -> OmniModel:
-    return build_model(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
-
-
-def micro_batches():
-    return [make_batch(docs, seed=i) for i, docs in enumerate(MICRO_DOCS)]
-
-
-def all_chunks(model: OmniModel, plan: ParallelPlan) -> list[OmniModel]:
-    """Every stage's chunk, in stage order, gathered over the pp ranks."""
-    by_stage = {}
-    for rank in range(plan.pp):
-        by_stage.update(zip(stage_ids(plan, rank), pipeline_split(model, plan, rank), strict=True))
-    return [by_stage[s] for s in sorted(by_stage)]
-
-
-# --- the split ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("plan", [ParallelPlan(pp=2), ParallelPlan.parse("dp1-pp2v2"), ParallelPlan(pp=4)])
-def test_split_partitions_layers_and_keeps_names(plan: ParallelPlan) -> None:
-    model = make_model("debug")
-    chunks = all_chunks(model, plan)
-    assert [k for c in chunks for k in c.llm.layers] == list(model.llm.layers)  # in order, each once
-    assert all(len(c.llm.layers) >= 1 for c in chunks)
-    whole = dict(model.named_parameters())
-    names = [n for c in chunks for n, _ in c.named_parameters()]
-    assert sorted(names) == sorted(whole)  # a partition of the parameters, under the whole model's names
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            assert torch.equal(param, whole[name])
-    first, *rest = chunks
-    assert first.vision is not None and first.audio is not None and first.llm.tok_embeddings is not None
-    assert all(c.vision is None and c.audio is None and c.projectors is None and c.llm.tok_embeddings is None
-               for c in rest)
-    assert chunks[-1].llm.output is not None and all(c.llm.norm is None and c.llm.output is None
-                                                     for c in chunks[:-1])
-
-
-@pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
-def test_chunks_compose_to_the_whole_model(flavor: str) -> None:
-    model = make_model(flavor)
-    chunks = all_chunks(model, ParallelPlan.parse("dp1-pp2v2"))
-    batch = micro_batches()[0]
-    hidden = None
-    for chunk in chunks:
-        hidden = chunk(batch, hidden)
-    assert torch.equal(hidden, model(batch))
-    assert torch.allclose(sum(c.aux_loss for c in chunks), model.aux_loss, atol=1e-6)
-
-
-def test_layer_costs_count_the_head_as_a_fraction_of_a_block() -> None:
-    args = make_model("debug").args.llm
-    head = args.dim * args.vocab_size / llm_block_matmul_params(args, active=True)
-    assert 0 < head < 1
-    assert layer_costs(args) == [1.0, 1.0, 1.0, 1.0 + head]
-    assert balance_layers(layer_costs(args), 2) == [range(2), range(2, 4)]
-    assert balance_layers([1, 1, 1, 1, 1.2], 2) == [range(3), range(3, 5)]  # the head's stage gets fewer
-    assert balance_layers([1, 1, 1, 1, 1, 1, 1, 4], 4) == [range(2), range(2, 4), range(4, 7), range(7, 8)]
-
-
-def split_key(costs: list[float], cuts: tuple[int, ...]) -> tuple:
-    """What `balance_layers` minimises, in order: the costliest stage, the sum of squares, the stage costs."""
-    stage_costs = [round(sum(costs[a:b]), 6) for a, b in itertools.pairwise([0, *cuts, len(costs)])]
-    return max(stage_costs), round(sum(c * c for c in stage_costs), 6), stage_costs
-
-
-def test_balance_is_the_most_even_min_max_split() -> None:
-    """Against brute force over every split of up to 9 layers."""
-    rng = random.Random(0)
-    for _ in range(300):
-        n = rng.randint(1, 9)
-        stages = rng.randint(1, n)
-        costs = [rng.choice([1.0, 1.0, 1.0, 0.5, 2.0, 1.3]) for _ in range(n)]
-        best = min(itertools.combinations(range(1, n), stages - 1), key=lambda cuts: split_key(costs, cuts))
-        split = balance_layers(costs, stages)
-        assert [r.start for r in split] == [0, *best] and split[-1].stop == n and all(split)
-
-
-def test_refuses_more_stages_than_layers() -> None:
-    model = make_model("debug")
-    with pytest.raises(PlanError, match="6 pipeline stages for 4 LLM layers"):
-        pipeline_split(model, ParallelPlan.parse("dp1-pp3v2"), 0)
-    with pytest.raises(PlanError, match="5 pipeline stages"):
-        balance_layers([1.0] * 4, 5)
 
 
 # --- the runner against single-process gradient accumulation ---------------------------------------------
@@ -172,7 +66,6 @@ def pipelined(rank: int, world: int) -> list[tuple[torch.Tensor, float, dict[str
     return results
 
 
-@pytest.mark.slow
 def test_pipeline_matches_gradient_accumulation() -> None:
     ranks = run_ranks(pipelined, 2)
     references = {(flavor, dtype): reference(flavor, dtype) for flavor, _, _, dtype in CASES}
@@ -222,7 +115,6 @@ def pipelined_fsdp(rank: int, world: int) -> list[tuple[torch.Tensor, float, dic
     return steps
 
 
-@pytest.mark.slow
 def test_pipeline_with_fsdp_chunks() -> None:
     ranks = run_ranks(pipelined_fsdp, 4)  # ranks 0, 1: pp stage 0 (dp 0, 1); ranks 2, 3: pp stage 1
     ref_stats, ref_aux, ref_grads = reference("debug-moe", torch.float32)

@@ -1,6 +1,6 @@
-"""Real mode of the scheduler: placement decisions on the local cluster of CPU slots (no training), the
-concurrent launch loop with a stand-in for training, and two tiny jobs really placed, resized and trained
-through the experiment flow."""
+"""Real mode of the scheduler: placement decisions on the local cluster of CPU slots (no training) and the
+concurrent launch loop with a stand-in for training (two tiny jobs really placed, resized and trained through the
+experiment flow: tests/flows/test_schedule_real_flows.py)."""
 
 from __future__ import annotations
 
@@ -12,38 +12,9 @@ import pytest
 from omni_core.common.results import TrainResult
 from omni_core.recipe import RecipeError, load_recipe
 from omni_core.scheduler.local import JobRun, LocalScheduler, ScheduleRun, run_schedule
+from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
 
-RECIPE = """\
-experiment: {{name: sched-test, output_dir: {out}, seed: 0}}
-data:
-  synthetic: {{num_samples: 60}}
-  seq_len: 256
-model: {{flavor: debug}}
-cluster: {{name: local, slots: 2}}
-jobs:
-  - {{name: a, model: debug, global_batch: 2, iterations: 6}}
-  - {{name: b, model: debug, global_batch: 2, iterations: 3, arrival_s: {b_arrives}}}
-schedule: {{policy: crius, segment_steps: 3}}
-train: {{warmup_steps: 1, log_every: 1, ckpt_every: 0, timeout_s: 300}}
-eval: {{max_batches: 2}}
-tracking: {{flush_every_s: 0.5}}
-# a slow link (0.2 GB/s), so that plain data parallelism is clearly the best 2-slot plan (tensor parallelism moves
-# activations in every layer); with the catalogue's placeholder it is within 2% of TP, and the plans below follow
-estimate: {{gpus: {{cpu: {{intra_bw: 2.0e8}}}}}}
-"""
-
-
-@pytest.fixture(autouse=True)
-def uncalibrated(tmp_path, monkeypatch):
-    """The estimator's catalogue numbers for `cpu`, not a micro-profile someone stored on this machine."""
-    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "no-calibration"))
-
-
-def write_recipe(tmp_path, b_arrives: float = 1.0, **fields: str):
-    path = tmp_path / "recipe.yaml"
-    text = RECIPE.format(out=tmp_path / "out", b_arrives=b_arrives)
-    path.write_text(text + "".join(f"{k}: {v}\n" for k, v in fields.items()))
-    return path
+pytestmark = pytest.mark.usefixtures("uncalibrated")
 
 
 def finished(run: JobRun, resumed_from: int | None = None) -> TrainResult:
@@ -53,12 +24,6 @@ def finished(run: JobRun, resumed_from: int | None = None) -> TrainResult:
         samples_per_s=1.0, wall_s=1.0, logging_overhead_pct=0.0, mfu_pct=None, peak_mem_mb=1.0, checkpoint="ckpt",
         resumed_from_step=run.first_step if resumed_from is None else resumed_from,
     )
-
-
-def assert_never_double_booked(result: ScheduleRun, slots: int) -> None:
-    for s in result.segments:
-        held = sum(o.num_gpus for o in result.segments if o.start_s <= s.start_s < o.end_s)
-        assert held <= slots, f"{held} slots held at {s.start_s:.2f} s: {result.segments}"
 
 
 # --- decisions, no training -------------------------------------------------------------------------------
@@ -154,49 +119,3 @@ def test_omni_schedule_reports_a_recipe_it_cannot_run_before_starting_anything(t
 
     assert main(["schedule", str(write_recipe(tmp_path)), "--set", "jobs.1.model=moe__10B"]) == 2
     assert "omni: schedule: jobs[1].model 'moe__10B' is not a model flavor" in capsys.readouterr().err
-
-
-# --- real training ----------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
-    tmp_path, monkeypatch, mlflow_uri, prefect_harness
-):
-    """a starts alone on both slots; b arrives, a shrinks to one slot at its step-3 checkpoint and resumes
-    from it under the new plan while b trains on the other slot."""
-    from mlflow import MlflowClient
-
-    from flows.experiment import experiment_flow
-
-    monkeypatch.chdir(tmp_path)
-    summary = experiment_flow(str(write_recipe(tmp_path)))
-
-    result = ScheduleRun.model_validate(summary["schedule"])
-    assert "train" not in summary and all(job.finish_s is not None for job in result.jobs)
-    a1, a2, b1 = sorted(result.segments, key=lambda s: (s.job, s.segment))
-    assert (a1.num_gpus, a1.plan, a1.resumed_from_step, a1.last_step) == (2, "dp2", 0, 3)
-    assert (a2.num_gpus, a2.plan, a2.first_step, a2.resumed_from_step, a2.last_step) == (1, "dp1", 3, 3, 6)
-    assert (b1.num_gpus, b1.plan, b1.resumed_from_step, b1.last_step) == (1, "dp1", 0, 3)
-    assert [(r.job, r.step, r.from_plan, r.to_plan) for r in result.resizes] == [("a", 3, "dp2", "dp1")]
-    a, b = result.results["a"], result.results["b"]
-    assert (a.steps, a.plan, a.world_size, a.resumed_from_step) == (6, "dp1", 1, 3)
-    assert (b.steps, b.plan, b.resumed_from_step) == (3, "dp1", 0)
-    assert a2.start_s < b1.end_s and b1.start_s < a2.end_s  # they trained side by side
-    assert_never_double_booked(result, 2)
-
-    client = MlflowClient(mlflow_uri)
-    experiment = client.get_experiment_by_name("sched-test").experiment_id
-
-    def children(run_id: str) -> dict:
-        return {r.info.run_name: r for r in client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run_id}'")}
-
-    stages = children(summary["parent_run_id"])
-    assert set(stages) == {"profile", "estimate", "schedule"}
-    schedule = stages["schedule"]
-    assert "schedule.json" in {f.path for f in client.list_artifacts(schedule.info.run_id)}
-    assert schedule.data.metrics["schedule/resizes"] == 1
-    launches = children(schedule.info.run_id)
-    assert set(launches) == {"train-a-1", "train-a-2", "train-b-1"}
-    assert launches["train-a-2"].data.tags["plan"] == "dp1" and launches["train-a-1"].data.tags["plan"] == "dp2"
-    losses = client.get_metric_history(launches["train-a-2"].info.run_id, "train/loss")
-    assert [m.step for m in losses] == [4, 5, 6]  # the step count continues from the checkpoint

@@ -1,12 +1,10 @@
-"""Runtime: loss bookkeeping, LR schedule, data-parallel numerics, training, checkpoint/resume, eval."""
+"""Runtime in one process: loss bookkeeping, LR schedule, data-parallel numerics, training, checkpoint/resume, eval
+(checkpoints on S3: tests/integration/test_runtime_s3.py; a torchrun launch: tests/ranks/test_runtime_ranks.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,37 +16,13 @@ from omni_core.common.batch import MODALITY_IDS, audio_tokens
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.plan import PlanError
 from omni_core.common.results import TrainResult
-from omni_core.recipe.schema import ParallelConfig, Recipe
+from omni_core.recipe.schema import ParallelConfig
 from omni_core.runtime.checkpoint import checkpoint_store, latest_checkpoint
 from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, step_name
-from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.evaluate import evaluate
 from omni_core.runtime.step import lr_lambda
 from omni_core.runtime.trainer import resolve_plan, train
-from omni_core.tracking import NullTracker
-
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-
-
-def tiny_recipe(root: Path, **train_overrides) -> Recipe:
-    train_cfg = {"steps": 6, "lr": 3e-3, "warmup_steps": 2, "log_every": 1, "ckpt_every": 0}
-    train_cfg.update(train_overrides)
-    return Recipe.model_validate({
-        "experiment": {"name": "tiny", "output_dir": str(root / "out"), "seed": 3},
-        "data": {"path": str(root / "data"), "synthetic": {"num_samples": 80}, "seq_len": 256},
-        "train": train_cfg,
-        "eval": {"max_batches": 2},
-    })
-
-
-class RecordingTracker(NullTracker):
-    """Keeps what the trainer logs, so tests can read per-step losses."""
-
-    def __init__(self) -> None:
-        self.metrics: dict[int, dict[str, float]] = {}
-
-    def log_metrics(self, metrics, step=None):  # noqa: D102 - protocol method
-        self.metrics.setdefault(step, {}).update(metrics)
+from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
 
 
 def fake_batch(labels: list[int], modality: list[int]) -> SimpleNamespace:
@@ -224,62 +198,3 @@ def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
     assert json.loads((store.local_dir(2) / MANIFEST).read_text())["step"] == 2
     with pytest.raises(CheckpointError, match=r"step_000009 has no manifest.json: an incomplete save, refusing"):
         evaluate(recipe, checkpoint=store.location(9))
-
-
-def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3_endpoint, monkeypatch):
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket="ckpt")
-    straight = RecordingTracker()
-    train(tiny_recipe(tmp_path / "local", steps=4), CPU, tracker=straight, log=lambda _: None)
-
-    recipe = tiny_recipe(tmp_path / "s3", steps=4, ckpt_every=2, ckpt_dir="s3://ckpt/runs/tiny")
-    train(recipe, CPU, log=lambda _: None, stop_after=2)
-    store = checkpoint_store(recipe)
-    assert store.steps() == [2]
-    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="ckpt")["Contents"]}
-    assert {"runs/tiny/step_000002/manifest.json", "runs/tiny/step_000002/.metadata",
-            "runs/tiny/step_000002/rank0.pt"} <= keys
-
-    import shutil
-
-    shutil.rmtree(store.cache)  # a fresh machine: everything must come back from S3
-    resumed = RecordingTracker()
-    result = train(recipe, CPU, tracker=resumed, log=lambda _: None)
-    assert result.resumed_from_step == 2 and result.checkpoint == "s3://ckpt/runs/tiny/step_000004"
-    for step in (3, 4):
-        assert resumed.metrics[step]["train/loss"] == pytest.approx(straight.metrics[step]["train/loss"], abs=1e-6)
-
-    boto3.client("s3").delete_object(Bucket="ckpt", Key="runs/tiny/step_000004/manifest.json")
-    shutil.rmtree(store.cache)
-    assert store.steps() == [2]
-    with pytest.raises(CheckpointError, match=r"s3://ckpt/runs/tiny/step_000004 has no manifest.json"):
-        evaluate(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")
-
-
-@pytest.mark.slow
-def test_torchrun_launch_two_ranks_writes_result_and_exits_cleanly(tmp_path):
-    recipe_path = tmp_path / "recipe.yaml"
-    recipe_path.write_text(
-        f"""
-experiment: {{name: launch, output_dir: {tmp_path / 'out'}}}
-data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 60}}, seq_len: 256}}
-parallel: {{nproc: 2}}
-train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
-"""
-    )
-    result_path = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("MLFLOW_RUN_ID", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "omni_core.runtime.launch", "--recipe", str(recipe_path), "--result", str(result_path)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = TrainResult.load(result_path)
-    assert result.world_size == 2 and result.plan == "dp2" and result.steps == 4
-    manifest = json.loads((Path(result.checkpoint) / MANIFEST).read_text())  # a local store
-    assert manifest["world_size"] == 2 and manifest["step"] == 4
-    assert (Path(result.checkpoint) / "rank1.pt").is_file()
-    assert "step 4/4" in proc.stdout

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.servers import free_port, server_process
 
 BIN = Path(sys.executable).parent
@@ -25,7 +23,6 @@ tracking: {{flush_every_s: 0.5}}
 """
 
 
-@pytest.mark.slow
 def test_omni_run_tracks_to_an_mlflow_server_with_s3_artifacts_and_a_prefect_server(tmp_path):
     import boto3
     from mlflow import MlflowClient

@@ -22,7 +22,6 @@ def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
     return {a.path for a in client.list_artifacts(run_id, path)}
 
 
-@pytest.mark.slow
 def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
     from mlflow import MlflowClient
 
@@ -84,7 +83,6 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
         assert f"eval/{modality}/loss" in metrics
 
 
-@pytest.mark.slow
 def test_validate_flow_logs_predicted_against_measured(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
     """Two short plans (one and two ranks) through the real runtime: the report and MLflow agree, and every
     case has a finite prediction and measurement."""

@@ -1,34 +1,26 @@
-"""omni_core.tracking: URIs and health check, trackers (batched/async, failures surfaced), run tree."""
+"""omni_core.tracking on the session's sqlite MLflow store: trackers (batched/async, failures surfaced) and the run
+tree."""
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from omni_core.recipe import Recipe, recipe_hash
+from omni_core.recipe import recipe_hash
 from omni_core.tracking import (
     MlflowTracker,
     NullTracker,
     TrackingError,
-    artifact_location,
-    check_tracking_uri,
     current_parent_run_id,
     parent_run,
-    resolve_tracking_uri,
-    sanitize_metric_name,
     stage_run,
     tracker_for_rank,
 )
-
-
-def make_recipe(uri: str) -> Recipe:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    return Recipe.model_validate({"experiment": {"name": name}, "tracking": {"uri": uri, "flush_every_s": 0.1}})
+from tests.helpers.tracking import make_recipe
 
 
 @pytest.fixture
@@ -42,81 +34,6 @@ def client(mlflow_store):
 def run_id(client) -> str:
     experiment = client.create_experiment(f"t-{uuid.uuid4().hex[:8]}")
     return client.create_run(experiment).info.run_id
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- names and URIs ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("raw", "clean"),
-    [
-        ("train/loss", "train/loss"),
-        ("perf/tokens_per_s", "perf/tokens_per_s"),
-        ("perf/mfu %", "perf/mfu__"),
-        ("eval/image loss (avg)", "eval/image_loss__avg_"),
-        ("/leading//double/", "leading/double"),
-        ("a/../b/./c", "a/_/b/_/c"),
-        ("", "_"),
-        ("x" * 300, "x" * 250),
-    ],
-)
-def test_sanitize_metric_name(raw, clean):
-    assert sanitize_metric_name(raw) == clean
-
-
-def test_sanitized_names_are_accepted_by_mlflow():
-    from mlflow.utils.validation import _validate_metric_name
-
-    for raw in ["a:b", "ü/ß", "..", "x/./y", "tab\there", "/"]:
-        _validate_metric_name(sanitize_metric_name(raw))
-
-
-def test_tracking_uri_precedence_and_absolute_paths(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///sub/x.db")
-    assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'sub/x.db'}"
-    recipe = Recipe.model_validate({"experiment": {"name": "e"}, "tracking": {"uri": "http://mlflow:5000"}})
-    assert resolve_tracking_uri(recipe) == "http://mlflow:5000"
-    assert resolve_tracking_uri(Recipe.model_validate({"experiment": {"name": "e"}})).endswith("sub/x.db")
-
-
-def test_local_artifacts_go_next_to_the_database():
-    assert artifact_location("sqlite:////data/mlflow.db", "my exp/1") == "/data/mlartifacts/my_exp_1"
-    assert artifact_location("http://mlflow:5000", "e") is None
-
-
-def test_unreachable_server_fails_fast_with_the_uri():
-    uri = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(TrackingError, match="not reachable") as info:
-        check_tracking_uri(uri)
-    assert uri in str(info.value)
-    assert time.monotonic() - start < 5
-
-
-def test_server_that_never_answers_fails_within_the_probe_timeout():
-    with socket.socket() as silent:  # accepts connections (kernel backlog) but never replies
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(1)
-        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        start = time.monotonic()
-        with pytest.raises(TrackingError, match="not reachable"):
-            check_tracking_uri(uri, timeout_s=0.5)
-        assert time.monotonic() - start < 5
-
-
-def test_sqlite_in_a_missing_directory_is_reported(tmp_path):
-    with pytest.raises(TrackingError, match="does not exist"):
-        check_tracking_uri(f"sqlite:///{tmp_path}/nope/mlflow.db")
-    check_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
 
 
 # --- trackers ---------------------------------------------------------------------------------------
@@ -176,18 +93,6 @@ def test_failed_batches_are_warned_about_and_raised_at_close(mlflow_store, caplo
     assert "2 metrics not logged" in caplog.text
     with pytest.raises(TrackingError, match="closed"):
         tracker.log_metrics({"a": 1.0}, step=1)
-
-
-def test_null_tracker_accepts_everything(tmp_path):
-    with NullTracker() as tracker:
-        tracker.log_metrics({"a": 1.0}, step=0)
-        tracker.log_params({"p": 1})
-        tracker.set_tags({"t": "x"})
-        tracker.log_artifact(tmp_path / "missing")
-        tracker.log_artifacts(tmp_path)
-        tracker.log_dict({"a": 1}, "a.json")
-        tracker.log_text("x", "x.txt")
-    assert tracker.logging_s == 0.0
 
 
 def test_tracker_for_rank(monkeypatch, mlflow_uri, run_id):
@@ -251,12 +156,6 @@ def test_interrupted_run_is_marked_killed(client, mlflow_store):
     with pytest.raises(KeyboardInterrupt), parent_run(recipe, flow_run_id="f", run_name="p") as run:
         raise KeyboardInterrupt
     assert client.get_run(run.run_id).info.status == "KILLED"
-
-
-def test_unreachable_server_fails_before_any_run(monkeypatch):
-    recipe = make_recipe(f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(TrackingError, match="not reachable"), parent_run(recipe, flow_run_id="f", run_name="p"):
-        pytest.fail("body must not run")
 
 
 def test_experiment_made_by_a_tracking_server_needs_that_server(client, mlflow_store):

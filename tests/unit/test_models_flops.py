@@ -16,7 +16,7 @@ from omni_core.models.flops import (
     omni_params,
     vision_params,
 )
-from tests.test_models import MIXED_DOCS, N_MELS, PATCH_SIZE, make_batch
+from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, make_batch
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small"])

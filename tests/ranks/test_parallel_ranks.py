@@ -108,7 +108,6 @@ def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]]
             torch.testing.assert_close(merged[key], expected, rtol=1e-3, atol=1e-6, msg=f"{flavor} {name}: {key}")
 
 
-@pytest.mark.slow
 def test_plans_on_two_ranks_train_like_one_process(tmp_path):
     check_plans(tmp_path, 2, [
         ("debug", "dp2"),
@@ -123,7 +122,6 @@ def test_plans_on_two_ranks_train_like_one_process(tmp_path):
     ])
 
 
-@pytest.mark.slow
 def test_plans_on_four_ranks_train_like_one_process(tmp_path):
     check_plans(tmp_path, 4, [
         ("debug", "dp2x2"),
@@ -137,25 +135,13 @@ def test_plans_on_four_ranks_train_like_one_process(tmp_path):
     ])
 
 
-@pytest.mark.slow
 def test_dp_tp_pp_on_eight_ranks_trains_like_one_process(tmp_path):
     check_plans(tmp_path, 8, [("debug", "dp2-tp2-pp2")])
 
 
-@pytest.mark.slow
 def test_all_five_dimensions_at_once_train_like_one_process(tmp_path):
     """The smallest world with every degree at 2: 16 ranks, EP folded into dp x cp as torchtitan does."""
     check_plans(tmp_path, 16, [("debug-moe", "dp2-tp2-pp2-cp2u-ep2")])
-
-
-def test_ranks_sharing_a_data_shard_differ_only_in_pp_cp_tp():
-    plan = ParallelPlan.parse("dp2x2-tp2-pp2-cp2r")
-    shards = [plan.data_rank(rank) for rank in range(plan.world_size)]
-    assert sorted(set(shards)) == [0, 1, 2, 3]
-    for rank in range(plan.world_size):
-        coords = plan.coordinates(rank)
-        assert shards[rank] == coords["dp_replicate"] * 2 + coords["dp_shard"]
-    assert plan.coordinates(plan.world_size - 1) == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
 
 
 def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -> tuple[float, float]:
@@ -188,7 +174,6 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
     return losses[saved], losses[resumed]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [("dp4", "dp2-tp2"), ("dp2-tp2", "dp2-pp2"), ("dp2-pp2", "dp1-tp2-cp2r")])
 def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, resumed):
     ensure_dataset(recipe_for(tmp_path))

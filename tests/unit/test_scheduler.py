@@ -1,5 +1,6 @@
 """Scheduler: cluster placement, trace readers, policies on hand-made clusters with known best answers,
-simulator conservation and determinism, and `omni simulate`."""
+simulator conservation and determinism, and `omni simulate` (tracking to MLflow:
+tests/flows/test_scheduler_flows.py)."""
 
 from __future__ import annotations
 
@@ -198,6 +199,7 @@ def test_crius_beats_fcfs_when_users_ask_for_the_wrong_gpus():
 
 # --- traces -------------------------------------------------------------------------------------------------------
 
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CRIUS_HEADER = "job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,gpu_type\n"
 
 
@@ -243,12 +245,10 @@ def test_raw_trace_mapping_is_seeded_and_keeps_the_raw_duration():
 
 
 def test_load_trace_reads_the_real_crius_trace():
-    path = Path(__file__).resolve().parents[1].parent / "shared/data/traces/crius/simulate_trace_philly.csv"
-    if not path.exists():
-        pytest.skip("shared traces not present")
+    path = TRACES / "crius" / "simulate_trace_philly.csv"  # its first 200 jobs (tests/data/README.md)
     table = ThroughputTable(TOY, {"a100": 320, "v100": 320, "a40": 320, "a10": 320}, 32)
     trace = load_trace(path, table)
-    assert trace.format == "crius" and trace.rows == 1938 and len(trace.jobs) == 1938 and not trace.issues
+    assert trace.format == "crius" and trace.rows == 200 and len(trace.jobs) == 200 and not trace.issues
     assert trace.jobs[0].arrival_s == 0.0
 
 
@@ -276,24 +276,3 @@ schedule: {{policies: [crius, fcfs], max_rounds: 50}}
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {
         "schedule_crius.json", "schedule_fcfs.json", "throughput.png", "utilisation.png", "gantt_crius.png", "summary.txt"}
     assert main(["simulate", str(recipe), "--no-track", "--trace", str(tmp_path / "missing.csv")]) == 2
-
-
-def test_omni_simulate_logs_schedule_plans_and_figures_to_mlflow(tmp_path: Path, mlflow_uri: str, capsys):
-    from mlflow import MlflowClient
-
-    from flows.cli import main
-
-    recipe = tmp_path / "sim.yaml"
-    recipe.write_text(f"""\
-experiment: {{name: sim-mlflow, output_dir: {tmp_path}}}
-cluster: {{node_groups: [{{gpu_type: a100, nodes: 1, gpus_per_node: 4}}]}}
-jobs: [{{name: a, model: bert__760M, global_batch: 128, iterations: 100}}]
-schedule: {{max_rounds: 20}}
-""")
-    assert main(["simulate", str(recipe)]) == 0
-    assert "crius" in capsys.readouterr().out
-    client = MlflowClient(mlflow_uri)
-    run = client.search_runs([client.get_experiment_by_name("sim-mlflow").experiment_id])[0]
-    assert run.info.run_name == "simulate" and run.data.metrics["sim/crius/jobs_finished"] == 1
-    files = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"schedule_crius.json", "throughput.png", "gantt_crius.png", "summary.txt"} <= files

@@ -1,14 +1,12 @@
-"""Sources: WebDataset shards (with and without metadata members), sharding over consumers and epochs, S3
-through a real S3-compatible server on loopback, and bad data that is skipped and counted, never fatal."""
+"""Sources: WebDataset shards (with and without metadata members), sharding over consumers and epochs,
+and bad data that is skipped and counted, never fatal."""
 
 from __future__ import annotations
 
 import io
 import json
 import tarfile
-from pathlib import Path
 
-import boto3
 import numpy as np
 import pytest
 import soundfile as sf
@@ -20,39 +18,16 @@ from omni_core.data.dataset import ManifestDataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
-from omni_core.data.sources import Record, View, in_heldout
+from omni_core.data.sources import View, in_heldout
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import DataConfig, Recipe
-
-MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}
-
-
-def make_recipe(tmp_path: Path, num_samples: int = 40, fmt: str = "wds", **data) -> Recipe:
-    return Recipe(
-        experiment={"name": "s", "seed": 5, "output_dir": str(tmp_path)},
-        data={"synthetic": {"num_samples": num_samples, "mix": MIX, "format": fmt, "shard_size": 7}, **data},
-    )
-
-
-def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, consumers: int = 1, epoch_seed: int = 0,
-            skipped: list[str] | None = None) -> list[Record]:
-    view = View(consumer, consumers, split, epoch_seed, one_pass=True, shuffle=split == "train")
-    stream = dataset.source.stream(view, None, (skipped if skipped is not None else []).append)
-    return list(iter(lambda: stream.next(0), None))
-
-
-def same_docs(a, b) -> bool:
-    return (a.input_ids == b.input_ids and a.modality == b.modality and a.image_grids == b.image_grids
-            and all(torch.equal(x, y) for x, y in zip(a.image_patches + a.audio_mels, b.image_patches + b.audio_mels))
-            and len(a.image_patches) == len(b.image_patches) and len(a.audio_mels) == len(b.audio_mels))
+from tests.helpers.data_sources import MIX, both_formats, make_recipe, records, same_docs
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory) -> tuple[ManifestDataset, ManifestDataset]:
     """The same generated samples as a JSONL manifest and as WebDataset shards."""
-    root = tmp_path_factory.mktemp("both")
-    jsonl, wds = make_recipe(root / "j", fmt="jsonl"), make_recipe(root / "w")
-    return ManifestDataset(ensure_dataset(jsonl), jsonl.data), ManifestDataset(ensure_dataset(wds), wds.data)
+    return both_formats(tmp_path_factory.mktemp("both"))
 
 
 def test_webdataset_round_trip_equals_the_jsonl_manifest(both):
@@ -127,40 +102,6 @@ def test_webdataset_loader_resumes_mid_shard(tmp_path):
     resumed.load_state_dict(state)
     for a, b in zip(expected, [x for _, x in zip(range(12), resumed)]):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.image_patches, b.image_patches)
-
-
-def upload(client, bucket: str, root: Path, prefix: str) -> None:
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root)}")
-
-
-def test_s3_sources_stream_from_a_real_s3_server(both, s3_endpoint, monkeypatch):
-    jsonl, wds = both
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="data")
-    upload(client, "data", Path(jsonl.location).parent, "jsonl")
-    upload(client, "data", Path(wds.location), "wds")
-    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the recipe's endpoint setting alone must find the server
-    cfg = DataConfig(source="wds", s3_endpoint_url=s3_endpoint)
-    remote = {"jsonl": ManifestDataset("s3://data/jsonl/manifest.jsonl", cfg.model_copy(update={"source": "jsonl"})),
-              "wds": ManifestDataset("s3://data/wds", cfg)}
-    assert remote["wds"].source.shards == [f"s3://data/wds/shard-{k:06d}.tar" for k in range(6)]
-    for name, local in (("jsonl", jsonl), ("wds", wds)):
-        a, b = records(local), records(remote[name])
-        assert [(r.id, r.tokens) for r in a] == [(r.id, r.tokens) for r in b] and len(a) == 40
-        for x, y in list(zip(a, b))[:6]:
-            assert same_docs(local.decode(x), remote[name].decode(y)), (name, x.id)
-    loader = PackedLoader(remote["wds"], cfg, "train", 0, 1, 1)
-    stream = iter(loader)
-    [next(stream) for _ in range(3)]
-    state = loader.state_dict()
-    assert state["consumers"][0]["position"][2] > 0
-    expected = [next(stream).input_ids for _ in range(3)]
-    resumed = PackedLoader(remote["wds"], cfg, "train", 0, 1, 1)
-    resumed.load_state_dict(state)  # resumes with ranged GETs from the saved offsets
-    assert all(torch.equal(x, y.input_ids) for x, (_, y) in zip(expected, zip(range(3), resumed)))
-    with pytest.raises(FileNotFoundError, match="s3://data/nothing.jsonl"):
-        ManifestDataset("s3://data/nothing.jsonl", cfg.model_copy(update={"source": "jsonl"}))
 
 
 def member(tar: tarfile.TarFile, name: str, data: bytes) -> None:

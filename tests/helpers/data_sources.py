@@ -1,0 +1,41 @@
+"""The data-source tests' shared set-up: one generated dataset as a JSONL manifest and as WebDataset shards, and
+how to read a consumer's records back (the unit tests and the S3 server test use them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omni_core.data.dataset import ManifestDataset
+from omni_core.data.sources import Record, View
+from omni_core.data.synthetic import ensure_dataset
+from omni_core.recipe.schema import Recipe
+
+MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}
+
+
+def make_recipe(tmp_path: Path, num_samples: int = 40, fmt: str = "wds", **data) -> Recipe:
+    return Recipe(
+        experiment={"name": "s", "seed": 5, "output_dir": str(tmp_path)},
+        data={"synthetic": {"num_samples": num_samples, "mix": MIX, "format": fmt, "shard_size": 7}, **data},
+    )
+
+
+def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, consumers: int = 1, epoch_seed: int = 0,
+            skipped: list[str] | None = None) -> list[Record]:
+    view = View(consumer, consumers, split, epoch_seed, one_pass=True, shuffle=split == "train")
+    stream = dataset.source.stream(view, None, (skipped if skipped is not None else []).append)
+    return list(iter(lambda: stream.next(0), None))
+
+
+def same_docs(a, b) -> bool:
+    return (a.input_ids == b.input_ids and a.modality == b.modality and a.image_grids == b.image_grids
+            and all(torch.equal(x, y) for x, y in zip(a.image_patches + a.audio_mels, b.image_patches + b.audio_mels))
+            and len(a.image_patches) == len(b.image_patches) and len(a.audio_mels) == len(b.audio_mels))
+
+
+def both_formats(root: Path) -> tuple[ManifestDataset, ManifestDataset]:
+    """The same generated samples as a JSONL manifest and as WebDataset shards (each test module's `both`)."""
+    jsonl, wds = make_recipe(root / "j", fmt="jsonl"), make_recipe(root / "w")
+    return ManifestDataset(ensure_dataset(jsonl), jsonl.data), ManifestDataset(ensure_dataset(wds), wds.data)

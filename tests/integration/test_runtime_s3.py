@@ -1,0 +1,43 @@
+"""Runtime checkpoints on S3 (moto's server on loopback): saved there, resumed from there on a fresh machine, and
+an incomplete save refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.runtime.checkpoint import checkpoint_store
+from omni_core.runtime.ckpt_store import CheckpointError
+from omni_core.runtime.evaluate import evaluate
+from omni_core.runtime.trainer import train
+from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
+
+
+def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3_endpoint, monkeypatch):
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="ckpt")
+    straight = RecordingTracker()
+    train(tiny_recipe(tmp_path / "local", steps=4), CPU, tracker=straight, log=lambda _: None)
+
+    recipe = tiny_recipe(tmp_path / "s3", steps=4, ckpt_every=2, ckpt_dir="s3://ckpt/runs/tiny")
+    train(recipe, CPU, log=lambda _: None, stop_after=2)
+    store = checkpoint_store(recipe)
+    assert store.steps() == [2]
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="ckpt")["Contents"]}
+    assert {"runs/tiny/step_000002/manifest.json", "runs/tiny/step_000002/.metadata",
+            "runs/tiny/step_000002/rank0.pt"} <= keys
+
+    import shutil
+
+    shutil.rmtree(store.cache)  # a fresh machine: everything must come back from S3
+    resumed = RecordingTracker()
+    result = train(recipe, CPU, tracker=resumed, log=lambda _: None)
+    assert result.resumed_from_step == 2 and result.checkpoint == "s3://ckpt/runs/tiny/step_000004"
+    for step in (3, 4):
+        assert resumed.metrics[step]["train/loss"] == pytest.approx(straight.metrics[step]["train/loss"], abs=1e-6)
+
+    boto3.client("s3").delete_object(Bucket="ckpt", Key="runs/tiny/step_000004/manifest.json")
+    shutil.rmtree(store.cache)
+    assert store.steps() == [2]
+    with pytest.raises(CheckpointError, match=r"s3://ckpt/runs/tiny/step_000004 has no manifest.json"):
+        evaluate(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")

@@ -1,0 +1,39 @@
+"""Runtime under torchrun: a real two-rank launch writes its result and checkpoint and exits cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omni_core.common.results import TrainResult
+from omni_core.runtime.ckpt_store import MANIFEST
+
+
+def test_torchrun_launch_two_ranks_writes_result_and_exits_cleanly(tmp_path):
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(
+        f"""
+experiment: {{name: launch, output_dir: {tmp_path / 'out'}}}
+data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 60}}, seq_len: 256}}
+parallel: {{nproc: 2}}
+train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
+"""
+    )
+    result_path = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "omni_core.runtime.launch", "--recipe", str(recipe_path), "--result", str(result_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = TrainResult.load(result_path)
+    assert result.world_size == 2 and result.plan == "dp2" and result.steps == 4
+    manifest = json.loads((Path(result.checkpoint) / MANIFEST).read_text())  # a local store
+    assert manifest["world_size"] == 2 and manifest["step"] == 4
+    assert (Path(result.checkpoint) / "rank1.pt").is_file()
+    assert "step 4/4" in proc.stdout

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from omni_core.common.catalog import GpuCatalog
-from omni_core.estimator.cost import Efficiency, Options, evaluate
+from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.search import build_cell_table, candidate_plans
 from omni_core.estimator.workloads import PAPER_WORKLOADS, paper_workload, trace_workload
@@ -70,7 +70,7 @@ def plans_per_second(min_seconds: float = 1.0) -> float:
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < min_seconds:
         for w, p in plans:
-            evaluate(w, gpu, p, Options(1), gpus_per_node=8)
+            estimate_step(w, gpu, p, Options(1), gpus_per_node=8)
         done += len(plans)
     return done / (time.perf_counter() - start)
 

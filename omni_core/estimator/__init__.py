@@ -4,7 +4,8 @@ catalogue it prices is `omni_core.common.catalog`; calibration and validation, w
 
     workloads   Layer / Workload builders: dense and MoE transformers, ViT, Wide-ResNet, OmniModel flavors
                 (document lengths from a DatasetProfile), the Crius trace's models, MegaScale-Omni's A-D
-    cost        evaluate(workload, gpu, plan, options) -> Estimate (step time, peak memory, or the reason)
+    cost        estimate_step(workload, gpu, plan, options) -> Estimate (step time, peak memory, or the reason),
+                composed of terms (its inputs), memory, stage, pipeline, encoders and communication
     search      Cells, the plan search inside each, CellTable (the stage's typed result)
     layouts     omni / coupled / disaggregated encoder placement compared, each with its own best plan
     oracle      ThroughputOracle (the scheduler's interface) and CellOracle (memoised)
@@ -13,13 +14,13 @@ catalogue it prices is `omni_core.common.catalog`; calibration and validation, w
 """
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.estimator.cost import Efficiency, Estimate, Options, evaluate
+from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
 from omni_core.estimator.search import CellTable, best_for_gpus, build_cell_table, search_cell
 from omni_core.estimator.workloads import Workload, omni_workload, paper_workload, trace_workload, transformer
 
 __all__ = [
     "CellOracle", "CellTable", "Efficiency", "Estimate", "GpuCatalog", "GpuSpec", "Options", "ThroughputOracle",
-    "Workload", "best_for_gpus", "build_cell_table", "evaluate", "omni_workload", "paper_workload", "search_cell",
-    "trace_workload", "transformer",
+    "Workload", "best_for_gpus", "build_cell_table", "estimate_step", "omni_workload", "paper_workload",
+    "search_cell", "trace_workload", "transformer",
 ]

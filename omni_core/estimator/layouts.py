@@ -3,7 +3,7 @@
     omni           encoders on every rank, their own data-parallel layout over all ranks, work balanced
                    (grouped reordering), the longest items split over an LSSP group (searched), and their
                    forward/backward placed in the LLM pipeline's bubbles by the joint schedule
-                   (`Efficiency.joint_pipeline` of the bubbles; `cost.evaluate`)
+                   (`Efficiency.joint_pipeline` of the bubbles; `encoders.omni_encoder_seconds`)
     coupled        encoders on the first pipeline stage with the LLM's DP x TP, no rebalancing (Megatron-LLaVA)
     disaggregated  encoders on their own GPUs (DistTrain-style): the step is the slower of the encoder
                    GPUs and the LLM GPUs, plus shipping the embeddings across nodes; the split is searched
@@ -14,12 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from omni_core.common.catalog import GpuSpec
-from omni_core.estimator.cost import (
-    Efficiency,
-    collective_time,
-    encoder_seconds_per_sample,
-    unbalanced_factor,
-)
+from omni_core.estimator.communication import collective_time
+from omni_core.estimator.cost import Efficiency
+from omni_core.estimator.encoders import encoder_seconds_per_sample, unbalanced_factor
 from omni_core.estimator.search import best_for_gpus
 from omni_core.estimator.workloads import Workload
 

@@ -5,7 +5,7 @@ DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, 
 size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
 checkpointing (only for plans that fit no micro-batch without it) and, for MLLMs in the `omni` layout, the
 encoders' LSSP group; it drops plans that do not fit memory and plans the runtime would refuse (the plan
-object's `check_model`, the pipeline schedule's micro-batch rules: `cost.schedule_refusal`), and keeps the
+object's `check_model`, the pipeline schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the
 fastest plus runners-up. `CellTable` is the stage's typed result.
 """
 
@@ -19,7 +19,7 @@ from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
-from omni_core.estimator.cost import Efficiency, Estimate, Layout, Options, evaluate
+from omni_core.estimator.cost import Efficiency, Estimate, Layout, Options, estimate_step
 from omni_core.estimator.workloads import Workload
 
 RUNNERS_UP = 3
@@ -96,8 +96,9 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
         options: list[Estimate] = []
         for checkpoint in (False, True):
             for mb in (sizes[::-1] if descending else sizes):
-                est = min((evaluate(workload, gpu, plan, Options(mb, checkpoint, layout, g), gpus_per_node=gpus_per_node,
-                                    eff=eff) for g in groups), key=lambda e: (not e.fits, e.step_time_s))
+                est = min((estimate_step(workload, gpu, plan, Options(mb, checkpoint, layout, g),
+                                         gpus_per_node=gpus_per_node, eff=eff) for g in groups),
+                          key=lambda e: (not e.fits, e.step_time_s))
                 if not est.fits:
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
                         closest = est

@@ -27,7 +27,7 @@ second, and a training step lasts through several):
                  micro-batch per stage (hooks, redistributions, schedule, their collectives' latency)
 
 The result is the catalogue entry with the measured peaks and link, and an `Efficiency` relative to it
-(so `cost.evaluate` is unchanged), saved as JSON under $OMNI_CALIBRATION_DIR (default
+(so `cost.estimate_step` is unchanged), saved as JSON under $OMNI_CALIBRATION_DIR (default
 ~/.cache/omni/calibration)/<device>.json. Calibration never sees training-step times: the validation
 (`validate.py`) compares predictions built from it with runs.
 """
@@ -43,7 +43,8 @@ from typing import Any
 
 from omni_core.common.catalog import GpuSpec
 from omni_core.estimator.calibration import calibration_path, store_calibration
-from omni_core.estimator.cost import COLLECTIVES, Efficiency, collective_time, ring_volume
+from omni_core.estimator.communication import collective_time, ring_volume
+from omni_core.estimator.cost import COLLECTIVES, Efficiency
 from omni_core.runtime.ranks import run_ranks
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
@@ -443,7 +444,7 @@ def _rank_probe(rank: int, world: int, repeat: int) -> dict:
 
 def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[float, float]:
     """(alpha seconds per step, beta bytes/s) of one collective from its times per buffer size, by the ring
-    model of `cost.collective_time` (a p2p exchange: one step moving the whole buffer)."""
+    model of `communication.collective_time` (a p2p exchange: one step moving the whole buffer)."""
     steps, volume = ring_volume(kind, world)
     alpha_steps, inv_beta = _fit_line([volume * b for b in times], list(times.values()))
     return alpha_steps / steps, 1 / inv_beta if inv_beta > 0 else 1e12
@@ -470,7 +471,7 @@ def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> 
 def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
     """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
     on `world` ranks, and their summary: all-reduce gives the link's alpha and beta, the other kinds factors
-    of them. An FSDP unit's cost is kept without its collectives (`cost.evaluate` prices those per plan, by
+    of them. An FSDP unit's cost is kept without its collectives (`stage.fsdp_seconds` prices those per plan, by
     the size of its shard and replica groups)."""
     fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
     base_alpha, base_beta = fits["all_reduce"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import Result
-from omni_core.estimator.cost import Efficiency, Options, evaluate
+from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.workloads import omni_workload
 from omni_core.runtime.ranks import run_ranks
 from omni_core.tracking import NullTracker
@@ -223,7 +223,7 @@ def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: fl
                              precision="fp32", name=case.name)
     eff = replace(runtime_efficiency(eff), step_overhead_s=loader_s * case.grad_accum)
     options = Options(micro_batch=case.micro_batch, layout="coupled")
-    return evaluate(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
+    return estimate_step(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
 
 
 def _profile(case: Case, root: Path):

@@ -11,7 +11,7 @@ import pytest
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
-from omni_core.estimator.cost import Efficiency, Options, evaluate
+from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
 from omni_core.estimator.search import build_cell_table, candidate_plans, search_cell
 from omni_core.estimator.workloads import (
@@ -56,7 +56,7 @@ def test_model_state_memory_is_the_hand_count_and_shrinks_with_fsdp():
     w = transformer("t", n_layers=4, dim=1024, heads=16, vocab=32000, seq_len=1024, global_batch=64)
     peaks = []
     for shards in (1, 2, 4, 8):
-        est = evaluate(w, A100, ParallelPlan(dp_shard=shards), Options(micro_batch=1), gpus_per_node=8)
+        est = estimate_step(w, A100, ParallelPlan(dp_shard=shards), Options(micro_batch=1), gpus_per_node=8)
         # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam moments 8 = 18 bytes per parameter
         assert est.breakdown["states_gb"] == pytest.approx(w.params * 18 / shards / 1e9)
         peaks.append(est.peak_mem_bytes)
@@ -65,8 +65,8 @@ def test_model_state_memory_is_the_hand_count_and_shrinks_with_fsdp():
 
 def test_checkpointing_cuts_activation_memory_and_costs_time():
     w = trace_workload("bert__1.3B", 64)
-    plain = evaluate(w, A100, ParallelPlan(dp_shard=8), Options(4), gpus_per_node=8)
-    ckpt = evaluate(w, A100, ParallelPlan(dp_shard=8), Options(4, checkpoint=True), gpus_per_node=8)
+    plain = estimate_step(w, A100, ParallelPlan(dp_shard=8), Options(4), gpus_per_node=8)
+    ckpt = estimate_step(w, A100, ParallelPlan(dp_shard=8), Options(4, checkpoint=True), gpus_per_node=8)
     assert ckpt.peak_mem_bytes < plain.peak_mem_bytes and ckpt.step_time_s > plain.step_time_s
 
 
@@ -76,16 +76,16 @@ def test_faster_links_never_increase_step_time():
     for pp in (1, 2, 4):
         for plan in candidate_plans(w, 32, 4, pp):
             for options in (Options(1), Options(2, checkpoint=True)):
-                a = evaluate(w, slow, plan, options, gpus_per_node=4)
-                b = evaluate(w, fast, plan, options, gpus_per_node=4)
+                a = estimate_step(w, slow, plan, options, gpus_per_node=4)
+                b = estimate_step(w, fast, plan, options, gpus_per_node=4)
                 assert b.step_time_s <= a.step_time_s * (1 + 1e-12), plan.name
 
 
 def test_infeasible_plans_carry_the_reason():
     w = trace_workload("bert__6.7B", 128)
-    oom = evaluate(w, CATALOG["a10"], ParallelPlan(), Options(1), gpus_per_node=4)
+    oom = estimate_step(w, CATALOG["a10"], ParallelPlan(), Options(1), gpus_per_node=4)
     assert not oom.fits and "out of memory" in oom.reason and "a10" in oom.reason
-    odd = evaluate(w, A100, ParallelPlan(dp_shard=3), Options(1), gpus_per_node=8)
+    odd = estimate_step(w, A100, ParallelPlan(dp_shard=3), Options(1), gpus_per_node=8)
     assert not odd.fits and "global_batch=128" in odd.reason and "dp=3" in odd.reason
     cell = search_cell(w, CATALOG["a10"], 1, 4, 1, eff=Efficiency())
     assert cell.best is None and "out of memory" in cell.reason
@@ -212,7 +212,7 @@ def _flavor_workload(flavor: str, seq_len: int, batch: int):
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_stage_split_is_the_runtimes(flavor, pp):
     """The estimator prices the pipeline split the runtime executes (`parallel.pipeline.balance_layers`)."""
-    from omni_core.estimator.cost import partition
+    from omni_core.estimator.pipeline import partition
     from omni_core.models.flavors import get_flavor
     from omni_core.parallel.pipeline import balance_layers, layer_costs
 
@@ -226,10 +226,10 @@ def test_stage_split_is_the_runtimes(flavor, pp):
 
 
 def test_a_pipeline_schedule_that_would_refuse_the_micro_batches_is_not_ranked():
-    from omni_core.estimator.cost import schedule_refusal
+    from omni_core.estimator.pipeline import schedule_refusal
 
     w = trace_workload("bert__1.3B", 8)
-    refused = evaluate(w, A100, ParallelPlan(pp=4), Options(4), gpus_per_node=8)  # 2 micro-batches, 4 stages
+    refused = estimate_step(w, A100, ParallelPlan(pp=4), Options(4), gpus_per_node=8)  # 2 micro-batches, 4 stages
     assert not refused.fits and "needs at least 4 micro-batches" in refused.reason
     assert schedule_refusal(ParallelPlan(pp=4, pp_schedule="GPipe"), 2) == ""
     assert "rounds" in schedule_refusal(ParallelPlan(pp=2, pp_schedule="Interleaved1F1B", virtual_stages=2), 5)
@@ -269,8 +269,8 @@ def test_runtime_wrappers_and_shared_cores_are_priced():
     eff = Efficiency(fsdp_unit_s=0.0, tp_module_s=0.0, pp_microbatch_s=0.0)
 
     def step(plan, batch=8, **changes):
-        return evaluate(_flavor_workload("debug", 256, batch), cpu, plan, Options(1, layout="coupled"),
-                        gpus_per_node=4, eff=replace(eff, **changes)).step_time_s
+        return estimate_step(_flavor_workload("debug", 256, batch), cpu, plan, Options(1, layout="coupled"),
+                             gpus_per_node=4, eff=replace(eff, **changes)).step_time_s
 
     for plan, knob in ((ParallelPlan(dp_shard=2), "fsdp_unit_s"), (ParallelPlan(tp=2, dp_shard=1), "tp_module_s"),
                        (ParallelPlan(pp=2), "pp_microbatch_s")):
@@ -284,7 +284,7 @@ def test_omni_layout_hides_encoders_in_bubbles_and_splits_long_items():
     plan = ParallelPlan(dp_shard=4, tp=8, pp=8)
 
     def step(eff, lssp=1, workload=w):
-        return evaluate(workload, CATALOG["h100"], plan, Options(1, True, "omni", lssp), gpus_per_node=8, eff=eff)
+        return estimate_step(workload, CATALOG["h100"], plan, Options(1, True, "omni", lssp), gpus_per_node=8, eff=eff)
 
     hidden, exposed = step(Efficiency()), step(Efficiency(joint_pipeline=0.0))
     assert hidden.step_time_s < exposed.step_time_s and hidden.breakdown["bubble_s"] > 0
@@ -320,7 +320,7 @@ def test_cpu_node_terms_apply_only_where_ranks_share_the_node():
 
     def step(gpu, plan: str, eff: Efficiency) -> float:
         parsed = ParallelPlan.parse(plan)
-        return evaluate(w, gpu, parsed, Options(1), gpus_per_node=parsed.world_size, eff=eff).step_time_s
+        return estimate_step(w, gpu, parsed, Options(1), gpus_per_node=parsed.world_size, eff=eff).step_time_s
 
     for gpu in (cpu, CATALOG["a100"]):
         assert step(gpu, "dp1", replace(base, straggle=1.3)) == step(gpu, "dp1", base)

@@ -1,0 +1,79 @@
+"""Bytes per GPU, checked before any time is priced: most candidate plans of a large model do not fit, and
+that is cheap to find out.
+
+Per pipeline stage: model states (weights, gradients and AdamW states, divided by dp_shard x cp under FSDP,
+copied over dp_replicate; experts over their own shards), the largest unit's gathered weights, the
+activations of the micro-batches in flight (only layer outputs with checkpointing) and a workspace share of
+them. The encoders add theirs on stage 0 (`coupled`) or on every rank (`omni`: the rank's share of the
+samples, or the slice of the longest item its LSSP group gives it).
+"""
+
+from __future__ import annotations
+
+from omni_core.common.catalog import GpuSpec
+from omni_core.estimator.encoders import encoder_sums
+from omni_core.estimator.pipeline import Sums
+from omni_core.estimator.stage import rank_params
+from omni_core.estimator.terms import PlanTerms
+
+
+def model_state_bytes(terms: PlanTerms, st: Sums) -> float:
+    """A stage's weights, gradients and optimizer states on one rank."""
+    dense_params, expert_params = rank_params(terms, st)
+    return dense_params * terms.state_bytes / terms.shards + expert_params * terms.state_bytes / terms.expert_shards
+
+
+def gathered_bytes(terms: PlanTerms, st: Sums) -> float:
+    """FSDP's gathered full weights when it shards: twice the stage's largest layer's."""
+    return 2 * st.max_params / terms.plan.tp * terms.weight_bytes if terms.shards > 1 else 0.0
+
+
+def activation_bytes(terms: PlanTerms, st: Sums, stage: int) -> float:
+    """The activations stage `stage` keeps for the micro-batches in flight (GPipe: all of the step's; 1F1B:
+    one per stage from this one to the last); with checkpointing only the layers' outputs, plus the largest
+    layer's activations while it is recomputed."""
+    plan, mb = terms.plan, terms.options.micro_batch
+    micro_batches = terms.micro_batches
+    in_flight = micro_batches if plan.pp_schedule == "GPipe" else min(micro_batches, plan.pp - stage)
+    if terms.options.checkpoint:
+        return (st.out_bytes * in_flight + st.max_act) * mb / terms.split
+    return st.act_bytes * mb / terms.split * in_flight
+
+
+def encoder_bytes(terms: PlanTerms) -> float:
+    """The encoders' states and activations on a rank that holds them: `coupled`, sharded like stage 0, the
+    micro-batch's samples; `omni`, states over the world, the rank's share of the samples or the slice of
+    the longest item it holds, whichever is larger."""
+    workload, options, plan = terms.workload, terms.options, terms.plan
+    enc = encoder_sums(workload)
+    acts = (enc.out_bytes + enc.max_act) if options.checkpoint else enc.act_bytes
+    if options.layout == "coupled":
+        holders, acts = terms.shards, acts * options.micro_batch / terms.encoder_split
+    else:
+        holders = plan.world_size
+        acts *= max(workload.global_batch / plan.world_size / terms.micro_batches,
+                    workload.encoder_max_item / options.lssp)
+    return enc.params * terms.state_bytes / max(holders, 1) + acts * (1 + terms.eff.workspace_frac)
+
+
+def peak_memory(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...]) -> tuple[float, dict[str, float]]:
+    """(peak bytes over the stages, what makes it up: the stage, its model states and activations in GB)."""
+    encoders = encoder_bytes(terms) if terms.workload.encoder else 0.0
+    peak, worst = 0.0, {}
+    for st, stage, _ in groups:
+        states = model_state_bytes(terms, st)
+        acts = activation_bytes(terms, st, stage)
+        mem = states + gathered_bytes(terms, st) + acts * (1 + terms.eff.workspace_frac)
+        if terms.workload.encoder and (terms.options.layout == "omni" or stage == 0):
+            mem += encoders
+        if mem > peak:
+            peak = mem
+            worst = {"stage": stage, "states_gb": states / 1e9, "activations_gb": acts / 1e9}
+    return peak, worst
+
+
+def out_of_memory(peak: float, worst: dict[str, float], gpu: GpuSpec) -> str:
+    """The reason a plan needing `peak` bytes (`peak_memory`) does not fit `gpu`."""
+    return (f"out of memory: {peak / 1e9:.1f} GB needed on stage {worst['stage']} "
+            f"({worst['states_gb']:.1f} GB model states, {worst['activations_gb']:.1f} GB activations) > "
+            f"{gpu.usable_bytes / 1e9:.1f} GB usable on {gpu.name}")

@@ -1,0 +1,307 @@
+"""One pipeline stage's time: a micro-batch's forward + backward and what the stage's weights cost per step.
+
+The terms of t_s in `cost`'s formula, each a function: the device (FLOPs and bytes, `device_seconds`), the host
+(aten operators, attention calls), TP's all-gather / reduce-scatter pairs, CP's Ulysses all-to-alls or ring
+attention's tiles and K/V passing, EP's dispatch and combine, the pipeline's sends, and FSDP (gathers per
+micro-batch, gradient reduction per step) with the optimizer. They read a stage's `pipeline.Sums`; the
+encoders' are priced with the same functions (`encoders`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from omni_core.common.catalog import GpuSpec
+from omni_core.estimator.pipeline import Sums
+from omni_core.estimator.terms import Efficiency, PlanTerms
+from omni_core.estimator.workloads import Workload
+
+# Host operators of the runtime's parallel code paths (counted from omni_core.parallel, fwd + bwd):
+CP_A2A_OPS = 5  # Ulysses: chunk, stack, empty, all-to-all, cat per all-to-all
+RING_LAYER_OPS = 45  # ring attention per layer: grouping, accumulators, K/V stacking, per ring step
+RING_TILE_OPS = 48  # ring attention per (query tile, key tile): scores, mask, log-sum-exp merge; backward
+RING_PLAN_OPS = 9  # the host's tile plan per (source, query tile, key tile), once per micro-batch
+RING_BLOCK = 1024  # ContextParallelAttention's tile size
+EP_OPS = 40  # EP dispatch: sort by expert, count exchange, split sizes, regrouping, in forward and backward
+
+
+class StageTimes(NamedTuple):
+    """What one pipeline stage costs. Per step: its ranks' own work on their cores (`device`), and what the
+    runtime's wrappers, links and optimizer take (`runtime`; measured together with the ranks, so already
+    shared and already waiting for each other)."""
+
+    micro_batch: float  # one micro-batch through the stage (t_s): forward + backward, collectives, sends
+    device: float  # per step: compute and host operators over the step's micro-batches
+    runtime: float  # per step: wrappers, collectives, sends, FSDP, optimizer
+    per_step: float  # once per step, after the micro-batches: FSDP's gradient reduction and the optimizer
+
+
+@dataclass(frozen=True)
+class ExtraWork:
+    """Work a stage runs besides its own layers' (the `coupled` layout's encoders on stage 0, built by
+    `encoders.encoder_work`): seconds per micro-batch and per step."""
+
+    compute: float  # per micro-batch, forward + backward on the device
+    host: float  # per micro-batch, operators and attention calls
+    fsdp_micro_batch: float  # FSDP's gathers and wrappers per micro-batch
+    fsdp_step: float  # FSDP's gradient reduction per step
+    optimizer: float  # per step
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """Ring attention's per-plan costs (the same on every stage)."""
+
+    tile_compute: float  # per layer, forward + backward: one rank's tiles
+    layer_host: float  # per layer: the tile loop's operators
+    plan_host: float  # per micro-batch: the host's tile plan
+
+
+def device_seconds(sums: Sums, gpu: GpuSpec, eff: Efficiency, precision: str) -> tuple[float, float]:
+    """(per sample, per call) forward seconds of some layers on the device: matmul FLOPs and operands,
+    attention (the whole score matrices where the kernel computes them), memory-bound traffic."""
+    peak = gpu.peak_flops(precision)
+    attn = sums.attn_flops + (sums.causal_attn_flops if eff.attention_full else 0.0)
+    mm_bw = eff.matmul_bw or gpu.mem_bw * eff.memory
+    per_sample = (sums.flops / (peak * eff.matmul) + sums.mm_bytes / mm_bw + attn / (peak * eff.attention)
+                  + sums.attn_scores * eff.score_s + sums.mem_bytes / (gpu.mem_bw * eff.memory))
+    return per_sample, sums.mm_weight_bytes / mm_bw
+
+
+def ring_tiles(workload: Workload, tokens: float, cp: int) -> tuple[float, float]:
+    """(tile pairs one rank computes, tile side) of ring attention over `tokens` packed tokens: zig-zag
+    chunks of tokens / 2cp cut into tiles of at most RING_BLOCK; a pair is computed when some query sees
+    some key in it: the diagonal always, an earlier tile g tiles back when one document spans the gap
+    (probability ~ 1 - gap / L_w, L_w = E[L^2]/E[L]: the length of the document a random token is in)."""
+    chunk = tokens / (2 * cp)
+    side = min(chunk, RING_BLOCK)
+    tiles = 2 * cp * math.ceil(chunk / side)  # along the sequence
+    doc = workload.doc_span or tokens
+    pairs = float(tiles)  # the diagonal
+    for gap in range(1, tiles):
+        spanned = 1.0 - (gap - 1) * side / doc
+        if spanned <= 0:
+            break
+        pairs += (tiles - gap) * min(1.0, spanned)
+    return pairs / cp, side
+
+
+def ring_attention(terms: PlanTerms) -> RingAttention | None:
+    """Ring attention's tiles (None unless the plan's CP is ring attention): per layer, forward + backward,
+    QK^T, PV (forward), recomputed QK^T, dV, dP, dQ, dK (backward) on full tiles in fp32, ~20 elementwise
+    passes over the tile's scores, the tile loop's operators; the host's tile plan per micro-batch."""
+    plan, workload = terms.plan, terms.workload
+    if plan.cp <= 1 or plan.cp_kind != "ring":
+        return None
+    cp, op_s = plan.cp, terms.eff.op_overhead_s
+    pairs, side = ring_tiles(workload, terms.tokens, cp)
+    heads = workload.shape.n_heads / plan.tp
+    tile_compute = pairs * heads * side * side * (14 * workload.head_dim / terms.mm_rate + 20 * 4 * 2 / terms.mem_rate)
+    layer_host = (RING_LAYER_OPS + cp * 4 + pairs * RING_TILE_OPS) * op_s
+    plan_host = cp * (2 * math.ceil(terms.tokens / (2 * cp) / side)) ** 2 * RING_PLAN_OPS * op_s
+    return RingAttention(tile_compute, layer_host, plan_host)
+
+
+def forward_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
+    """One micro-batch's forward on one rank's device; ring attention replaces the per-document kernel
+    (priced by `compute_seconds`), and experts the runtime does not split run on all of a rank's tokens."""
+    eff, plan, mb = terms.eff, terms.plan, terms.options.micro_batch
+    per_sample, per_call = device_seconds(st, terms.gpu, eff, terms.workload.precision)
+    if ring:
+        per_sample -= ((st.attn_flops + (st.causal_attn_flops if eff.attention_full else 0.0)) / terms.attn_rate
+                       + st.attn_scores * eff.score_s)
+    forward = per_sample * mb / terms.split + per_call / plan.tp
+    if not eff.split_encoders_experts:  # every TP rank runs the experts on all of its tokens
+        forward += st.expert_flops * mb / terms.mm_rate * (1 / plan.cp - 1 / terms.split)
+    return forward
+
+
+def compute_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
+    """A micro-batch's forward + backward (+ recomputation) on the device, ring attention's tiles included."""
+    compute = terms.passes * forward_seconds(terms, ring, st)
+    if ring:
+        compute += st.attn_layers * ring.tile_compute * (1 + terms.recompute / 3)
+    return compute
+
+
+def host_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
+    """A micro-batch's host work: aten operators (a rank runs E / ep experts; EP's dispatch), attention calls
+    per document or ring attention's tile loop, Ulysses' all-to-all operators."""
+    plan, eff, mb = terms.plan, terms.eff, terms.options.micro_batch
+    op_s, ep = eff.op_overhead_s, plan.ep
+    ops = st.ops - st.expert_ops * (1 - 1 / ep) + st.sample_ops * mb + (EP_OPS * st.moe_layers if ep > 1 else 0)
+    host = ops * op_s * terms.passes / 3
+    if ring:
+        host += st.attn_layers * ring.layer_host + ring.plan_host
+    else:
+        host += st.attn_calls * mb * eff.attn_call_s * terms.passes / 3
+    if plan.cp > 1 and not ring:
+        host += st.attn_layers * 4 * CP_A2A_OPS * op_s * (2 + terms.recompute)
+    return host
+
+
+def tp_seconds(terms: PlanTerms, st: Sums) -> float:
+    """TP's all-gather / reduce-scatter pairs (sequence parallel), forward ones mirrored in backward."""
+    tp = terms.plan.tp
+    if tp <= 1:
+        return 0.0
+    per_coll = st.tp_bytes * terms.options.micro_batch / terms.plan.cp / max(st.tp_colls, 1)
+    pair = terms.net.time("all_gather", per_coll, tp, tp, 0) + terms.net.time("reduce_scatter", per_coll, tp, tp, 0)
+    return (1 - terms.eff.tp_overlap) * st.tp_colls * pair * (2 + terms.recompute) / 2
+
+
+def cp_exchange_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
+    """CP's attention traffic: ring attention's K/V blocks (cp - 1 steps forward and backward, dK/dV
+    accumulators cp steps), less what hides behind the tiles; or Ulysses' all-to-alls re-splitting q, k, v
+    and the output between tokens and heads, forward and backward."""
+    plan, net, workload = terms.plan, terms.net, terms.workload
+    cp, layers = plan.cp, st.attn_layers
+    if cp <= 1:
+        return 0.0
+    q_bytes = st.block_io * terms.options.micro_batch / terms.split
+    if ring:
+        kv = 2 * q_bytes * workload.shape.n_kv_heads / workload.shape.n_heads
+        passing = ((cp - 1) * (1 + terms.recompute / 3) * 2 * net.time("p2p", kv / layers, 2, terms.split)
+                   + cp * net.time("p2p", kv * 4 / terms.weight_bytes / layers, 2, terms.split)) * layers
+        return max(0.0, passing - terms.eff.cp_overlap * layers * ring.tile_compute)
+    heads, kv_heads = workload.shape.n_heads // plan.tp, max(1, workload.shape.n_kv_heads // plan.tp)
+    kv_share = math.lcm(kv_heads, cp) / heads  # K/V heads sent (repeated to a multiple of cp) per query head
+    forward = (2 * net.time("all_to_all", q_bytes / layers, cp, terms.split)
+               + 2 * net.time("all_to_all", kv_share * q_bytes / layers, cp, terms.split))
+    return forward * layers * (2 + terms.recompute)
+
+
+def cp_routing_seconds(terms: PlanTerms, st: Sums) -> float:
+    """With CP, MoE's balancing loss sums routing statistics over the sequence's ranks."""
+    cp = terms.plan.cp
+    if cp <= 1 or not st.moe_layers:
+        return 0.0
+    return terms.net.time("all_reduce", 4.0 * st.routed_experts, cp, terms.split, 4 * st.moe_layers)
+
+
+def ep_seconds(terms: PlanTerms, st: Sums) -> float:
+    """EP's dispatch / combine all-to-alls (forward and backward) and its routing counts exchange."""
+    ep, tp = terms.plan.ep, terms.plan.tp
+    if ep <= 1:
+        return 0.0
+    a2a = st.a2a_bytes * terms.options.micro_batch / terms.ep_split
+    return (1 - terms.eff.ep_overlap) * (
+        2 * terms.net.time("all_to_all", a2a, ep, tp * ep) * terms.passes / 3
+        + terms.net.time("all_to_all", 4.0 * st.routed_experts, ep, tp * ep, st.moe_layers))
+
+
+def collectives_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
+    """A micro-batch's exposed TP, CP and EP collectives (summed in this order)."""
+    return tp_seconds(terms, st) + cp_exchange_seconds(terms, ring, st) + cp_routing_seconds(terms, st) + ep_seconds(
+        terms, st)
+
+
+def send_seconds(terms: PlanTerms, st: Sums) -> float:
+    """The pipeline's sends: activations forward, their gradients back, through every virtual stage."""
+    plan, eff = terms.plan, terms.eff
+    if plan.pp <= 1:
+        return 0.0
+    message = st.boundary * terms.options.micro_batch / terms.split
+    return plan.virtual_stages * ((1 - eff.pp_overlap) * 2 * terms.net.time(
+        "p2p", message, 2, terms.bubble_ranks, 0) + eff.pp_microbatch_s)
+
+
+def rank_params(terms: PlanTerms, st: Sums) -> tuple[float, float]:
+    """(dense, expert) parameters of a stage on one rank before FSDP: dense ones split by TP, experts by EP
+    (and by TP where the implementation splits them)."""
+    tp, eff = terms.plan.tp, terms.eff
+    return ((st.params - st.expert_params) / tp,
+            st.expert_params / (terms.plan.ep * (tp if eff.split_encoders_experts else 1)))
+
+
+def exposed_dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, span: int, calls: float) -> float:
+    """A data-parallel collective's latency (per unit and call: it waits for every rank) and the share of its
+    volume not hidden behind compute (`dp_overlap`)."""
+    latency = terms.net.time(kind, 0.0, ranks, span, calls)
+    return latency + (1 - terms.eff.dp_overlap) * (terms.net.time(kind, nbytes, ranks, span, calls) - latency)
+
+
+def fsdp_seconds(terms: PlanTerms, params: float, units: float, tensors: float, expert_params: float,
+                 expert_units: float) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds of FSDP over a rank's units: each unit's wrapper (hooks, copies)
+    and its collectives: the parameter all-gathers (forward and backward) per micro-batch, the gradients'
+    reduce-scatter (+ HSDP all-reduce) once per step, after the last micro-batch. Experts under EP form
+    their own units, sharded over `expert_shards`."""
+    if not terms.fsdp:
+        return 0.0, 0.0
+    plan, eff, wbytes = terms.plan, terms.eff, terms.weight_bytes
+    shards, span = terms.shards, terms.rank_span
+    all_units = units + expert_units
+    gather = 2 * exposed_dp_seconds(terms, "all_gather", params * wbytes, shards, span, units)
+    reduce = (exposed_dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units)
+              + exposed_dp_seconds(terms, "all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
+                                   span * plan.dp_replicate, all_units))
+    if expert_units:
+        experts = terms.expert_shards
+        gather += 2 * exposed_dp_seconds(terms, "all_gather", expert_params * wbytes, experts, span, expert_units)
+        reduce += exposed_dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span,
+                                     expert_units)
+    return all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s + gather, reduce
+
+
+def optimizer_seconds(terms: PlanTerms, params: float, tensors: float) -> float:
+    """AdamW and the gradient norm over a rank's parameters: per tensor (plain, or DTensor when sharded by
+    FSDP or TP) and per byte."""
+    eff = terms.eff
+    per_tensor = eff.dtensor_s if terms.fsdp or terms.plan.tp > 1 else eff.tensor_s
+    return tensors * per_tensor + params * eff.optimizer_bytes_per_param / terms.mem_rate
+
+
+def param_group_seconds(terms: PlanTerms) -> float:
+    """The runtime's AdamW groups parameters by decay and by kind (plain, or DTensors of one mesh): the dense
+    model's, TP's (encoders are not split by TP), the experts' under EP; each group costs a foreach call."""
+    plan, eff = terms.plan, terms.eff
+    sharded = terms.fsdp or plan.tp > 1
+    return 2 * (1 + (plan.tp > 1) + (plan.ep > 1)) * (eff.dtensor_group_s if sharded else eff.tensor_group_s)
+
+
+def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[float, float, float]:
+    """(FSDP per micro-batch, FSDP per step, optimizer per step) of a stage's weights; stage 0 (`first`) also
+    holds the root FSDP unit."""
+    ep = terms.plan.ep
+    dense_params, expert_params = rank_params(terms, st)
+    expert_units = st.moe_layers * st.routed_experts / ep if ep > 1 else 0.0
+    tensors = st.tensors - st.expert_tensors * (1 - 1 / ep)
+    fsdp_micro_batch, fsdp_step = fsdp_seconds(terms, dense_params + (expert_params if ep == 1 else 0.0),
+                                               st.units + first, tensors, expert_params, expert_units)
+    sharded_params = (dense_params + expert_params) / (terms.shards if terms.fsdp else 1)
+    optimizer = param_group_seconds(terms) + optimizer_seconds(terms, sharded_params, tensors)
+    return fsdp_micro_batch, fsdp_step, optimizer
+
+
+def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: bool,
+                extra: ExtraWork | None = None) -> StageTimes:
+    """One stage's times; `extra`: work it hosts besides its layers. A rank's own work (compute and host,
+    profiled on one rank alone) is stretched by the ranks' straggling."""
+    compute = compute_seconds(terms, ring, st)
+    host = host_seconds(terms, ring, st)
+    comm = collectives_seconds(terms, ring, st)
+    wrappers = st.tp_modules * terms.eff.tp_module_s if terms.plan.tp > 1 else 0.0
+    send = send_seconds(terms, st)
+    fsdp_micro_batch, fsdp_step, optimizer = weights_seconds(terms, st, first)
+    if extra is not None:
+        compute += extra.compute
+        host += extra.host
+        fsdp_micro_batch += extra.fsdp_micro_batch
+        fsdp_step += extra.fsdp_step
+        optimizer += extra.optimizer
+    compute, host = compute * terms.straggle, host * terms.straggle
+    micro_batches = terms.micro_batches
+    return StageTimes(micro_batch=compute + host + wrappers + comm + send + fsdp_micro_batch,
+                      device=micro_batches * (compute + host),
+                      runtime=micro_batches * (wrappers + comm + send + fsdp_micro_batch) + fsdp_step + optimizer,
+                      per_step=optimizer + fsdp_step)
+
+
+def price_stages(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...],
+                 stage0_extra: ExtraWork | None = None) -> list[StageTimes]:
+    """The times of each distinct stage (`pipeline.stage_groups`), stage 0 hosting `stage0_extra`."""
+    ring = ring_attention(terms)
+    return [price_stage(terms, ring, st, index == 0, stage0_extra if index == 0 else None) for st, index, _ in groups]

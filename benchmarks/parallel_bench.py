@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
@@ -108,7 +108,7 @@ def _rank(rank: int, world: int, root: str, out_dir: str, flavor: str, name: str
     dtype = resolve_dtype(recipe.train.dtype, device)
     replica = build_replica(recipe, plan, info, dtype)
     optimizers = Optimizers(replica.parts, recipe)
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     batches = iter(PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed))
     warmup, timed = steps
     step_s, tokens = [], []

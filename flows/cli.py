@@ -82,6 +82,11 @@ def _add_recipe_args(p: argparse.ArgumentParser, what: str = "recipe YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
 
 
+def _add_cells_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", metavar="PATH", help="the estimate stage's CellTable JSON (`omni estimate --out`): "
+                   "what parallel.plan=auto and the scheduler's oracle use instead of estimating again")
+
+
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -120,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_recipe_args(p)
         if name == "profile":
             p.add_argument("--out", metavar="PATH", help="also write the profile JSON to PATH")
+        if name == "train":
+            _add_cells_arg(p)
 
     estimate = sub.add_parser(
         "estimate",
@@ -170,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=OVERRIDES_EPILOG,
     )
     _add_recipe_args(schedule)
+    _add_cells_arg(schedule)
     schedule.add_argument("--json", action="store_true", help="print the schedule as JSON instead of a table")
 
     validate = sub.add_parser(
@@ -289,8 +297,13 @@ def _flow_command(args: argparse.Namespace) -> int:
     flow = getattr(importlib.import_module(module), name)
     from omni_core.runtime.supervisor import LaunchError
 
+    extra = {}
+    if getattr(args, "cells", None):
+        from omni_core.estimator.search import CellTable
+
+        extra["cells"] = CellTable.load(args.cells)
     try:
-        result = flow(args.recipe, args.overrides)
+        result = flow(args.recipe, args.overrides, **extra)
     except LaunchError as e:
         print(f"omni: {args.command} failed: {e}", file=sys.stderr)
         return RUN_FAILED

@@ -7,10 +7,10 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows import stage_dir
+from flows import resolve, stage_dir
 from omni_core.common.results import EvalReport
-from omni_core.recipe import load_recipe
-from omni_core.runtime.evaluate import evaluate
+from omni_core.recipe import Recipe
+from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.tracking import stage_run
 
 
@@ -49,12 +49,12 @@ def eval_chart(report: EvalReport, path: Path) -> Path:
 
 
 @flow(name="evaluate")
-def evaluate_flow(recipe: str, overrides: list[str] | None = None) -> EvalReport:
+def evaluate_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> EvalReport:
     """Evaluate the newest complete checkpoint; log eval_report.json, eval/* metrics (loss, perplexity and
     word accuracy of greedy captions per modality) and a chart of both."""
-    r = load_recipe(recipe, overrides or ())
+    r = resolve(recipe, overrides)
     with stage_run("evaluate", r, flow_run_id=flow_run.id) as run:
-        report = evaluate(r)
+        report = evaluate_checkpoint(r)
         run.log_dict(report.model_dump(mode="json"), "eval_report.json")
         run.log_metrics(eval_metrics(report), step=report.step)
         run.log_artifact(eval_chart(report, stage_dir(r, run.run_id) / "eval_by_modality.png"))

@@ -1,5 +1,7 @@
 """The experiment flow: profile -> estimate -> train -> evaluate under one MLflow parent run; a recipe with
-`jobs` runs profile -> estimate -> schedule, the schedule stage training every job."""
+`jobs` runs profile -> estimate -> schedule, the schedule stage training every job. The recipe is resolved
+once and each stage gets it, and the typed results it needs, from here: the DatasetProfile to estimate
+(and schedule), the CellTable to train (`parallel.plan: auto`) and schedule."""
 
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
         check_recipe(r)  # before any stage runs
     name = f"{r.experiment.name}-{flow_run.name}"
     with parent_run(r, flow_run_id=flow_run.id, run_name=name) as run:
-        profile = profile_flow(recipe, overrides)
-        cells = estimate_flow(recipe, overrides, profile)
+        profile = profile_flow(r)
+        cells = estimate_flow(r, profile=profile)
         if r.jobs:
-            results = {"schedule": schedule_flow(recipe, overrides, profile)}
+            results = {"schedule": schedule_flow(r, profile=profile, cells=cells)}
         else:
-            results = {"train": train_flow(recipe, overrides), "evaluate": evaluate_flow(recipe, overrides)}
+            results = {"train": train_flow(r, cells=cells), "evaluate": evaluate_flow(r)}
     return {
         "parent_run_id": run.run_id,
         "run_name": name,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows import stage_dir
+from flows import resolve, stage_dir
 from omni_core.data.profile import DatasetProfile, profile_dataset
-from omni_core.recipe import load_recipe
+from omni_core.recipe import Recipe
 from omni_core.tracking import stage_run
 
 
@@ -29,10 +29,10 @@ def headline_numbers(profile: DatasetProfile) -> dict[str, float]:
 
 
 @flow(name="profile")
-def profile_flow(recipe: str, overrides: list[str] | None = None) -> DatasetProfile:
+def profile_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> DatasetProfile:
     """Profile the dataset (profile_dataset generates it first if it is missing): modality mix, token
     lengths. Logs profile.json, its figures and headline numbers to the "profile" run."""
-    r = load_recipe(recipe, overrides or ())
+    r = resolve(recipe, overrides)
     with stage_run("profile", r, flow_run_id=flow_run.id) as run:
         out_dir = stage_dir(r, run.run_id)
         profile, _ = profile_dataset(r, out_dir)  # writes profile.json and the figures into out_dir

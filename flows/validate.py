@@ -8,19 +8,19 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows import stage_dir
+from flows import resolve, stage_dir
 from omni_core.measure.validate import ValidationReport, calibrate_and_validate, validation_figure
-from omni_core.recipe import load_recipe
+from omni_core.recipe import Recipe
 from omni_core.tracking import stage_run
 
 
 @flow(name="validate")
-def validate_flow(recipe: str, overrides: list[str] | None = None) -> ValidationReport:
+def validate_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> ValidationReport:
     """Calibrate this machine and run the validation plans (`estimate.validation`: quick or full) on the real
     runtime; log validation.json (every case, predicted and measured, per round), the predicted-vs-measured
     figure and the MAPE overall and per world size to the "validate" run. The runs' own data lives in a
     temporary folder (they save no checkpoint)."""
-    r = load_recipe(recipe, overrides or ())
+    r = resolve(recipe, overrides)
     with stage_run("validate", r, flow_run_id=flow_run.id) as run:
         out_dir = stage_dir(r, run.run_id)
         with tempfile.TemporaryDirectory(prefix="omni-validate-") as tmp:

@@ -129,6 +129,9 @@ class ParallelPlan:
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelPlan:
         """The recipe's degrees on `world_size` ranks; dp_shard=-1 takes whatever the others leave."""
+        if cfg.plan == "auto":
+            raise PlanError("parallel.plan is auto: the train stage (omni train, omni run) replaces it with the "
+                            "estimate's best plan for its Cell before launching; the runtime runs explicit degrees")
         others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:

@@ -18,8 +18,8 @@ from omni_core.data.audio import log_mel, resample
 from omni_core.data.image import patchify
 from omni_core.data.sample import Segment, token_ids
 from omni_core.data.sources import CorruptSample, JsonlSource, Record, Source, WdsSource
-from omni_core.data.synthetic import DynamicSource
-from omni_core.recipe.schema import DataConfig
+from omni_core.data.synthetic import DynamicSource, ensure_dataset
+from omni_core.recipe.schema import DataConfig, Recipe
 
 __all__ = ["CorruptSample", "DecodedSample", "ManifestDataset", "Split"]
 
@@ -97,3 +97,8 @@ class ManifestDataset:
         if actual != expected:
             raise CorruptSample(record.id, self.source.where(record, seg), "size_mismatch",
                                 f"file has {actual}, metadata says {expected}")
+
+
+def open_dataset(recipe: Recipe) -> ManifestDataset:
+    """The recipe's dataset, generated first when it is synthetic and not on disk yet (`ensure_dataset`)."""
+    return ManifestDataset(ensure_dataset(recipe), recipe.data)

@@ -23,12 +23,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from omni_core.common.results import Result
-from omni_core.data.dataset import CorruptSample, ManifestDataset
+from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
 from omni_core.data.sample import KIND_CODE, KINDS
 from omni_core.data.sources import Record, ShardedSource, Sizes, View
-from omni_core.data.synthetic import DynamicSource, ensure_dataset
+from omni_core.data.synthetic import DynamicSource
 from omni_core.recipe.schema import DataConfig, Recipe
 
 HIST_BINS = 20
@@ -396,7 +396,7 @@ def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list
     At most data.profile_max_samples samples (in stream order) when set; a dynamic source is profiled over
     data.synthetic.num_samples samples unless capped lower."""
     cfg = recipe.data
-    dataset = ManifestDataset(ensure_dataset(recipe), cfg)
+    dataset = open_dataset(recipe)
     flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
     profile = profile_source(dataset, cfg, recipe.experiment.seed, flops, cfg.profile_max_samples or None,
                              decode=cfg.profile_decode)

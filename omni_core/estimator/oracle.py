@@ -65,6 +65,10 @@ class CellOracle:
         self._cells[key] = result
         return result
 
+    def remember(self, model: str, global_batch: int, cell: CellResult) -> None:
+        """Answer for `cell`'s GPU type and count from an estimate already made (the estimate stage's CellTable)."""
+        self._cells[(model, global_batch, cell.gpu_type, cell.num_gpus, False)] = cell
+
     def throughput(
         self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False
     ) -> float | None:

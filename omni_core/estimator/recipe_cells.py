@@ -7,14 +7,18 @@ model at its own batch (micro_batch x grad_accum x nproc packed sequences). The 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
+from omni_core.recipe.loader import RecipeError, override_recipe
+from omni_core.recipe.schema import PLAN_DEGREES, ClusterConfig
 
 if TYPE_CHECKING:
+    from omni_core.common.plan import ParallelPlan
     from omni_core.data.profile import DatasetProfile
     from omni_core.recipe.schema import Recipe
 
@@ -29,13 +33,18 @@ def flavor_workload(recipe: Recipe, flavor: str, batch: int, profile: DatasetPro
                          precision=recipe.estimate.precision)
 
 
+def recipe_batch(recipe: Recipe) -> int:
+    """The recipe's own global batch in packed sequences, as the estimate prices it: micro_batch x grad_accum
+    x nproc (every rank a data shard)."""
+    return recipe.data.micro_batch * recipe.train.grad_accum * recipe.parallel.nproc
+
+
 def recipe_workloads(recipe: Recipe, profile: DatasetProfile | None = None) -> dict[str, Workload]:
     from omni_core.models.flavors import FLAVORS
 
     if not recipe.jobs:
-        batch = recipe.data.micro_batch * recipe.train.grad_accum * recipe.parallel.nproc
         name = recipe.experiment.name
-        return {name: flavor_workload(recipe, recipe.model.flavor, batch, profile, name)}
+        return {name: flavor_workload(recipe, recipe.model.flavor, recipe_batch(recipe), profile, name)}
     workloads = {}
     for i, job in enumerate(recipe.jobs):
         if job.model in FLAVORS:
@@ -66,6 +75,44 @@ def estimate_recipe(recipe: Recipe, profile: DatasetProfile | None = None, *, wo
     gpus, per_node = recipe_cluster(recipe, catalog)
     return build_cell_table(recipe_workloads(recipe, profile), catalog, gpus, gpus_per_node=per_node,
                             layout=recipe.estimate.layout, workers=workers)
+
+
+def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, global_batch: int) -> list[str]:
+    """`--set` overrides that run `plan` on its world with `micro_batch` and activation checkpointing as the
+    estimate priced them, the gradient accumulation keeping `global_batch` packed sequences per step."""
+    if global_batch % (micro_batch * plan.dp):
+        raise ValueError(f"plan {plan.name} at micro-batch {micro_batch} cannot keep the global batch of "
+                         f"{global_batch} sequences: {micro_batch} x dp {plan.dp} does not divide it")
+    values = {
+        "parallel.plan": "explicit",
+        "parallel.nproc": plan.world_size,
+        **{f"parallel.{degree}": getattr(plan, degree) for degree in PLAN_DEGREES},
+        "data.micro_batch": micro_batch,
+        "train.grad_accum": global_batch // (micro_batch * plan.dp),
+        "train.activation_checkpointing": checkpoint,
+    }
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()]  # JSON is YAML
+
+
+def with_best_plan(recipe: Recipe, table: CellTable, gpu_type: str) -> Recipe:
+    """`parallel.plan: auto` resolved: the recipe running the CellTable's best plan for the Cell the train stage
+    has, `gpu_type` x parallel.nproc (the fastest pipeline depth), at the global batch the estimate priced."""
+    job, nproc = recipe.experiment.name, recipe.parallel.nproc
+    cells = table.best_cells(job)
+    if (gpu_type, nproc) not in cells:
+        priced = ", ".join(f"{t} x{n}" for t, n in sorted(cells)) or "none"
+        raise RecipeError([f"parallel.plan: auto, but the estimate has no Cell {gpu_type} x{nproc} for job {job!r} "
+                           f"(priced: {priced}; estimate.gpu_types and estimate.max_gpus choose them)"])
+    best = cells[gpu_type, nproc]
+    return override_recipe(recipe, plan_overrides(best.parallel_plan(), best.micro_batch, best.checkpoint,
+                                                  recipe_batch(recipe)))
+
+
+def estimate_own_cells(recipe: Recipe, gpu_type: str) -> CellTable:
+    """The recipe's own job on `gpu_type` Cells up to parallel.nproc GPUs: what `with_best_plan` needs when
+    the train stage runs without the estimate stage's CellTable."""
+    own = recipe.estimate.model_copy(update={"gpu_types": [gpu_type], "max_gpus": recipe.parallel.nproc})
+    return estimate_recipe(recipe.model_copy(update={"jobs": [], "cluster": ClusterConfig(), "estimate": own}))
 
 
 def format_table(table: CellTable, top: int = 10) -> str:

@@ -202,6 +202,13 @@ class CellRow(Result):
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan.parse(self.plan)
 
+    def cell_result(self) -> CellResult:
+        """The search's result this row was made from (`cell_row`), without its runners-up."""
+        options = Options(self.micro_batch, self.checkpoint, self.layout, self.lssp)
+        best = Estimate(self.parallel_plan(), options, self.step_time_s, self.samples_per_s, self.peak_mem_gb * 1e9,
+                        breakdown=dict(self.breakdown))
+        return CellResult(self.gpu_type, self.num_gpus, self.nodes, self.gpus_per_node, self.pp, best)
+
 
 class Unfit(Result):
     job: str
@@ -221,6 +228,15 @@ class CellTable(Result):
     def best(self, job: str) -> CellRow | None:
         rows = [c for c in self.cells if c.job == job]
         return max(rows, key=lambda c: c.samples_per_s) if rows else None
+
+    def best_cells(self, job: str) -> dict[tuple[str, int], CellRow]:
+        """Per (GPU type, GPU count), the job's fastest row over its pipeline depths."""
+        best: dict[tuple[str, int], CellRow] = {}
+        for row in self.cells:
+            key = (row.gpu_type, row.num_gpus)
+            if row.job == job and (key not in best or row.samples_per_s > best[key].samples_per_s):
+                best[key] = row
+        return best
 
     def ranked(self) -> list[CellRow]:
         return sorted(self.cells, key=lambda c: (c.job, -c.samples_per_s))

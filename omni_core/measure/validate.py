@@ -235,12 +235,11 @@ def _profile(case: Case, root: Path):
 def loader_seconds(case: Case, root: Path, batches: int = 8) -> float:
     """Host data path: median seconds for the runtime's loader to read, decode and pack one micro-batch of
     this case's data (measured alone, before any training step)."""
-    from omni_core.data.dataset import ManifestDataset
+    from omni_core.data.dataset import open_dataset
     from omni_core.data.loader import PackedLoader
-    from omni_core.data.synthetic import ensure_dataset
 
     recipe = case_recipe(case, root)
-    loader = iter(PackedLoader(ManifestDataset(ensure_dataset(recipe), recipe.data), recipe.data, "train", 0, 1, 0))
+    loader = iter(PackedLoader(open_dataset(recipe), recipe.data, "train", 0, 1, 0))
     next(loader)
     times = []
     for _ in range(batches):

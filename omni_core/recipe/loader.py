@@ -38,6 +38,15 @@ class RecipeError(Exception):
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Resolve `extends:`, apply `key=value` overrides, validate; raise one RecipeError listing all problems."""
     data, locations = _load_with_extends(Path(os.path.normpath(path)), chain=())
+    return _validated(data, locations, overrides)
+
+
+def override_recipe(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
+    """`recipe` with `key=value` overrides applied and validated again, as `load_recipe` applies them to a file."""
+    return _validated(recipe.model_dump(mode="json"), {}, overrides) if overrides else recipe
+
+
+def _validated(data: dict[str, Any], locations: Locations, overrides: Sequence[str]) -> Recipe:
     problems = [problem for problem in (_apply_override(data, locations, o) for o in overrides) if problem]
     try:
         recipe = Recipe.model_validate(data)

@@ -212,10 +212,18 @@ class ModelConfig(Strict):
     freeze: list[Literal["vision", "audio", "projectors", "llm"]] = Field(default_factory=list)
 
 
+PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep")
+
+
 class ParallelConfig(Strict):
     """Degrees of the LLM's 5D layout; their product with dp is the world size."""
 
     nproc: int = Field(1, ge=1, description="Local ranks started by torchrun (--nproc-per-node)")
+    plan: Literal["explicit", "auto"] = Field(
+        "explicit", description="explicit: the degrees below; auto: the estimate stage's best plan for the Cell "
+        "the train stage has (this machine's device type x nproc), with its micro-batch, gradient accumulation "
+        "(the global batch kept) and activation checkpointing; the degrees below must then stay unset"
+    )
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(-1, ge=-1, description="-1: whatever is left of the world after the other degrees")
     tp: int = Field(1, ge=1)
@@ -230,6 +238,14 @@ class ParallelConfig(Strict):
     def _dp_shard_set_or_derived(self) -> ParallelConfig:
         if self.dp_shard == 0:
             raise ValueError("dp_shard must be -1 (derived from the world size) or >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _auto_leaves_the_degrees_unset(self) -> ParallelConfig:
+        given = [k for k in PLAN_DEGREES if getattr(self, k) != type(self).model_fields[k].default]
+        if self.plan == "auto" and given:
+            raise ValueError(f"plan is auto, so the estimate stage chooses {', '.join(given)}: drop "
+                             f"{'them' if len(given) > 1 else 'it'}, or set parallel.plan=explicit to run them")
         return self
 
 

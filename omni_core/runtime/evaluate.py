@@ -10,9 +10,8 @@ import torch
 from omni_core.common.batch import MODALITY_IDS
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.results import EvalReport, ModalityScore, TaskScore
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
-from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.omni import build_model
 from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
@@ -22,7 +21,7 @@ from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
 
 
-def evaluate(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
+def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
     """Evaluate `checkpoint` (a location; default: the recipe's newest complete one) on the held-out split."""
     ckpt = checkpoint or latest_checkpoint(checkpoint_store(recipe))
     if ckpt is None:
@@ -37,7 +36,7 @@ def evaluate(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
     )
     model.eval()
 
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     loader = PackedLoader(dataset, recipe.data, "heldout", 0, 1, recipe.experiment.seed)
 
     def tokens_per_image(rows: int, cols: int) -> int:

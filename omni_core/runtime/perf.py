@@ -52,6 +52,17 @@ def catalog_gpu(device_name: str):
     return catalog[max(matches, key=lambda k: len(k.split("-")))] if matches else None
 
 
+def local_device_type() -> str:
+    """The catalogue name of the device this machine trains on: its first CUDA GPU's, else "cpu"."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        spec = catalog_gpu(name)
+        if spec is None:
+            raise ValueError(f"GPU {name!r} is not in the GPU catalogue (estimate.gpus can add it)")
+        return spec.name
+    return "cpu"
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak resident set on CPU."""
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import torch
 from omni_core.common.batch import PackedBatch
 from omni_core.common.plan import ModelShape, ParallelPlan
 from omni_core.common.results import TrainResult
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.flavors import get_flavor
@@ -73,7 +73,7 @@ def train(
     barrier()
     compute_dtype = resolve_dtype(cfg.dtype, info.device)
     replica = build_replica(recipe, plan, info, compute_dtype)
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed)
     peak_flops = device_peak_flops(info.device, compute_dtype)
     optimizers = Optimizers(replica.parts, recipe)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from omni_core.data.profile import DatasetProfile
     from omni_core.estimator.cost import Estimate
     from omni_core.estimator.oracle import CellOracle
+    from omni_core.estimator.search import CellTable
 
 SLOT_TYPE = "cpu"  # the GPU catalogue's entry for this machine's CPU
 
@@ -90,15 +91,22 @@ def check_recipe(recipe: Recipe) -> None:
         raise ValueError("; ".join(problems))
 
 
-def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None) -> CellOracle:
-    """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given)."""
+def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None,
+                  cells: CellTable | None = None) -> CellOracle:
+    """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given),
+    answering from `cells` (the estimate stage's CellTable) for every Cell of the slots it holds."""
     from omni_core.common.catalog import GpuCatalog
     from omni_core.estimator.oracle import CellOracle
     from omni_core.estimator.recipe_cells import flavor_workload
 
-    return CellOracle(GpuCatalog().with_overrides(recipe.estimate.gpus),
-                      {t: g.gpus_per_node for t, g in cluster.groups.items()},
-                      lambda model, batch: flavor_workload(recipe, model, batch, profile))
+    oracle = CellOracle(GpuCatalog().with_overrides(recipe.estimate.gpus),
+                        {t: g.gpus_per_node for t, g in cluster.groups.items()},
+                        lambda model, batch: flavor_workload(recipe, model, batch, profile))
+    for job in recipe.jobs if cells else ():
+        for (gpu_type, _), row in cells.best_cells(job.name).items():
+            if gpu_type in cluster.groups:
+                oracle.remember(job.model, job.global_batch, row.cell_result())
+    return oracle
 
 
 def job_checkpoint_dir(recipe: Recipe, job: Job) -> str:
@@ -120,25 +128,22 @@ def job_overrides(recipe: Recipe, job: Job, best: Estimate, last_step: int, *, r
     (stage files, registered model) in the base's MLflow experiment and dataset; its model, steps and
     checkpoint directory; the estimator's plan, micro-batch and activation checkpointing, with the gradient
     accumulation that keeps its global batch (the search only picks micro-batches that divide it)."""
-    plan, options = best.plan, best.options
+    from omni_core.estimator.recipe_cells import plan_overrides
+
     values = {
         "experiment.name": f"{recipe.experiment.name}-{job.id}",
         "tracking.experiment": recipe.mlflow_experiment(),
         "tracking.registered_model": f"{recipe.tracking.registered_model or recipe.experiment.name}-{job.id}",
         "data.path": recipe.data_dir(),
-        "data.micro_batch": options.micro_batch,
         "model.flavor": job.model,
         "train.steps": job.iterations,
         "train.stop_at_step": last_step,
-        "train.grad_accum": job.global_batch // (options.micro_batch * plan.dp),
-        "train.activation_checkpointing": options.checkpoint,
         "train.ckpt_dir": job_checkpoint_dir(recipe, job),
         "train.resume": resume,
         "jobs": [],
-        "parallel.nproc": plan.world_size,
-        **{f"parallel.{k}": getattr(plan, k) for k in ParallelConfig.model_fields if hasattr(plan, k)},
     }
-    return [f"{key}={json.dumps(value)}" for key, value in values.items()]  # JSON is YAML: paths stay strings
+    plan = plan_overrides(best.plan, best.options.micro_batch, best.options.checkpoint, job.global_batch)
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()] + plan  # JSON is YAML: paths stay strings
 
 
 @dataclass(frozen=True)
@@ -232,11 +237,12 @@ class LocalScheduler:
     """Real mode's decisions and bookkeeping, without threads or clocks (callers pass `now`): which job
     trains which segment on how many slots, and what happened."""
 
-    def __init__(self, recipe: Recipe, oracle: CellOracle | None = None, profile: DatasetProfile | None = None):
+    def __init__(self, recipe: Recipe, oracle: CellOracle | None = None, profile: DatasetProfile | None = None,
+                 cells: CellTable | None = None):
         check_recipe(recipe)
         self.recipe = recipe
         self.cluster = local_cluster(recipe.cluster)
-        self.oracle = oracle or recipe_oracle(recipe, self.cluster, profile)
+        self.oracle = oracle or recipe_oracle(recipe, self.cluster, profile, cells)
         self.table = ThroughputTable(self.oracle, self.cluster.capacity(), recipe.schedule.max_gpus_per_job)
         self.policy = make_policy(recipe.schedule.policy)
         jobs = sorted((Job.from_config(c) for c in recipe.jobs), key=lambda j: (j.arrival_s, j.id))
@@ -324,7 +330,8 @@ class LocalScheduler:
 
 
 def run_schedule(recipe: Recipe, train: Callable[[JobRun], TrainResult], *, profile: DatasetProfile | None = None,
-                 oracle: CellOracle | None = None, clock: Callable[[], float] = time.monotonic) -> ScheduleRun:
+                 cells: CellTable | None = None, oracle: CellOracle | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> ScheduleRun:
     """Real mode from the first arrival to the last job's end (or until nothing left can run).
 
     `train` runs one launch and returns when it ends (the schedule flow passes the train flow). Launches run
@@ -334,7 +341,7 @@ def run_schedule(recipe: Recipe, train: Callable[[JobRun], TrainResult], *, prof
     """
     from omni_core.data.synthetic import ensure_dataset
 
-    scheduler = LocalScheduler(recipe, oracle, profile)
+    scheduler = LocalScheduler(recipe, oracle, profile, cells)
     ensure_dataset(recipe)  # once, before jobs that share it start at the same moment
     start = clock()
     running: dict[Future[TrainResult], JobRun] = {}

@@ -23,15 +23,22 @@ def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
 
 
 def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, monkeypatch, mlflow_uri, prefect_harness):
+    """With `parallel.plan: auto`, so the train stage runs the estimate stage's best plan for its Cell."""
     from mlflow import MlflowClient
 
     from flows.experiment import experiment_flow
+    from omni_core.common.catalog import GpuCatalog
+    from omni_core.estimator.calibration import calibration_digest, store_calibration
+    from omni_core.estimator.cost import Efficiency
+    from omni_core.recipe import load_recipe, recipe_hash
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    store_calibration(GpuCatalog()["cpu"], Efficiency(), {"note": "a stored calibration the estimate must log"})
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(out=tmp_path / "out"))
 
-    summary = experiment_flow(str(recipe), ["train.steps=20"])
+    summary = experiment_flow(str(recipe), ["train.steps=20", "parallel.plan=auto"])
 
     client = MlflowClient(mlflow_uri)
     assert summary["tracking_uri"] == mlflow_uri and summary["experiment_name"] == "flow-test"
@@ -49,12 +56,16 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     assert set(stages) == {"profile", "estimate", "train", "evaluate"}
     for run in children:
         assert run.info.status == "FINISHED"
-        assert run.data.tags["recipe.hash"] == summary["recipe_hash"]
         assert run.data.tags["prefect.flow_run_id"] not in ("", tags["prefect.flow_run_id"])  # its own subflow
+        if run.info.run_name != "train":
+            assert run.data.tags["recipe.hash"] == summary["recipe_hash"]
 
     estimate = stages["estimate"]
     assert {"cells.json", "cells.png"} <= artifact_paths(client, estimate.info.run_id)
     assert summary["estimate"]["cells"] and not summary["estimate"]["unfit"]
+    assert summary["estimate"]["calibrations"] == {"cpu": calibration_digest("cpu")} != {"cpu": ""}
+    assert estimate.data.tags["estimate.calibration.cpu"] == calibration_digest("cpu")
+    assert artifact_paths(client, estimate.info.run_id, "calibration") == {"calibration/cpu.json"}
 
     profile = stages["profile"]
     files = artifact_paths(client, profile.info.run_id)
@@ -65,6 +76,10 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     losses = client.get_metric_history(train.info.run_id, "train/loss")
     assert [m.step for m in losses] == list(range(2, 21, 2))
     assert train.data.tags["plan"] == summary["train"]["plan"]
+    [best] = [c for c in summary["estimate"]["cells"] if (c["gpu_type"], c["num_gpus"]) == ("cpu", 1)]
+    assert train.data.tags["plan.chosen_by"] == "estimate" and summary["train"]["plan"] == best["plan"]
+    ran = load_recipe(client.download_artifacts(train.info.run_id, "recipe.yaml", str(tmp_path)))
+    assert ran.parallel.plan == "explicit" and train.data.tags["recipe.hash"] == recipe_hash(ran)
     assert {"checkpoint", "train_result.json"} <= artifact_paths(client, train.info.run_id)
     assert artifact_paths(client, train.info.run_id, "checkpoint")
     assert summary["train"]["steps"] == 20

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.sources import Record, View
-from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
 
 MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}
@@ -38,4 +37,4 @@ def same_docs(a, b) -> bool:
 def both_formats(root: Path) -> tuple[ManifestDataset, ManifestDataset]:
     """The same generated samples as a JSONL manifest and as WebDataset shards (each test module's `both`)."""
     jsonl, wds = make_recipe(root / "j", fmt="jsonl"), make_recipe(root / "w")
-    return ManifestDataset(ensure_dataset(jsonl), jsonl.data), ManifestDataset(ensure_dataset(wds), wds.data)
+    return open_dataset(jsonl), open_dataset(wds)

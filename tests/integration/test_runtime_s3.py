@@ -7,7 +7,7 @@ import pytest
 
 from omni_core.runtime.checkpoint import checkpoint_store
 from omni_core.runtime.ckpt_store import CheckpointError
-from omni_core.runtime.evaluate import evaluate
+from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.trainer import train
 from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
 
@@ -40,4 +40,4 @@ def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3
     shutil.rmtree(store.cache)
     assert store.steps() == [2]
     with pytest.raises(CheckpointError, match=r"s3://ckpt/runs/tiny/step_000004 has no manifest.json"):
-        evaluate(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")
+        evaluate_checkpoint(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
@@ -57,7 +57,7 @@ class CapturingOptimizers(Optimizers):
 
 
 def _loaders(recipe: Recipe, shards: list[int], num_shards: int) -> list:
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     return [iter(PackedLoader(dataset, recipe.data, "train", r, num_shards, recipe.experiment.seed)) for r in shards]
 
 

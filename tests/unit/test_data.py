@@ -21,7 +21,7 @@ from PIL import Image
 from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens
 from omni_core.common.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID
 from omni_core.data.audio import log_mel, mel_frames
-from omni_core.data.dataset import DecodedSample, ManifestDataset
+from omni_core.data.dataset import DecodedSample, ManifestDataset, open_dataset
 from omni_core.data.image import patch_grid, patchify
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.packing import OVERDUE, BatchPacker, collate
@@ -239,7 +239,7 @@ def test_jsonl_source_decodes_foreign_formats(tmp_path):
     ]
     (tmp_path / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
     recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     by_id = {r.id: r for r in records(dataset)}
     image, audio, text = (dataset.decode(by_id[k]) for k in "abc")
     assert image.image_grids == [(4, 16)] and image.image_patches[0].shape == (64, 192)

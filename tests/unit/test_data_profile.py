@@ -14,7 +14,7 @@ import pytest
 
 from flows.cli import main
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import DatasetProfile, Profiler, profile_dataset, profile_source
@@ -134,7 +134,7 @@ def test_training_and_evaluation_run_on_the_dynamic_source(tmp_path):
     import torch
 
     from omni_core.runtime.dist import DistInfo
-    from omni_core.runtime.evaluate import evaluate
+    from omni_core.runtime.evaluate import evaluate_checkpoint
     from omni_core.runtime.trainer import train
 
     recipe = Recipe.model_validate({
@@ -144,7 +144,7 @@ def test_training_and_evaluation_run_on_the_dynamic_source(tmp_path):
     })
     result = train(recipe, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), log=print)
     assert result.steps == 2 and math.isfinite(result.final_loss)
-    assert math.isfinite(evaluate(recipe).loss)
+    assert math.isfinite(evaluate_checkpoint(recipe).loss)
 
 
 # --- profile ---------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_profile_matches_hand_counts(tmp_path):
                                          "drift.png", "packing.png"]
     assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
 
-    small = profile_source(ManifestDataset(ensure_dataset(recipe), recipe.data), recipe.data, 11, flops, limit=20)
+    small = profile_source(open_dataset(recipe), recipe.data, 11, flops, limit=20)
     assert small.total_samples == 20 and sum(m.count for m in small.modalities.values()) == 20
 
 

@@ -14,12 +14,11 @@ import torch
 from PIL import Image
 
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
-from omni_core.data.dataset import ManifestDataset
+from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
 from omni_core.data.sources import View, in_heldout
-from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import DataConfig, Recipe
 from tests.helpers.data_sources import MIX, both_formats, make_recipe, records, same_docs
 
@@ -91,7 +90,7 @@ def test_webdataset_shards_are_dealt_to_consumers_and_reshuffled_per_epoch(both)
 
 def test_webdataset_loader_resumes_mid_shard(tmp_path):
     recipe = make_recipe(tmp_path, 60, micro_batch=1, seq_len=256)
-    dataset = ManifestDataset(ensure_dataset(recipe), recipe.data)
+    dataset = open_dataset(recipe)
     reference = PackedLoader(dataset, recipe.data, "train", 0, 1, 3)
     stream = iter(reference)
     [next(stream) for _ in range(4)]

@@ -19,7 +19,7 @@ from omni_core.common.results import TrainResult
 from omni_core.recipe.schema import ParallelConfig
 from omni_core.runtime.checkpoint import checkpoint_store, latest_checkpoint
 from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, step_name
-from omni_core.runtime.evaluate import evaluate
+from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.step import lr_lambda
 from omni_core.runtime.trainer import resolve_plan, train
 from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
@@ -45,13 +45,12 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
 
 def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
     from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
-    from omni_core.data.dataset import ManifestDataset
+    from omni_core.data.dataset import open_dataset
     from omni_core.data.loader import PackedLoader
-    from omni_core.data.synthetic import ensure_dataset
     from omni_core.runtime.generate import documents
 
     recipe = tiny_recipe(tmp_path)
-    batch = next(iter(PackedLoader(ManifestDataset(ensure_dataset(recipe), recipe.data), recipe.data, "train")))
+    batch = next(iter(PackedLoader(open_dataset(recipe), recipe.data, "train")))
     docs = list(documents(batch, lambda rows, cols: rows * cols))
     assert len(docs) == batch.num_samples
     assert {d.modality for d in docs} == {"text", "image", "audio"}
@@ -109,7 +108,7 @@ def test_training_lowers_loss_and_evaluates(tmp_path):
     assert "train/aux_loss" not in tracker.metrics[30]  # dense model: no MoE term
     assert result.checkpoint == str(Path(recipe.checkpoint_dir()) / step_name(30))
 
-    report = evaluate(recipe)
+    report = evaluate_checkpoint(recipe)
     assert report.step == 30 and report.samples > 0
     assert report.perplexity == pytest.approx(math.exp(report.loss))
     assert set(report.per_modality) <= set(MODALITY_IDS) and report.per_modality
@@ -197,4 +196,4 @@ def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
     assert latest_checkpoint(store) == store.location(2)
     assert json.loads((store.local_dir(2) / MANIFEST).read_text())["step"] == 2
     with pytest.raises(CheckpointError, match=r"step_000009 has no manifest.json: an incomplete save, refusing"):
-        evaluate(recipe, checkpoint=store.location(9))
+        evaluate_checkpoint(recipe, checkpoint=store.location(9))

@@ -102,7 +102,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """moto's standalone S3 server on a free loopback port: a real HTTP endpoint, as MinIO would be."""
     import sys
 
-    from tests.servers import free_port, server_process
+    from omni_core.runtime.ranks import free_port
+    from tests.servers import server_process
 
     url = f"http://127.0.0.1:{free_port()}"
     port = url.rsplit(":", 1)[1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import urllib.request
@@ -11,12 +10,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from omni_core.runtime.supervisor import terminate_group
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.servers import free_port, server_process
+from omni_core.runtime.ranks import free_port
+from tests.servers import server_process
 
 BIN = Path(sys.executable).parent
 RECIPE = """\

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from omni_core.recipe import Recipe
+from omni_core.runtime.ranks import free_port
 from omni_core.tracking import (
     NullTracker,
     TrackingError,
@@ -19,13 +20,6 @@ from omni_core.tracking import (
     sanitize_metric_name,
 )
 from tests.helpers.tracking import make_recipe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # --- names and URIs ---------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
 from omni_core.recipe.loader import RecipeError, override_recipe
-from omni_core.recipe.schema import PLAN_DEGREES, ClusterConfig
+from omni_core.recipe.schema import PLAN_DEGREES, ClusterConfig, NodeGroup
 
 if TYPE_CHECKING:
     from omni_core.common.plan import ParallelPlan
@@ -104,15 +104,19 @@ def with_best_plan(recipe: Recipe, table: CellTable, gpu_type: str) -> Recipe:
         raise RecipeError([f"parallel.plan: auto, but the estimate has no Cell {gpu_type} x{nproc} for job {job!r} "
                            f"(priced: {priced}; estimate.gpu_types and estimate.max_gpus choose them)"])
     best = cells[gpu_type, nproc]
+    if best.nodes != 1:  # torchrun --standalone: the train stage's ranks are one node
+        raise RecipeError([f"parallel.plan: auto, but the estimate priced {gpu_type} x{nproc} as {best.nodes} nodes "
+                           f"of {best.gpus_per_node}, and the train stage runs on one node (give its size in "
+                           f"cluster.node_groups or estimate.gpus.{gpu_type}.gpus_per_node)"])
     return override_recipe(recipe, plan_overrides(best.parallel_plan(), best.micro_batch, best.checkpoint,
                                                   recipe_batch(recipe)))
 
 
 def estimate_own_cells(recipe: Recipe, gpu_type: str) -> CellTable:
-    """The recipe's own job on `gpu_type` Cells up to parallel.nproc GPUs: what `with_best_plan` needs when
-    the train stage runs without the estimate stage's CellTable."""
-    own = recipe.estimate.model_copy(update={"gpu_types": [gpu_type], "max_gpus": recipe.parallel.nproc})
-    return estimate_recipe(recipe.model_copy(update={"jobs": [], "cluster": ClusterConfig(), "estimate": own}))
+    """The recipe's own job on this machine, one node of parallel.nproc `gpu_type`s (Cells of 1, 2, 4, ... up
+    to it): what `with_best_plan` needs when the train stage runs without the estimate stage's CellTable."""
+    machine = ClusterConfig(node_groups=[NodeGroup(gpu_type=gpu_type, nodes=1, gpus_per_node=recipe.parallel.nproc)])
+    return estimate_recipe(recipe.model_copy(update={"jobs": [], "cluster": machine}))
 
 
 def format_table(table: CellTable, top: int = 10) -> str:

@@ -94,17 +94,19 @@ def check_recipe(recipe: Recipe) -> None:
 def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None,
                   cells: CellTable | None = None) -> CellOracle:
     """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given),
-    answering from `cells` (the estimate stage's CellTable) for every Cell of the slots it holds."""
+    answering from `cells` (the estimate stage's CellTable) for every Cell it priced as the slots' node shape."""
     from omni_core.common.catalog import GpuCatalog
     from omni_core.estimator.oracle import CellOracle
     from omni_core.estimator.recipe_cells import flavor_workload
+    from omni_core.estimator.search import cell_shape
 
     oracle = CellOracle(GpuCatalog().with_overrides(recipe.estimate.gpus),
                         {t: g.gpus_per_node for t, g in cluster.groups.items()},
                         lambda model, batch: flavor_workload(recipe, model, batch, profile))
     for job in recipe.jobs if cells else ():
-        for (gpu_type, _), row in cells.best_cells(job.name).items():
-            if gpu_type in cluster.groups:
+        for (gpu_type, n), row in cells.best_cells(job.name).items():
+            group = cluster.groups.get(gpu_type)
+            if group and cell_shape(n, group.gpus_per_node) == (row.nodes, row.gpus_per_node):
                 oracle.remember(job.model, job.global_batch, row.cell_result())
     return oracle
 

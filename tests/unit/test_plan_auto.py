@@ -15,8 +15,9 @@ RECIPE = {"experiment": {"name": "auto"}, "model": {"flavor": "debug"}, "data": 
           "parallel": {"nproc": 2, "plan": "auto"}, "train": {"grad_accum": 2}}
 
 
-def row(job: str, gpu_type: str, num_gpus: int, pp: int, samples_per_s: float, plan: str = "dp2") -> CellRow:
-    return CellRow(job=job, gpu_type=gpu_type, num_gpus=num_gpus, nodes=1, gpus_per_node=num_gpus, pp=pp,
+def row(job: str, gpu_type: str, num_gpus: int, pp: int, samples_per_s: float, plan: str = "dp2",
+        nodes: int = 1) -> CellRow:
+    return CellRow(job=job, gpu_type=gpu_type, num_gpus=num_gpus, nodes=nodes, gpus_per_node=num_gpus // nodes, pp=pp,
                    layout="omni", plan=plan, micro_batch=1, checkpoint=False, step_time_s=1 / samples_per_s,
                    samples_per_s=samples_per_s, peak_mem_gb=0.5, breakdown={"compute": 0.1}, runners_up=[])
 
@@ -68,12 +69,15 @@ def test_auto_runs_the_tables_best_plan_for_its_cell():
     assert (planned.parallel.plan, planned.data.micro_batch, planned.train.grad_accum) == ("explicit", 1, 4)
     with pytest.raises(RecipeError, match=r"parallel.plan: auto, but the estimate has no Cell a100 x2 .*cpu x2, cpu x4"):
         with_best_plan(recipe, table, "a100")
+    two_nodes = CellTable(cells=[row("auto", "cpu", 2, 1, 3.0, nodes=2)], unfit=[])
+    with pytest.raises(RecipeError, match="priced cpu x2 as 2 nodes of 1, and the train stage runs on one node"):
+        with_best_plan(recipe, two_nodes, "cpu")
 
 
 def test_auto_without_the_estimate_stage_prices_its_own_cells_and_gets_a_plan_that_runs():
     recipe = Recipe.model_validate(RECIPE)
     table = estimate_own_cells(recipe, "cpu")
-    assert {(c.gpu_type, c.num_gpus) for c in table.cells} <= {("cpu", 1), ("cpu", 2)} and table.cells
+    assert {(c.gpu_type, c.num_gpus, c.nodes) for c in table.cells} == {("cpu", 1, 1), ("cpu", 2, 1)}
     planned = with_best_plan(recipe, table, "cpu")
     plan = ParallelPlan.from_config(planned.parallel, 2)
     assert plan.name == table.best_cells("auto")["cpu", 2].plan
@@ -100,3 +104,19 @@ def test_the_schedulers_oracle_answers_from_the_estimate_stage_table(monkeypatch
     for gpu_type, n in held:
         assert oracle.throughput("debug", 2, gpu_type, n) == expected[gpu_type, n]
         assert oracle.best_plan("debug", 2, gpu_type, n).name == table.best_cells("a")[gpu_type, n].plan
+
+
+def test_the_oracle_does_not_take_a_cell_priced_as_another_node_shape(monkeypatch):
+    from omni_core.estimator import search
+    from omni_core.scheduler.local import local_cluster, recipe_oracle
+
+    recipe = Recipe.model_validate({
+        "experiment": {"name": "two"}, "data": {"seq_len": 256}, "cluster": {"slots": 2},
+        "jobs": [{"name": "a", "model": "debug", "global_batch": 2, "iterations": 4}],
+    })
+    table = CellTable(cells=[row("a", "cpu", 2, 1, 1e6, nodes=2), row("a", "cpu", 1, 1, 7.0, "dp1")], unfit=[])
+    searched = []
+    monkeypatch.setattr(search, "best_for_gpus", lambda *args, **kwargs: searched.append(args[2]))
+    oracle = recipe_oracle(recipe, local_cluster(recipe.cluster), cells=table)
+    assert oracle.throughput("debug", 2, "cpu", 1) == 7.0  # one node of one: the table's
+    assert oracle.throughput("debug", 2, "cpu", 2) is None and searched == [2]  # 2 nodes of 1 is not these slots

@@ -39,6 +39,7 @@ stages (each a Prefect flow, each an MLflow child run of one parent run):
             logs train/* and perf/* metrics. Checkpoints every train.ckpt_every steps and at the end;
             continues from the newest complete checkpoint when train.resume is true (the default).
             Stopped after train.timeout_s seconds. Logs the checkpoint and train_result.json.
+            parallel.plan=auto runs the estimate's best plan for this machine's Cell instead.
   evaluate  held-out loss and perplexity of the newest checkpoint, overall and per modality.
             Logs eval_report.json, eval/* metrics and a bar chart.
   schedule  instead of train and evaluate when the recipe lists `jobs`: see `omni schedule --help`.
@@ -299,9 +300,16 @@ def _flow_command(args: argparse.Namespace) -> int:
 
     extra = {}
     if getattr(args, "cells", None):
+        from pydantic import ValidationError
+
         from omni_core.estimator.search import CellTable
 
-        extra["cells"] = CellTable.load(args.cells)
+        try:
+            extra["cells"] = CellTable.load(args.cells)
+        except ValidationError as e:
+            print(f"omni: --cells {args.cells}: not a CellTable ({e.error_count()} problems, first: "
+                  f"{'.'.join(map(str, e.errors()[0]['loc']))}: {e.errors()[0]['msg']})", file=sys.stderr)
+            return USAGE_ERROR
     try:
         result = flow(args.recipe, args.overrides, **extra)
     except LaunchError as e:

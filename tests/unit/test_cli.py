@@ -98,6 +98,16 @@ def test_missing_recipe_file_exit_2(tmp_path):
     assert "missing.yaml" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_cells_file_that_is_no_celltable_is_one_message_before_training(recipe_file, tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cells.json").write_text('{"cells": 3, "unfit": []}')
+    assert main(["train", str(recipe_file), "--cells", "cells.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--cells cells.json: not a CellTable" in err and "Traceback" not in err
+    assert not (tmp_path / "mlruns").exists() and not list(tmp_path.glob("runs"))  # nothing started
+
+
 def test_unreachable_tracking_server_stops_run_before_anything_starts(recipe_file, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

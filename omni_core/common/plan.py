@@ -13,18 +13,35 @@ this object, so the plan that was estimated is the plan that runs. Degrees:
 world size = pp * dp_replicate * dp_shard * cp * tp. The compact name, e.g. `dp2-tp2-pp2-cp2r-ep2`, is what
 MLflow tags, CellTables and logs show; `ParallelPlan.parse` reads it back. `parallel.parallelize.build_meshes`
 turns a plan into device meshes.
+
+The encoders' half is `ParallelPlan.encoders`, an `EncoderPlan` (MegaScale-Omni, DESIGN.md §3):
+
+    coupled        the encoders run inside the LLM's first pipeline stage on its data split, replicated over
+                   its TP and CP ranks (Megatron-LLaVA); the name adds nothing (`dp1-tp2`)
+    omni           every rank of the world is an encoder rank: the step's items are spread over all of them,
+                   balanced by cost, long ones split over an LSSP group; `dp1-tp2+omni`
+    disaggregated  the encoders on `ranks` ranks of their own (DistTrain); `dp1+disagg1`
+
+Per encoder (`vision`, `audio`) an `EncoderSpec`: its LSSP group size, the long-item threshold (by tokens,
+i.e. cost, or by activation memory) and whether its weights are FSDP-sharded over its group, e.g.
+`dp2+omni.v-sp2-t256.a-fsdp`. The encoders' data-parallel group is derived, not a dial: the world (`omni`),
+the LLM's data shards (`coupled`), or the `ranks` encoder ranks (`disaggregated`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Literal
+
+from omni_core.recipe.schema import ENCODER_LAYOUTS, encoder_layout_problems
 
 if TYPE_CHECKING:
     from omni_core.recipe.schema import ParallelConfig
 
 CpKind = Literal["ulysses", "ring"]
+EncoderLayout = Literal["coupled", "omni", "disaggregated"]
+ENCODER_KEYS = {"vision": "v", "audio": "a"}  # the encoders a plan lays out, and their letters in names
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 _NAME = re.compile(
@@ -36,8 +53,79 @@ _NAME = re.compile(
 )
 
 
+_ENCODER_NAME = re.compile(r"^(?P<layout>coupled|omni|disagg(?P<ranks>\d+))(?P<specs>(?:\.[va](?:-[a-z]+\d*)*)*)$")
+_SPEC_TOKEN = re.compile(r"^(?:sp(?P<lssp>\d+)|t(?P<tokens>\d+)|m(?P<mb>\d+)|(?P<fsdp>fsdp))$")
+
+
 class PlanError(ValueError):
     """A plan that does not fit the world size or the model; the message names each offending degree."""
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """How one encoder's items are laid out over its group (`omni` and `disaggregated` only).
+
+    An item (an image, an audio clip) is long when it has more than `long_tokens` encoder tokens (patches,
+    mel frames; cost) or when its activations would exceed `long_mb` MiB (memory); 0 switches a test off.
+    A long item runs split over `lssp` ranks (Ulysses all-to-all over the encoder's heads); a short one runs
+    whole on one rank."""
+
+    lssp: int = 1
+    long_tokens: int = 0
+    long_mb: int = 0
+    fsdp: bool = False  # weights FSDP-sharded over the encoder's group (else replicated, gradients all-reduced)
+
+    @property
+    def name(self) -> str:
+        tokens = [f"sp{self.lssp}" if self.lssp > 1 else "", f"t{self.long_tokens}" if self.long_tokens else "",
+                  f"m{self.long_mb}" if self.long_mb else "", "fsdp" if self.fsdp else ""]
+        return "-".join(t for t in tokens if t)
+
+
+@dataclass(frozen=True)
+class EncoderPlan:
+    """The encoders' layout (see the module docstring); `ranks` only for `disaggregated`."""
+
+    layout: EncoderLayout = "coupled"
+    vision: EncoderSpec = EncoderSpec()
+    audio: EncoderSpec = EncoderSpec()
+    ranks: int = 0
+
+    def problems(self) -> list[str]:
+        return encoder_layout_problems(self.layout, self.ranks, {key: asdict(self.spec(key)) for key in ENCODER_KEYS})
+
+    def spec(self, encoder: str) -> EncoderSpec:
+        return getattr(self, encoder)
+
+    @property
+    def name(self) -> str:
+        """`coupled`, `omni`, `disagg2`, then `.v-...` / `.a-...` for each encoder whose spec is not the default."""
+        head = f"disagg{self.ranks}" if self.layout == "disaggregated" else self.layout
+        specs = "".join(f".{letter}-{self.spec(key).name}" for key, letter in ENCODER_KEYS.items()
+                        if self.spec(key) != EncoderSpec())
+        return head + specs
+
+    @classmethod
+    def parse(cls, name: str) -> EncoderPlan:
+        match = _ENCODER_NAME.match(name)
+        if not match:
+            raise PlanError(f"cannot parse encoder layout {name!r} (expected e.g. omni, omni.v-sp2-t256, disagg2)")
+        specs = {}
+        for part in filter(None, match["specs"].split(".")):
+            letter, *tokens = part.split("-")
+            values: dict = {}
+            for token in tokens:
+                t = _SPEC_TOKEN.match(token)
+                if not t:
+                    raise PlanError(f"encoder layout {name!r}: unknown setting {token!r} (sp<N>, t<N>, m<N>, fsdp)")
+                values.update(lssp=int(t["lssp"] or 0) or values.get("lssp", 1),
+                              long_tokens=int(t["tokens"] or 0) or values.get("long_tokens", 0),
+                              long_mb=int(t["mb"] or 0) or values.get("long_mb", 0),
+                              fsdp=bool(t["fsdp"]) or values.get("fsdp", False))
+            key = {v: k for k, v in ENCODER_KEYS.items()}[letter]
+            specs[key] = EncoderSpec(**values)
+        layout = "disaggregated" if match["ranks"] else match["layout"]
+        return cls(layout=layout, ranks=int(match["ranks"] or 0), **specs)
 
 
 @dataclass(frozen=True)
@@ -62,6 +150,7 @@ class ParallelPlan:
     cp_kind: CpKind = "ulysses"
     pp_schedule: PipelineSchedule = "1F1B"
     virtual_stages: int = 1  # pipeline stages per rank (> 1 only for interleaved 1F1B)
+    encoders: EncoderPlan = EncoderPlan()
 
     def __post_init__(self) -> None:
         problems = [f"{f.name}={getattr(self, f.name)} must be >= 1" for f in fields(self)
@@ -76,14 +165,27 @@ class ParallelPlan:
             problems.append("pp_schedule=Interleaved1F1B needs virtual_stages >= 2")
         if not problems and (self.dp_shard * self.cp) % self.ep:
             problems.append(f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp} (EP is folded into them)")
+        problems.extend(self.encoders.problems())
         if problems:
             raise PlanError("; ".join(problems))
 
     # --- sizes -------------------------------------------------------------------------------------------
 
     @property
-    def world_size(self) -> int:
+    def llm_world_size(self) -> int:
+        """Ranks the LLM runs on: the whole world, except the encoders' own ranks under `disaggregated`."""
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.llm_world_size + self.encoders.ranks
+
+    @property
+    def encoder_ranks(self) -> range:
+        """The global ranks the encoders run on under `omni` (all) and `disaggregated` (the last `ranks`)."""
+        if self.encoders.layout == "disaggregated":
+            return range(self.llm_world_size, self.world_size)
+        return range(self.world_size)
 
     @property
     def dp(self) -> int:
@@ -103,7 +205,8 @@ class ParallelPlan:
             parts.append(f"cp{self.cp}{self.cp_kind[0]}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        return "-".join(parts)
+        llm = "-".join(parts)
+        return llm if self.encoders == EncoderPlan() else f"{llm}+{self.encoders.name}"
 
     def __str__(self) -> str:
         return self.name
@@ -112,7 +215,10 @@ class ParallelPlan:
 
     @classmethod
     def parse(cls, name: str) -> ParallelPlan:
-        """Inverse of `name`: `dp2x2-tp2-pp4v2-cp2r-ep2` -> the plan (HSDP 2x2, interleaved, ring CP)."""
+        """Inverse of `name`: `dp2x2-tp2-pp4v2-cp2r-ep2` -> the plan (HSDP 2x2, interleaved, ring CP);
+        `dp2+omni.v-sp2-t256` also lays out the encoders."""
+        name, _, encoder_name = name.partition("+")
+        encoders = EncoderPlan.parse(encoder_name) if encoder_name else EncoderPlan()
         match = _NAME.match(name)
         if not match:
             raise PlanError(f"cannot parse plan name {name!r} (expected e.g. dp2-tp2-pp2-cp2r-ep2)")
@@ -123,7 +229,7 @@ class ParallelPlan:
         return cls(
             dp_replicate=replicate, dp_shard=shard, tp=int(g["tp"] or 1), pp=int(g["pp"] or 1),
             cp=int(g["cp"] or 1), ep=int(g["ep"] or 1), cp_kind="ring" if g["kind"] == "r" else "ulysses",
-            pp_schedule=schedule, virtual_stages=virtual,
+            pp_schedule=schedule, virtual_stages=virtual, encoders=encoders,
         )
 
     @classmethod
@@ -132,19 +238,24 @@ class ParallelPlan:
         if cfg.plan == "auto":
             raise PlanError("parallel.plan is auto: the train stage (omni train, omni run) replaces it with the "
                             "estimate's best plan for its Cell before launching; the runtime runs explicit degrees")
+        e = cfg.encoders
+        encoders = EncoderPlan(e.layout, EncoderSpec(**e.vision.model_dump()), EncoderSpec(**e.audio.model_dump()),
+                               e.ranks)
+        llm_ranks = world_size - encoders.ranks
         others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
-            if world_size % others:
-                raise PlanError(
-                    f"world size {world_size} is not divisible by pp={cfg.pp} x dp_replicate={cfg.dp_replicate} "
-                    f"x cp={cfg.cp} x tp={cfg.tp} = {others}"
-                )
-            dp_shard = world_size // others
+            if llm_ranks < 1 or llm_ranks % others:
+                ranks = (f"the LLM's {llm_ranks} ranks (world size {world_size} less encoders.ranks="
+                         f"{encoders.ranks}) are" if encoders.ranks else f"world size {world_size} is")
+                raise PlanError(f"{ranks} not divisible by pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x cp={cfg.cp} "
+                                f"x tp={cfg.tp} = {others}")
+            dp_shard = llm_ranks // others
         schedule = cfg.pp_schedule if cfg.pp > 1 else "1F1B"  # one stage has no schedule to choose
         plan = cls(
             dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
             cp_kind=cfg.cp_kind, pp_schedule=schedule, virtual_stages=2 if schedule == "Interleaved1F1B" else 1,
+            encoders=encoders,
         )
         plan.check_world(world_size)
         return plan
@@ -155,7 +266,8 @@ class ParallelPlan:
         if self.world_size != world_size:
             raise PlanError(
                 f"plan {self.name} needs pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"x cp={self.cp} x tp={self.tp} = {self.world_size} ranks, but the world size is {world_size}"
+                f"x cp={self.cp} x tp={self.tp}{f' + encoders.ranks={self.encoders.ranks}' if self.encoders.ranks else ''} "
+                f"= {self.world_size} ranks, but the world size is {world_size}"
             )
 
     def check_model(self, shape: ModelShape) -> None:

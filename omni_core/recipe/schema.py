@@ -212,7 +212,61 @@ class ModelConfig(Strict):
     freeze: list[Literal["vision", "audio", "projectors", "llm"]] = Field(default_factory=list)
 
 
+ENCODER_LAYOUTS = ("coupled", "omni", "disaggregated")
 PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep")
+
+
+ENCODER_SPEC_DEFAULTS = {"lssp": 1, "long_tokens": 0, "long_mb": 0, "fsdp": False}
+
+
+def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict]) -> list[str]:
+    """Every problem of an encoder layout, each naming its `encoders.` field; shared by the recipe and by
+    `common.plan.EncoderPlan` (a plan read back from its name)."""
+    if layout not in ENCODER_LAYOUTS:
+        return [f"encoders.layout={layout!r} must be one of {', '.join(ENCODER_LAYOUTS)}"]
+    out = []
+    for encoder, spec in specs.items():
+        out.extend(f"encoders.{encoder}.{key}={spec[key]} must be >= {least}"
+                   for key, least in (("lssp", 1), ("long_tokens", 0), ("long_mb", 0)) if spec[key] < least)
+        if spec["lssp"] > 1 and not (spec["long_tokens"] or spec["long_mb"]):
+            out.append(f"encoders.{encoder}.lssp={spec['lssp']} needs a long-item threshold (long_tokens or long_mb)")
+        if layout == "coupled" and spec != ENCODER_SPEC_DEFAULTS:
+            out.append(f"encoders.{encoder} is set, which needs layout omni or disaggregated: coupled encoders "
+                       "run on their LLM stage's batches as they come")
+    if layout == "disaggregated" and ranks < 1:
+        out.append("encoders.ranks must be >= 1 under layout disaggregated (the encoders' own ranks)")
+    if layout != "disaggregated" and ranks:
+        out.append(f"encoders.ranks={ranks} needs layout disaggregated (layout is {layout})")
+    return out
+
+
+class EncoderSpecConfig(Strict):
+    """One encoder's layout over its group (omni and disaggregated layouts)."""
+
+    lssp: int = Field(1, ge=1, description="Ranks a long item is split over (long-short sequence parallelism)")
+    long_tokens: int = Field(0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; "
+                             "0: no threshold by cost")
+    long_mb: int = Field(0, ge=0, description="An item whose encoder activations exceed this many MiB is long; "
+                         "0: no threshold by memory")
+    fsdp: bool = Field(False, description="Shard the encoder's weights over its group (else replicated)")
+
+
+class EncodersConfig(Strict):
+    """Where the encoders run (DESIGN.md §3): coupled (the LLM's first stage, Megatron-LLaVA), omni (every rank,
+    their own balanced layout, MegaScale-Omni) or disaggregated (ranks of their own, DistTrain)."""
+
+    layout: Literal["coupled", "omni", "disaggregated"] = "coupled"
+    ranks: int = Field(0, ge=0, description="disaggregated: ranks the encoders get (the LLM gets the rest)")
+    vision: EncoderSpecConfig = EncoderSpecConfig()
+    audio: EncoderSpecConfig = EncoderSpecConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EncodersConfig:
+        problems = encoder_layout_problems(self.layout, self.ranks, {
+            "vision": self.vision.model_dump(), "audio": self.audio.model_dump()})
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class ParallelConfig(Strict):
@@ -232,6 +286,7 @@ class ParallelConfig(Strict):
     cp: int = Field(1, ge=1)
     cp_kind: Literal["ulysses", "ring"] = "ulysses"
     ep: int = Field(1, ge=1)
+    encoders: EncodersConfig = EncodersConfig()
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @model_validator(mode="after")

@@ -118,3 +118,36 @@ def test_pipeline_schedules_need_enough_microbatches():
     ParallelPlan.parse("dp1-pp2v2").check_microbatches(4)
     with pytest.raises(PlanError, match=r"rounds of 2, which must divide the 5"):
         ParallelPlan.parse("dp1-pp2v2").check_microbatches(5)
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp1-tp2+omni", "dp2+omni.v-sp2-t256.a-fsdp", "dp1+disagg1",
+                                  "dp1-pp2+omni.a-sp2-m64-fsdp", "dp2x2-tp2-pp4v2-cp2r-ep2+omni.v-t64"])
+def test_plan_names_with_encoders_round_trip(name):
+    assert ParallelPlan.parse(name).name == name
+
+
+def test_encoder_plan_sizes_and_ranks():
+    omni = ParallelPlan.parse("dp1-tp2+omni")
+    assert (omni.world_size, list(omni.encoder_ranks)) == (2, [0, 1])
+    disagg = ParallelPlan.parse("dp2+disagg1")
+    assert (disagg.llm_world_size, disagg.world_size, list(disagg.encoder_ranks)) == (2, 3, [2])
+    cfg = ParallelConfig(encoders={"layout": "disaggregated", "ranks": 1})
+    assert ParallelPlan.from_config(cfg, 3) == disagg
+
+
+@pytest.mark.parametrize("name, message", [
+    ("dp2+coupled.v-sp2-t2", "encoders.vision is set, which needs layout omni or disaggregated"),
+    ("dp2+omni.v-sp2", r"encoders.vision.lssp=2 needs a long-item threshold"),
+    ("dp2+omni.v-x3", "unknown setting 'x3'"),
+    ("dp2+disagg0", "encoders.ranks must be >= 1"),
+])
+def test_bad_encoder_plans_are_named(name, message):
+    with pytest.raises(PlanError, match=message):
+        ParallelPlan.parse(name)
+
+
+def test_recipe_encoder_fields_are_checked_by_name():
+    with pytest.raises(ValueError, match="encoders.ranks=2 needs layout disaggregated"):
+        ParallelConfig(encoders={"layout": "omni", "ranks": 2})
+    with pytest.raises(ValueError, match="encoders.audio.lssp=4 needs a long-item threshold"):
+        ParallelConfig(encoders={"layout": "omni", "audio": {"lssp": 4}})

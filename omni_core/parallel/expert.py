@@ -16,36 +16,12 @@ input requires grad: each forward and backward is a collective.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from omni_core.models.llm import MoE, load_balancing_loss
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    # all_to_all_single with split sizes: the list form of all_to_all fails on gloo with unequal sizes.
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class AllToAll(torch.autograd.Function):
-    """Differentiable uneven all-to-all along dim 0: its backward is the reverse exchange (splits swapped)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-    ) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 
 
 class ExpertParallelMoE(MoE):
@@ -64,7 +40,7 @@ class ExpertParallelMoE(MoE):
         token = order // self.args.top_k
         counts = torch.bincount(experts.flatten(), minlength=self.args.num_experts)
         # recv[s, j]: how many assignments source rank s sends to my j-th expert.
-        recv = _all_to_all(counts, [len(mine)] * ep, [len(mine)] * ep, self.ep_group).view(ep, len(mine))
+        recv = all_to_all_uneven(counts, [len(mine)] * ep, [len(mine)] * ep, self.ep_group).view(ep, len(mine))
         send_splits = counts.view(ep, len(mine)).sum(dim=1).tolist()
         recv_splits = recv.sum(dim=1).tolist()
         received = AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,26 @@ def flex_document_attention(q, k, v, cu_seqlens, causal: bool) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+class EncoderShard(Protocol):
+    """This member's contiguous chunk of ONE encoder document (a long image or clip split over a group), and
+    the attention over the whole document. A protocol so that models need not import `omni_core.parallel`;
+    `omni_core.parallel.lssp.SequenceShard` is the implementation."""
+
+    @property
+    def offset(self) -> int:
+        """Index in the document of this member's first token."""
+        ...
+
+    @property
+    def length(self) -> int:
+        """Tokens in this member's chunk."""
+        ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Non-causal attention of this chunk's queries [length, H, D] over the whole document -> [length, H, D]."""
+        ...
+
+
 class EncoderAttention(nn.Module):
     """Full bidirectional multi-head attention inside each document (an image, an audio clip)."""
 
@@ -142,10 +163,18 @@ class EncoderAttention(nn.Module):
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], shard: EncoderShard | None = None) -> torch.Tensor:
+        """Packed documents x [T, dim] -> [T, dim]. With `shard`, x is this member's chunk of one document
+        (`cu_seqlens` is [0, len(x)]) and the attention over the whole document runs through the shard."""
         shape = (x.shape[0], self.n_heads, self.head_dim)
         q, k, v = self.wq(x).view(shape), self.wk(x).view(shape), self.wv(x).view(shape)
-        return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=False).flatten(1))
+        if shard is None:
+            out = varlen_attention(q, k, v, cu_seqlens, causal=False)
+        elif len(_document_lengths(cu_seqlens, x.shape[0])) != 1:
+            raise ValueError(f"a sequence shard holds a chunk of one document, got cu_seqlens {list(cu_seqlens)}")
+        else:
+            out = shard.attend(q, k, v)
+        return self.wo(out.flatten(1))
 
 
 class EncoderBlock(nn.Module):
@@ -160,6 +189,7 @@ class EncoderBlock(nn.Module):
         approximate = {"gelu": "none", "gelu_tanh": "tanh"}[activation]
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate=approximate), nn.Linear(hidden, dim))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cu_seqlens)
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], shard: EncoderShard | None = None) -> torch.Tensor:
+        """Only attention mixes tokens, so under a `shard` (see EncoderAttention) the rest runs on the chunk as is."""
+        x = x + self.attention(self.attention_norm(x), cu_seqlens, shard)
         return x + self.mlp(self.mlp_norm(x))

@@ -10,7 +10,7 @@ from torch import nn
 
 from omni_core.common.batch import audio_tokens
 from omni_core.models.args import AudioArgs
-from omni_core.models.attention import EncoderBlock
+from omni_core.models.attention import EncoderBlock, EncoderShard
 
 
 def sinusoids(positions: torch.Tensor, dim: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -43,12 +43,22 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv1(clip.T.unsqueeze(0)))
         return F.gelu(self.conv2(x)).squeeze(0).T
 
-    def forward(self, mels: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+    def forward(self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None) -> torch.Tensor:
+        """Mel frames [F, n_mels] of the clips in `frames` [N] -> [sum(frames // 2), dim].
+
+        With `shard` (long-short sequence parallelism), `frames` is ONE clip [1] and `mels` the WHOLE clip:
+        the conv stem needs each chunk's neighbouring frames, and is cheap, so every member runs it on the
+        whole clip (redundantly) and keeps its subsampled tokens `shard.offset .. offset + length`; only the
+        transformer blocks are split, their attention running over the whole clip through the shard. Returns
+        this member's [length, dim]; the stem's parameter gradients then sum over the members.
+        """
         frame_counts = frames.tolist()
         if sum(frame_counts) != mels.shape[0]:
             raise ValueError(f"audio_frames sum to {sum(frame_counts)}, but {mels.shape[0]} mel frames were given")
         if max(frame_counts, default=0) > self.args.max_frames:
             raise ValueError(f"an audio clip exceeds max_frames={self.args.max_frames}: {frame_counts}")
+        if shard is not None and len(frame_counts) != 1:
+            raise ValueError(f"a sequence shard splits one audio clip, got {len(frame_counts)}: {frame_counts}")
         clips = [self.subsample(clip) for clip in mels.to(self.conv1.weight.dtype).split(frame_counts)]
         cu_seqlens = [0]
         for count, clip in zip(frame_counts, clips):
@@ -58,8 +68,16 @@ class AudioEncoder(nn.Module):
                     "frames per clip must be a multiple of 2"
                 )
             cu_seqlens.append(cu_seqlens[-1] + clip.shape[0])
-        positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
+        if shard is None:
+            positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
+        else:
+            if shard.offset + shard.length > clips[0].shape[0]:
+                raise ValueError(f"shard tokens {shard.offset}..{shard.offset + shard.length} exceed the clip's "
+                                 f"{clips[0].shape[0]} tokens ({frame_counts[0]} frames)")
+            clips = [clips[0][shard.offset : shard.offset + shard.length]]
+            positions = torch.arange(shard.offset, shard.offset + shard.length, device=mels.device)
+            cu_seqlens = [0, shard.length]
         x = torch.cat(clips) + sinusoids(positions, self.args.dim).to(clips[0].dtype)
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
+            x = layer(x, cu_seqlens, shard)
         return self.norm(x)

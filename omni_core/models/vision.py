@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_core.models.args import VisionArgs
-from omni_core.models.attention import EncoderBlock
+from omni_core.models.attention import EncoderBlock, EncoderShard
 
 
 class VisionEncoder(nn.Module):
@@ -49,20 +49,39 @@ class VisionEncoder(nn.Module):
         resized = F.interpolate(grid.float(), size=(rows, cols), mode="bicubic", align_corners=False)
         return resized[0].permute(1, 2, 0).reshape(rows * cols, -1).to(table.dtype)
 
-    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None) -> torch.Tensor:
+        """Patches [P, patch_dim] of the images in `grids` [N, 2] -> [P, dim].
+
+        With `shard` (long-short sequence parallelism), `grids` is ONE image [1, 2] and `patches` only this
+        member's row-major patches `shard.offset .. offset + length` of it: positions are sliced to them, the
+        attention runs over the whole image through the shard, and the result is this member's [length, dim].
+        The caller aligns chunks to whole merge rows, so that the projector's spatial merge stays local.
+        """
         grid_list = grids.tolist()
         patch_counts = [rows * cols for rows, cols in grid_list]
-        if sum(patch_counts) != patches.shape[0]:
-            raise ValueError(f"image grids cover {sum(patch_counts)} patches, but {patches.shape[0]} were given")
+        if shard is None:
+            covered, expected = "image grids cover", sum(patch_counts)
+        elif len(grid_list) != 1:
+            raise ValueError(f"a sequence shard splits one image, got {len(grid_list)} grids: {grid_list}")
+        elif shard.offset + shard.length > patch_counts[0]:
+            raise ValueError(f"shard patches {shard.offset}..{shard.offset + shard.length} exceed the image's "
+                             f"{patch_counts[0]} patches (grid {grid_list[0]})")
+        else:
+            covered, expected = "the shard holds", shard.length
+        if expected != patches.shape[0]:
+            raise ValueError(f"{covered} {expected} patches, but {patches.shape[0]} were given")
         if self.args.pos_embed == "factorized" and grid_list and max(max(g) for g in grid_list) > self.args.max_grid:
             raise ValueError(f"an image grid exceeds max_grid={self.args.max_grid}: {grid_list}")
         pos = torch.cat([self.positions(rows, cols) for rows, cols in grid_list])
+        if shard is None:
+            cu_seqlens = [0]
+            for count in patch_counts:
+                cu_seqlens.append(cu_seqlens[-1] + count)
+        else:
+            pos, cu_seqlens = pos[shard.offset : shard.offset + shard.length], [0, shard.length]
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + pos
-        cu_seqlens = [0]
-        for count in patch_counts:
-            cu_seqlens.append(cu_seqlens[-1] + count)
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
+            x = layer(x, cu_seqlens, shard)
         return self.norm(x)
 
     def forward_video(self, patches: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:

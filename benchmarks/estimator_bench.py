@@ -53,12 +53,16 @@ PAPER_REPORTED = {"abstract": "1.27x-7.57x over four systems",
 PAPER_ASSUMPTIONS = (
     "Each layout gets its own best plan (DP x TP x PP x CP, micro-batch, checkpointing) on H100s with the default "
     "GPU efficiencies (60% of peak for matmuls, 45% for attention, 80% of link bandwidth, 80% of DP traffic hidden). "
-    "omni: encoders data-parallel over all GPUs, balanced, the longest images split over an LSSP group (searched), "
-    "their work placed in the LLM pipeline's bubbles up to Efficiency.joint_pipeline = 75% of them. coupled "
-    "(Megatron-LLaVA): encoders on pipeline stage 0 with the LLM's DP x TP, the load imbalance of unbalanced "
-    "batches. disaggregated (DistTrain-like): encoders on their own whole nodes (k/8 of the GPUs), embeddings "
-    "shipped across nodes. Images: 1,024 patches (448 px at patch 14), 2x2 merged to 256 LLM tokens; text "
-    "documents of 2,048 tokens.")
+    "Each layout is a plan's encoder half (ParallelPlan.encoders, in the plan names). omni, as omni_core's runtime "
+    "executes it: encoders data-parallel over all GPUs, the step's images balanced over them, the longest split "
+    "over an LSSP group with its long-item threshold (searched), weights replicated or FSDP over the world "
+    "(searched), three phases (the step's encoder forward, the LLM on detached embeddings, the encoder backward: "
+    "no pipeline bubble hides encoder work, Efficiency.joint_pipeline = 0, so the encoders' activations of the "
+    "whole step are held), inputs and embeddings moved by all-to-alls. coupled (Megatron-LLaVA): encoders on "
+    "pipeline stage 0 with the LLM's DP x TP, the load imbalance of unbalanced batches. disaggregated "
+    "(DistTrain-like): encoders on their own whole nodes (k/8 of the GPUs, searched), embeddings shipped across "
+    "nodes. Images: 1,024 patches (448 px at patch 14), 2x2 merged to 256 LLM tokens; text documents of 2,048 "
+    "tokens.")
 
 
 def plans_per_second(min_seconds: float = 1.0) -> float:

@@ -5,12 +5,15 @@ catalogue it prices is `omni_core.common.catalog`; calibration and validation, w
     workloads   Layer / Workload builders: dense and MoE transformers, ViT, Wide-ResNet, OmniModel flavors
                 (document lengths from a DatasetProfile), the Crius trace's models, MegaScale-Omni's A-D
     cost        estimate_step(workload, gpu, plan, options) -> Estimate (step time, peak memory, or the reason),
-                composed of terms (its inputs), memory, stage, pipeline, encoders and communication
-    search      Cells, the plan search inside each, CellTable (the stage's typed result)
+                the encoders where plan.encoders puts them; composed of terms (its inputs), memory, stage,
+                pipeline, encoders and communication
+    search      Cells, the plan search inside each (encoder layouts as plan variants), CellTable (the stage's
+                typed result)
     layouts     omni / coupled / disaggregated encoder placement compared, each with its own best plan
     oracle      ThroughputOracle (the scheduler's interface) and CellOracle (memoised)
     calibration the stored micro-profile of a device type (spec + Efficiency) and its digest
-    recipe_cells a recipe's jobs and cluster -> CellTable (+ figure): `omni estimate`, flows/estimate.py
+    recipe_cells a recipe's jobs and cluster -> CellTable (+ figure): `omni estimate`, flows/estimate.py; a
+                recipe's plans predicted on this machine (predicted_step_times)
 """
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec

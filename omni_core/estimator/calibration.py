@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,14 @@ def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
 def calibrated(gpu: GpuSpec) -> tuple[GpuSpec, Efficiency]:
     """The stored micro-profile of this device type if there is one, else the catalogue entry and defaults."""
     return load_calibration(gpu.name) or (gpu, Efficiency())
+
+
+def runtime_efficiency(eff: Efficiency) -> Efficiency:
+    """What omni_core's runtime does, on top of a device's calibration: every collective is waited for
+    (gloo's calls block: nothing overlaps), and the `coupled` encoders and MoE experts run replicated on each TP
+    (and CP) rank."""
+    return replace(eff, dp_overlap=0.0, tp_overlap=0.0, ep_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
+                   split_encoders_experts=False)
 
 
 def calibration_digest(device: str) -> str:

@@ -12,12 +12,17 @@ Time of one training step (per rank; the slowest pipeline stage rules):
                + CP: Ulysses all-to-alls of q, k, v and the output; or ring attention's blocks and K/V passing
                + EP dispatch / combine all-to-alls + FSDP: parameter all-gathers (forward and backward) and
                  the hooks per unit and per parameter tensor
-               + the pipeline's sends; `coupled`: the encoders on stage 0 (imbalanced batches)
+               + the pipeline's sends; `coupled` encoders: their work on stage 0 (imbalanced batches)
     + per step: FSDP's gradient reduce-scatter (after the last micro-batch)
     + per step: optimizer and gradient norm (per parameter group and tensor, plain or DTensor, + bytes), the step's
       small synchronising all-reduces, host work outside the model (`step_overhead_s`: data loading)
-    + `omni`: the encoders on every rank, balanced (DESIGN.md §3), exposed beyond the pipeline's bubbles
-      when the joint encoder-LLM schedule places their work there (`Efficiency.joint_pipeline`)
+    + `omni` encoders: on every rank, balanced, long items split over LSSP groups, before and after the LLM
+      (three phases), with their weights' collectives and the inputs' and embeddings' handoff (`encoders`)
+    `disaggregated` encoders: the step is the slower of the LLM on its ranks (the above without encoders) and
+    the encoders on theirs, plus shipping the embeddings between them
+
+The plan says where the encoders run (`ParallelPlan.encoders`: layout, per encoder LSSP group, long-item
+threshold, weight sharding): the estimate prices the plan object the runtime executes.
 
 Collectives use an alpha-beta model per link class and per collective kind: a group whose ranks lie in one
 node uses the intra-node link, otherwise the inter-node one. When a node has fewer compute units than
@@ -36,18 +41,27 @@ they imply), `memory` (bytes per GPU), `stage` (t_s), `pipeline` (stages and the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omni_core.common.catalog import GpuSpec
-from omni_core.common.plan import ParallelPlan
-from omni_core.estimator.encoders import encoder_work, omni_encoder_seconds
+from omni_core.common.plan import EncoderPlan, ParallelPlan
+from omni_core.estimator.encoders import (
+    coupled_encoder_work,
+    disaggregated_encoders,
+    lssp_refusal,
+    omni_encoder_seconds,
+)
 from omni_core.estimator.memory import out_of_memory, peak_memory
-from omni_core.estimator.pipeline import pipeline_seconds, schedule_refusal, stage_groups
+from omni_core.estimator.pipeline import (
+    pipeline_seconds,
+    schedule_refusal,
+    stage_groups,
+)
 from omni_core.estimator.stage import StageTimes, price_stages
-from omni_core.estimator.terms import Efficiency, Layout, Options, PlanTerms
-from omni_core.estimator.workloads import Workload
+from omni_core.estimator.terms import Efficiency, Options, PlanTerms
+from omni_core.estimator.workloads import EncoderItems, Workload
 
-__all__ = ["COLLECTIVES", "Efficiency", "Estimate", "Layout", "Options", "estimate_step"]
+__all__ = ["COLLECTIVES", "Efficiency", "Estimate", "Options", "estimate_step"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the kinds `Efficiency.collectives` scales
 SYNC_COLLECTIVES = 2  # the step's all-reduces of its loss and token statistics
@@ -73,11 +87,16 @@ class Estimate:
 
 def batch_refusal(workload: Workload, plan: ParallelPlan, options: Options) -> str:
     """Why the step's batch cannot run through `plan` in micro-batches of `options.micro_batch` (it does not
-    divide over DP, or the pipeline schedule refuses their number), or ""."""
+    divide over DP, or the pipeline schedule refuses their number), or why its `omni` encoders' LSSP group
+    cannot split the longest item over the world, or ""."""
     dp, mb = plan.dp, options.micro_batch
     micro_batches, rest = divmod(workload.global_batch, dp * mb)  # per step per pipeline
     if rest:
         return f"global_batch={workload.global_batch} is not divisible by dp={dp} x micro_batch={mb}"
+    if plan.encoders.layout == "omni" and workload.encoder:
+        refusal = lssp_refusal(workload, plan.encoders, plan.world_size)
+        if refusal:
+            return refusal
     return schedule_refusal(plan, micro_batches)
 
 
@@ -110,8 +129,11 @@ def estimate_step(
     workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
     gpus_per_node: int, eff: Efficiency = Efficiency(),
 ) -> Estimate:
-    """Step time and peak memory of `plan` (its world = the Cell's GPUs). Never raises for a plan that does
-    not fit: the Estimate's `reason` says why (memory, batch split)."""
+    """Step time and peak memory of `plan` (its world = the Cell's GPUs), its encoders where `plan.encoders`
+    puts them. Never raises for a plan that does not fit: the Estimate's `reason` says why (memory, batch
+    split)."""
+    if plan.encoders.layout == "disaggregated":
+        return disaggregated_step(workload, gpu, plan, options, gpus_per_node=gpus_per_node, eff=eff)
     est = Estimate(plan, options)
     est.reason = batch_refusal(workload, plan, options)
     if est.reason:
@@ -124,13 +146,13 @@ def estimate_step(
         est.reason = out_of_memory(est.peak_mem_bytes, worst, gpu)
         return est
 
-    encoder_load = encoder_work(terms)  # None without encoders
-    stages = price_stages(terms, groups, encoder_load if options.layout == "coupled" else None)
+    omni = plan.encoders.layout == "omni"
+    stages = price_stages(terms, groups, None if omni else coupled_encoder_work(terms))
     counts = [count for _, _, count in groups]
     pipeline, bubble = pipeline_seconds(plan, terms.micro_batches, [times.micro_batch for times in stages], counts)
-    encoder = long_item = 0.0  # `omni`: the encoders' exposed seconds and their longest item's
-    if encoder_load is not None and options.layout == "omni":
-        encoder, long_item = omni_encoder_seconds(terms, encoder_load, bubble)
+    encoder = long_item = handoff = 0.0  # `omni`: the encoders' exposed seconds, their longest item's, the handoff's
+    if omni and workload.encoder:
+        encoder, long_item, handoff = omni_encoder_seconds(terms, bubble)
     per_step = max(times.per_step for times in stages)
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
@@ -139,6 +161,36 @@ def estimate_step(
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step
     est.breakdown = {"pipeline_s": pipeline, "bubble_s": bubble, "encoder_s": encoder, "encoder_long_item_s": long_item,
-                     "optimizer_s": per_step, "sync_s": sync, "host_s": terms.eff.step_overhead_s,
-                     "device_s": stages[0].device * counts[0], "runtime_s": stages[0].runtime * counts[0], **worst}
+                     "encoder_handoff_s": handoff, "optimizer_s": per_step, "sync_s": sync,
+                     "host_s": terms.eff.step_overhead_s, "device_s": stages[0].device * counts[0],
+                     "runtime_s": stages[0].runtime * counts[0], **worst}
+    return est
+
+
+def llm_only(workload: Workload) -> Workload:
+    """The workload without its encoders: what a `disaggregated` plan's LLM ranks run. Memoised."""
+    llm = workload.cache.get("llm_only")
+    if llm is None:
+        llm = workload.cache["llm_only"] = replace(workload, encoder=(), encoder_cv=0.0, encoder_max_item=0.0,
+                                                   items=EncoderItems(), cache={})
+    return llm
+
+
+def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
+                       gpus_per_node: int, eff: Efficiency) -> Estimate:
+    """A `disaggregated` plan: the LLM's plan on its ranks and the encoders on theirs run side by side, so the
+    step is the slower of the two plus the embeddings' handoff; memory is the fuller side's."""
+    llm = estimate_step(llm_only(workload), gpu, replace(plan, encoders=EncoderPlan()), options,
+                        gpus_per_node=gpus_per_node, eff=eff)
+    est = Estimate(plan, options, peak_mem_bytes=llm.peak_mem_bytes, reason=llm.reason)
+    if not llm.fits or not workload.encoder:
+        est.step_time_s, est.samples_per_s, est.breakdown = llm.step_time_s, llm.samples_per_s, llm.breakdown
+        return est
+    encoders = disaggregated_encoders(workload, gpu, plan, eff, gpus_per_node)
+    est.peak_mem_bytes, est.reason = max(llm.peak_mem_bytes, encoders.peak_bytes), encoders.reason
+    if est.fits:
+        est.step_time_s = max(encoders.seconds, llm.step_time_s) + encoders.handoff
+        est.samples_per_s = workload.global_batch / est.step_time_s
+        est.breakdown = {**llm.breakdown, "llm_s": llm.step_time_s, "encoder_s": encoders.seconds,
+                         "encoder_handoff_s": encoders.handoff}
     return est

@@ -1,22 +1,46 @@
-"""An MLLM's encoders (and projectors) in a training step, by layout.
+"""An MLLM's encoders (and projectors) in a training step, by the plan's encoder layout (`plan.encoders`).
 
 `coupled` (Megatron-LLaVA): the encoders run on pipeline stage 0 with the LLM's data split, replicated over
 TP x CP unless they are split too, on batches nobody rebalanced (`unbalanced_factor`): their work joins
-stage 0's (`encoder_work`, a `stage.ExtraWork`). `omni` (MegaScale-Omni, DESIGN.md §3): on every rank, data
-parallel over the world and balanced by grouped reordering, except that no rank finishes before the longest
-item (image, clip) it got, which LSSP splits over `Options.lssp` ranks; the joint encoder-LLM schedule
-places their work in the pipeline's bubbles (`Efficiency.joint_pipeline` of them): `omni_encoder_seconds`.
+stage 0's (`coupled_encoder_work`, a `stage.ExtraWork`).
+
+`omni` (MegaScale-Omni, DESIGN.md §3), as the runtime executes it (`omni_encoder_seconds`): every rank of the
+world is an encoder rank. Each step the items of all data shards are spread over all ranks, longest
+processing time first on a cost a*L + b*L^2, so a rank takes its balanced share or the longest item,
+whichever is longer; an item over its encoder's threshold (`EncoderSpec.long_tokens` / `long_mb`) is split
+over the spec's LSSP group (Ulysses: four all-to-alls per attention layer forward, again in backward). The
+schedule has three phases: the whole step's encoder forward before the LLM, the LLM (1F1B with pp > 1) on
+detached embeddings, the encoder backward after it, so no pipeline bubble hides encoder work
+(`Efficiency.joint_pipeline` > 0 prices the joint schedule that would). Items' inputs travel from their data
+shard's rank to their encoder rank (forward), their embeddings to every stage-0 rank of their shard and the
+gradients back (variable-split all-to-alls, `handoff_seconds`). Weights are replicated over the world with one
+gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`).
+
+`disaggregated` (DistTrain): the encoders on `plan.encoders.ranks` ranks of their own, data parallel, no
+rebalancing; the LLM on the others (`disaggregated_encoders`; `cost` composes the two sides).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from omni_core.common.catalog import GpuSpec
+from omni_core.common.plan import EncoderPlan, ParallelPlan
+from omni_core.estimator.communication import Network
 from omni_core.estimator.pipeline import Sums
-from omni_core.estimator.stage import ExtraWork, device_seconds, fsdp_seconds, optimizer_seconds
+from omni_core.estimator.stage import (
+    ExtraWork,
+    device_seconds,
+    exposed_dp_seconds,
+    fsdp_seconds,
+    optimizer_seconds,
+)
 from omni_core.estimator.terms import Efficiency, PlanTerms
 from omni_core.estimator.workloads import Workload
+
+MIB = 2**20
+ADAM_STATE_BYTES = 18.0  # disaggregated encoder ranks: bf16 weights + fp32 grads, master weights and two moments
 
 
 def encoder_sums(workload: Workload) -> Sums:
@@ -25,6 +49,27 @@ def encoder_sums(workload: Workload) -> Sums:
     if sums is None:
         sums = workload.cache["encoder"] = Sums.of(workload.encoder)
     return sums
+
+
+def encoder_of(layer_name: str) -> str:
+    """Which encoder of a plan (`EncoderPlan` key) a layer belongs to: the audio encoder and its projector, or
+    the vision ones."""
+    return "audio" if layer_name.startswith(("audio.", "projector.audio")) else "vision"
+
+
+def encoder_parts(workload: Workload) -> dict[str, Sums]:
+    """Each encoder's layer totals (with its projector), for the settings a plan makes per encoder. Memoised."""
+    parts = workload.cache.get("encoder_parts")
+    if parts is None:
+        keys = dict.fromkeys(encoder_of(layer.name) for layer in workload.encoder)
+        parts = workload.cache["encoder_parts"] = {
+            key: Sums.of([layer for layer in workload.encoder if encoder_of(layer.name) == key]) for key in keys}
+    return parts
+
+
+def embedding_bytes(workload: Workload) -> float:
+    """The projected embeddings of one sample ([tokens, llm_dim]): what the encoders hand the LLM."""
+    return sum(layer.out_bytes for layer in workload.encoder if layer.name.startswith("projector."))
 
 
 def unbalanced_factor(cv: float, samples: float, ranks: int) -> float:
@@ -46,6 +91,9 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
             + (enc.attn_calls * eff.attn_call_s + enc.sample_ops * eff.op_overhead_s) / 3)
 
 
+# --- coupled -----------------------------------------------------------------------------------------------
+
+
 def coupled_encoder_seconds(terms: PlanTerms, enc: Sums) -> tuple[float, float]:
     """(compute, host) seconds of the encoders per micro-batch on stage 0 (`coupled`): forward + backward
     (+ recomputation) on the micro-batch's samples, stretched by the unbalanced batches of dp ranks."""
@@ -57,45 +105,195 @@ def coupled_encoder_seconds(terms: PlanTerms, enc: Sums) -> tuple[float, float]:
     return terms.passes * compute * imbalance, host * terms.passes / 3
 
 
-def encoder_work(terms: PlanTerms) -> ExtraWork | None:
-    """The encoders' per-rank work as a stage would host it (None without encoders): their FSDP units and
-    optimizer in both layouts; their compute and host work per micro-batch only `coupled` (`omni` prices
-    those over the world: `omni_encoder_seconds`)."""
+def coupled_encoder_work(terms: PlanTerms) -> ExtraWork | None:
+    """The `coupled` encoders' work as stage 0 hosts it (None without encoders): compute and host work per
+    micro-batch, their FSDP units (sharded like stage 0) and optimizer."""
     if not terms.workload.encoder:
         return None
     enc = encoder_sums(terms.workload)
     params = enc.params / terms.encoder_split
     fsdp_micro_batch, fsdp_step = fsdp_seconds(terms, params, enc.units, enc.tensors, 0.0, 0.0)
     optimizer = optimizer_seconds(terms, params / (terms.shards if terms.fsdp else 1), enc.tensors)
-    compute = host = 0.0
-    if terms.options.layout == "coupled":
-        compute, host = coupled_encoder_seconds(terms, enc)
+    compute, host = coupled_encoder_seconds(terms, enc)
     return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer)
 
 
-def long_item_seconds(terms: PlanTerms, enc: Sums, per_sample: float) -> float:
-    """The longest item's forward + backward, split over `lssp` ranks with Ulysses (all-to-alls of q, k, v
-    and the output in every encoder layer)."""
-    lssp, max_item = terms.options.lssp, terms.workload.encoder_max_item
-    seconds = per_sample * max_item / lssp
-    if lssp > 1:
-        item_io = enc.block_io * max_item / lssp
-        seconds += (2 + terms.recompute) * 4 * terms.net.time(
-            "all_to_all", item_io / max(enc.attn_layers, 1), lssp, lssp, enc.attn_layers)
+# --- the longest item and LSSP ------------------------------------------------------------------------------
+
+
+def item_length(workload: Workload, work: float) -> float:
+    """The length, in mean items of the long-item encoder (`Workload.items`), of an item costing `work` mean
+    samples: the positive root of (1 - quad) x + quad x^2 = work / (a mean item's work)."""
+    items = workload.items
+    if not items.work or work <= 0:
+        return 0.0
+    target, quad = work / items.work, items.quad
+    if quad <= 0:
+        return target
+    return (-(1 - quad) + math.sqrt((1 - quad) ** 2 + 4 * quad * target)) / (2 * quad)
+
+
+def long_tokens_threshold(workload: Workload, ranks: int) -> int:
+    """The `EncoderSpec.long_tokens` that splits exactly the items longer than one of `ranks` encoder ranks'
+    balanced share of the step's encoder work (what balancing cannot even out)."""
+    share = item_length(workload, workload.global_batch / ranks) * workload.items.tokens
+    return max(1, math.floor(share))
+
+
+def long_item_group(workload: Workload, encoders: EncoderPlan) -> int:
+    """The ranks the workload's longest item runs on: its encoder spec's LSSP group when the item is over one
+    of the spec's thresholds (tokens; activation MiB), else 1."""
+    items = workload.items
+    spec = encoders.spec(items.encoder)
+    if spec.lssp == 1 or not items.count:
+        return 1
+    tokens = item_length(workload, workload.encoder_max_item) * items.tokens
+    acts = encoder_parts(workload)[items.encoder].act_bytes * long_item_share(workload, 1)
+    long = (spec.long_tokens and tokens > spec.long_tokens) or (spec.long_mb and acts > spec.long_mb * MIB)
+    return spec.lssp if long else 1
+
+
+def lssp_refusal(workload: Workload, encoders: EncoderPlan, ranks: int) -> str:
+    """Why an encoder's LSSP group cannot run on `ranks` encoder ranks, or the long-item encoder's cannot split
+    its attention heads (Ulysses), or ""."""
+    for key in encoder_parts(workload):
+        if encoders.spec(key).lssp > ranks:
+            return f"encoders.{key}.lssp={encoders.spec(key).lssp} exceeds the {ranks} encoder ranks"
+    key, heads = workload.items.encoder, workload.items.heads
+    lssp = encoders.spec(key).lssp
+    if heads % lssp:
+        return f"encoders.{key}.lssp={lssp} does not divide the {key} encoder's {heads} attention heads"
+    return ""
+
+
+def long_item_share(workload: Workload, group: int) -> float:
+    """The slice of the longest item one of its `group` ranks holds, as a share of one sample's tokens of its
+    encoder (activations and attention inputs are linear in them); 0 without items."""
+    items = workload.items
+    return item_length(workload, workload.encoder_max_item) / items.count / group if items.count else 0.0
+
+
+def long_item_seconds(workload: Workload, net: Network, passes: float, per_sample: float, group: int) -> float:
+    """The longest item's forward + backward (`passes`, recomputation included) over `group` ranks, with
+    Ulysses' four all-to-alls (q, k, v, the output) per attention layer of its encoder in forward, recomputed
+    forward and backward when it is split."""
+    seconds = per_sample * workload.encoder_max_item / group
+    if group > 1:
+        part = encoder_parts(workload)[workload.items.encoder]
+        layer_io = part.block_io * long_item_share(workload, group) / max(part.attn_layers, 1)
+        seconds += (passes - 1) * 4 * net.time("all_to_all", layer_io, group, group, part.attn_layers)
     return seconds
 
 
-def omni_encoder_seconds(terms: PlanTerms, work: ExtraWork, bubble: float) -> tuple[float, float]:
-    """(exposed, longest item) seconds of the encoders in the `omni` layout: a rank's balanced share of the
-    step's samples or its longest item, whichever is longer, plus the encoders' operators and FSDP per
-    micro-batch (FSDP reduces their gradients once per step) and optimizer, less the share of the pipeline's
-    `bubble` the joint schedule fills with them."""
+# --- omni ----------------------------------------------------------------------------------------------------
+
+
+def encoder_rounds(terms: PlanTerms) -> int:
+    """How often a step runs the encoders: once (three phases, the runtime), or per micro-batch when the joint
+    schedule places them in the pipeline (`Efficiency.joint_pipeline` > 0)."""
+    return terms.micro_batches if terms.eff.joint_pipeline else 1
+
+
+def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
+    """Per step, each encoder's weights over the world: replicated, one gradient all-reduce; FSDP
+    (`EncoderSpec.fsdp`), parameter all-gathers forward and backward per round, a gradient reduce-scatter and
+    the units' wrappers. Then the optimizer over the rank's share."""
+    plan, eff, world = terms.plan, terms.eff, terms.plan.world_size
+    seconds = 0.0
+    for key, st in encoder_parts(terms.workload).items():
+        if plan.encoders.spec(key).fsdp:
+            gather = 2 * exposed_dp_seconds(terms, "all_gather", st.params * terms.weight_bytes, world, world, st.units)
+            seconds += (rounds * (gather + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s)
+                        + exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world,
+                                             st.units)
+                        + optimizer_seconds(terms, st.params / world, st.tensors))
+        else:
+            seconds += (exposed_dp_seconds(terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1)
+                        + optimizer_seconds(terms, st.params, st.tensors))
+    return seconds
+
+
+def handoff_seconds(terms: PlanTerms) -> float:
+    """Data movement between the data shards and the encoder ranks: a shard's raw inputs out to the encoder
+    ranks (forward), its embeddings in to each of its stage-0 ranks (every TP rank the full rows of its CP
+    share) and their gradients back (mirrored), as all-to-alls over the world. The busiest rank is a sender
+    of a whole shard's inputs and a receiver of a whole CP share."""
+    workload, plan = terms.workload, terms.plan
+    world, shard = plan.world_size, workload.global_batch / plan.dp
+    inputs = terms.net.time("all_to_all", shard * workload.items.input_bytes, world, world)
+    embeddings = terms.net.time("all_to_all", shard * embedding_bytes(workload) / plan.cp, world, world)
+    return inputs + 2 * embeddings
+
+
+def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float, float]:
+    """(exposed, longest item, handoff) seconds of the encoders in the `omni` layout: a rank's balanced share
+    of the step's items or its longest item, whichever is longer; the encoders' operators per round; their
+    weights (`omni_weight_seconds`); the handoff; less the share of the pipeline's `bubble` a joint schedule
+    fills with them (none in the runtime's three phases)."""
     workload, plan, eff = terms.workload, terms.plan, terms.eff
-    enc = encoder_sums(workload)
     per_sample = terms.passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
     balanced = per_sample * workload.global_batch / plan.world_size
-    long_item = long_item_seconds(terms, enc, per_sample)
-    seconds = max(balanced, long_item)
-    seconds += ((enc.ops * eff.op_overhead_s * terms.passes / 3 + work.fsdp_micro_batch) * terms.micro_batches
-                + work.fsdp_step + work.optimizer)
-    return max(seconds - eff.joint_pipeline * bubble, 0.0), long_item
+    long_item = long_item_seconds(workload, terms.net, terms.passes, per_sample,
+                                  long_item_group(workload, plan.encoders))
+    rounds = encoder_rounds(terms)
+    handoff = handoff_seconds(terms)
+    seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * terms.passes / 3 * rounds
+               + omni_weight_seconds(terms, rounds) + handoff)
+    return max(seconds - eff.joint_pipeline * bubble, 0.0), long_item, handoff
+
+
+def omni_encoder_bytes(terms: PlanTerms) -> float:
+    """The `omni` encoders' bytes on every rank: each encoder's states (its share under FSDP, else whole), the
+    activations of the rank's share of the items in flight (the whole step's under three phases, a
+    micro-batch's under the joint schedule) or of its slice of the longest item, whichever is larger."""
+    workload, plan = terms.workload, terms.plan
+    enc, world = encoder_sums(workload), plan.world_size
+    states = sum(st.params * terms.state_bytes / (world if plan.encoders.spec(key).fsdp else 1)
+                 for key, st in encoder_parts(workload).items())
+    acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
+    in_flight = max(workload.global_batch / world / encoder_rounds(terms),
+                    long_item_share(workload, long_item_group(workload, plan.encoders)))  # samples' activations
+    return states + acts * in_flight * (1 + terms.eff.workspace_frac)
+
+
+# --- disaggregated -------------------------------------------------------------------------------------------
+
+
+class EncoderRanks(NamedTuple):
+    """The `disaggregated` encoders' side of a step (`disaggregated_encoders`)."""
+
+    seconds: float  # the encoder ranks' forward + backward of the step, gradient all-reduce included
+    handoff: float  # embeddings to the LLM ranks and their gradients back
+    peak_bytes: float
+    reason: str = ""  # why they do not fit ("" when they do)
+
+
+def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, eff: Efficiency,
+                           gpus_per_node: int) -> EncoderRanks:
+    """The encoders on their `plan.encoders.ranks` ranks: pure data parallel on unbalanced batches, no rank
+    done before the longest item (split over its LSSP group when long); weights replicated, or sharded over
+    the encoder ranks (`EncoderSpec.fsdp`), gradients all-reduced; activation checkpointing when the full
+    activations do not fit. The embeddings cross to the LLM ranks, forward and back."""
+    ranks, world = plan.encoders.ranks, plan.world_size
+    refusal = lssp_refusal(workload, plan.encoders, ranks)
+    if refusal:
+        return EncoderRanks(math.inf, 0.0, math.inf, refusal)
+    enc, per_rank = encoder_sums(workload), workload.global_batch / ranks
+    states = sum(st.params * ADAM_STATE_BYTES / (ranks if plan.encoders.spec(key).fsdp else 1)
+                 for key, st in encoder_parts(workload).items())
+    group = long_item_group(workload, plan.encoders)
+    in_flight = max(min(per_rank, 1.0), long_item_share(workload, group))  # samples' activations at once
+    for act, passes in ((enc.act_bytes, 3), (enc.out_bytes + enc.max_act, 4)):  # checkpointing recomputes forward
+        peak = states + act * in_flight * (1 + eff.workspace_frac)
+        if peak <= gpu.usable_bytes:
+            break
+    else:
+        return EncoderRanks(math.inf, 0.0, peak, f"out of memory on the {ranks} encoder ranks: {peak / 1e9:.1f} GB "
+                            f"needed ({states / 1e9:.1f} GB encoder states) > {gpu.usable_bytes / 1e9:.1f} GB usable")
+    net = Network(gpu, gpus_per_node, eff.link, eff.collectives)
+    per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
+    balanced = per_sample * per_rank * unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
+    longest = long_item_seconds(workload, net, passes, per_sample, group)
+    reduce = (1 - eff.dp_overlap) * net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)
+    ship = 2 * net.time("p2p", workload.global_batch * embedding_bytes(workload) / min(ranks, world - ranks), 2, world)
+    return EncoderRanks(max(balanced, longest) + reduce, ship, peak)

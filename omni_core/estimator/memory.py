@@ -5,13 +5,13 @@ Per pipeline stage: model states (weights, gradients and AdamW states, divided b
 copied over dp_replicate; experts over their own shards), the largest unit's gathered weights, the
 activations of the micro-batches in flight (only layer outputs with checkpointing) and a workspace share of
 them. The encoders add theirs on stage 0 (`coupled`) or on every rank (`omni`: the rank's share of the
-samples, or the slice of the longest item its LSSP group gives it).
+step's items, or the slice of the longest item its LSSP group gives it, `encoders.omni_encoder_bytes`).
 """
 
 from __future__ import annotations
 
 from omni_core.common.catalog import GpuSpec
-from omni_core.estimator.encoders import encoder_sums
+from omni_core.estimator.encoders import encoder_sums, omni_encoder_bytes
 from omni_core.estimator.pipeline import Sums
 from omni_core.estimator.stage import rank_params
 from omni_core.estimator.terms import PlanTerms
@@ -40,31 +40,27 @@ def activation_bytes(terms: PlanTerms, st: Sums, stage: int) -> float:
     return st.act_bytes * mb / terms.split * in_flight
 
 
-def encoder_bytes(terms: PlanTerms) -> float:
-    """The encoders' states and activations on a rank that holds them: `coupled`, sharded like stage 0, the
-    micro-batch's samples; `omni`, states over the world, the rank's share of the samples or the slice of
-    the longest item it holds, whichever is larger."""
-    workload, options, plan = terms.workload, terms.options, terms.plan
-    enc = encoder_sums(workload)
-    acts = (enc.out_bytes + enc.max_act) if options.checkpoint else enc.act_bytes
-    if options.layout == "coupled":
-        holders, acts = terms.shards, acts * options.micro_batch / terms.encoder_split
-    else:
-        holders = plan.world_size
-        acts *= max(workload.global_batch / plan.world_size / terms.micro_batches,
-                    workload.encoder_max_item / options.lssp)
-    return enc.params * terms.state_bytes / max(holders, 1) + acts * (1 + terms.eff.workspace_frac)
+def coupled_encoder_bytes(terms: PlanTerms) -> float:
+    """The `coupled` encoders' states and activations on a stage-0 rank: states sharded like stage 0's, the
+    micro-batch's samples' activations."""
+    enc, mb = encoder_sums(terms.workload), terms.options.micro_batch
+    acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
+    return (enc.params * terms.state_bytes / max(terms.shards, 1)
+            + acts * mb / terms.encoder_split * (1 + terms.eff.workspace_frac))
 
 
 def peak_memory(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...]) -> tuple[float, dict[str, float]]:
     """(peak bytes over the stages, what makes it up: the stage, its model states and activations in GB)."""
-    encoders = encoder_bytes(terms) if terms.workload.encoder else 0.0
+    omni = terms.plan.encoders.layout == "omni"
+    encoders = 0.0
+    if terms.workload.encoder:
+        encoders = omni_encoder_bytes(terms) if omni else coupled_encoder_bytes(terms)
     peak, worst = 0.0, {}
     for st, stage, _ in groups:
         states = model_state_bytes(terms, st)
         acts = activation_bytes(terms, st, stage)
         mem = states + gathered_bytes(terms, st) + acts * (1 + terms.eff.workspace_frac)
-        if terms.workload.encoder and (terms.options.layout == "omni" or stage == 0):
+        if omni or stage == 0:
             mem += encoders
         if mem > peak:
             peak = mem

@@ -1,4 +1,5 @@
-"""A recipe's jobs on its cluster -> their CellTable, plus a figure (what the estimate stage runs).
+"""A recipe's jobs on its cluster -> their CellTable, plus a figure (what the estimate stage runs); and the
+recipe's own run under given plans on this machine, predicted (`predicted_step_times`, for the layout benchmark).
 
 Jobs are `recipe.jobs` (trace model names or model flavors), or, when there are none, the recipe's own
 model at its own batch (micro_batch x grad_accum x nproc packed sequences). The cluster is
@@ -8,10 +9,14 @@ model at its own batch (micro_batch x grad_accum x nproc packed sequences). The 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omni_core.common.catalog import GpuCatalog
+from omni_core.common.catalog import GpuCatalog, GpuSpec
+from omni_core.estimator.calibration import calibrated, runtime_efficiency
+from omni_core.estimator.cost import Options, estimate_step
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
 from omni_core.recipe.loader import RecipeError, override_recipe
@@ -24,13 +29,14 @@ if TYPE_CHECKING:
 
 
 def flavor_workload(recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None,
-                    name: str = "") -> Workload:
-    """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences."""
+                    name: str = "", precision: str = "") -> Workload:
+    """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences,
+    in `precision` (default: the estimate's, `estimate.precision`)."""
     from omni_core.models.flavors import get_flavor
 
     args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
     return omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile, name=name or flavor,
-                         precision=recipe.estimate.precision)
+                         precision=precision or recipe.estimate.precision)
 
 
 def recipe_batch(recipe: Recipe) -> int:
@@ -78,8 +84,9 @@ def estimate_recipe(recipe: Recipe, profile: DatasetProfile | None = None, *, wo
 
 
 def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, global_batch: int) -> list[str]:
-    """`--set` overrides that run `plan` on its world with `micro_batch` and activation checkpointing as the
-    estimate priced them, the gradient accumulation keeping `global_batch` packed sequences per step."""
+    """`--set` overrides that run `plan` (its encoders' layout included) on its world with `micro_batch` and
+    activation checkpointing as the estimate priced them, the gradient accumulation keeping `global_batch`
+    packed sequences per step."""
     if global_batch % (micro_batch * plan.dp):
         raise ValueError(f"plan {plan.name} at micro-batch {micro_batch} cannot keep the global batch of "
                          f"{global_batch} sequences: {micro_batch} x dp {plan.dp} does not divide it")
@@ -87,6 +94,7 @@ def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, globa
         "parallel.plan": "explicit",
         "parallel.nproc": plan.world_size,
         **{f"parallel.{degree}": getattr(plan, degree) for degree in PLAN_DEGREES},
+        "parallel.encoders": asdict(plan.encoders),
         "data.micro_batch": micro_batch,
         "train.grad_accum": global_batch // (micro_batch * plan.dp),
         "train.activation_checkpointing": checkpoint,
@@ -119,16 +127,48 @@ def estimate_own_cells(recipe: Recipe, gpu_type: str) -> CellTable:
     return estimate_recipe(recipe.model_copy(update={"jobs": [], "cluster": machine}))
 
 
+def runtime_precision(recipe: Recipe, gpu: GpuSpec) -> str:
+    """The precision the runtime computes in for `recipe` on `gpu` (`train.dtype`; auto: bf16 on a GPU that has
+    it, else fp32, as `runtime.trainer.resolve_dtype` picks)."""
+    if recipe.train.dtype == "auto":
+        return "bf16" if gpu.name != "cpu" and gpu.bf16_flops else "fp32"
+    return {"float32": "fp32", "bfloat16": "bf16"}[recipe.train.dtype]
+
+
+def predicted_step_times(recipe: Recipe, plans: Sequence[ParallelPlan], profile: DatasetProfile, *,
+                         gpu_type: str = "cpu") -> dict[str, float]:
+    """Each plan's predicted step seconds (by plan name) for `recipe` as the runtime trains it on one node of
+    `gpu_type` (this machine by default: its stored calibration, $OMNI_CALIBRATION_DIR, with what the runtime
+    does on top of it, `calibration.runtime_efficiency`): the recipe's model on the profiled data, in the
+    runtime's precision, `data.micro_batch` sequences per micro-batch and `train.grad_accum` micro-batches per
+    data shard (a global batch of micro_batch x grad_accum x plan.dp), checkpointing as `train` sets it. What
+    the layout benchmark divides (omni / coupled, disaggregated / coupled, plans of one world). A plan the
+    estimate refuses (memory, the batch split, an LSSP group) raises ValueError with its reason."""
+    gpu, eff = calibrated(GpuCatalog().with_overrides(recipe.estimate.gpus)[gpu_type])
+    eff, precision = runtime_efficiency(eff), runtime_precision(recipe, gpu)
+    micro_batch, accum = recipe.data.micro_batch, recipe.train.grad_accum
+    options = Options(micro_batch, recipe.train.activation_checkpointing)
+    times = {}
+    for plan in plans:
+        workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile,
+                                   precision=precision)
+        est = estimate_step(workload, gpu, plan, options, gpus_per_node=plan.world_size, eff=eff)
+        if not est.fits:
+            raise ValueError(f"plan {plan.name}: {est.reason}")
+        times[plan.name] = est.step_time_s
+    return times
+
+
 def format_table(table: CellTable, top: int = 10) -> str:
     """Per job, its `top` Cells by throughput, then the jobs that fit nowhere."""
     lines = []
     for job in dict.fromkeys(c.job for c in table.cells):
         lines.append(f"{job}")
-        lines.append(f"  {'gpu':<10}{'gpus':>5}{'nodes':>6}{'pp':>4}  {'plan':<24}{'mb':>3}{'ckpt':>5}"
+        lines.append(f"  {'gpu':<10}{'gpus':>5}{'nodes':>6}{'pp':>4}  {'plan':<36}{'mb':>3}{'ckpt':>5}"
                      f"{'step s':>10}{'samples/s':>11}{'mem GB':>8}")
         rows = sorted((c for c in table.cells if c.job == job), key=lambda c: -c.samples_per_s)[:top]
         for c in rows:
-            lines.append(f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<24}{c.micro_batch:>3}"
+            lines.append(f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<36}{c.micro_batch:>3}"
                          f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
                          f"{c.peak_mem_gb:>8.2f}")
     for u in table.unfit:

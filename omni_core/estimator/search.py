@@ -3,27 +3,31 @@
 A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
 DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
 size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
-checkpointing (only for plans that fit no micro-batch without it) and, for MLLMs in the `omni` layout, the
-encoders' LSSP group; it drops plans that do not fit memory and plans the runtime would refuse (the plan
-object's `check_model`, the pipeline schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the
-fastest plus runners-up. `CellTable` is the stage's typed result.
+checkpointing (only for plans that fit no micro-batch without it) and, for MLLMs, the encoders' half of the
+plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP group with its long-item
+threshold and replicated or FSDP weights, `disaggregated` also how many ranks the encoders get); it drops
+plans that do not fit memory and plans the runtime would refuse (the plan object's `check_model`, the pipeline
+schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the fastest plus runners-up. `CellTable`
+is the stage's typed result; its plan names carry the encoders' half (`dp1-tp2+omni.v-sp2-t256`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.common.plan import ParallelPlan, PlanError
+from omni_core.common.plan import EncoderLayout, EncoderPlan, EncoderSpec, ParallelPlan, PlanError
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
-from omni_core.estimator.cost import Efficiency, Estimate, Layout, Options, estimate_step
+from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
+from omni_core.estimator.encoders import encoder_parts, long_tokens_threshold
 from omni_core.estimator.workloads import Workload
 
 RUNNERS_UP = 3
 LONG_SEQ = 8192  # context parallelism is searched only from this many tokens per sample
+NO_PLAN = "no plan divides the model on these GPUs"
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -66,18 +70,56 @@ def candidate_plans(workload: Workload, num_gpus: int, gpus_per_node: int, pp: i
                             yield plan
 
 
-def lssp_groups(workload: Workload, world: int, gpus_per_node: int, layout: Layout) -> list[int]:
-    """Encoder LSSP group sizes worth trying (`omni` layout): 1, and powers of two inside a node up to the
-    one that cuts the longest item below a rank's balanced share of the encoder work."""
-    if layout != "omni" or not workload.encoder:
-        return [1]
-    needed = workload.encoder_max_item * world / workload.global_batch
-    return [g for g in powers_of_two(min(gpus_per_node, world)) if g == 1 or g / 2 < needed]
+def lssp_groups(workload: Workload, ranks: int, gpus_per_node: int) -> list[int]:
+    """LSSP group sizes worth trying over `ranks` encoder ranks: 1, and powers of two inside a node that divide
+    the long-item encoder's heads, up to the one that cuts the longest item below a rank's balanced share of
+    the encoder work."""
+    needed = workload.encoder_max_item * ranks / workload.global_batch
+    return [g for g in powers_of_two(min(gpus_per_node, ranks))
+            if g == 1 or (g / 2 < needed and workload.items.heads % g == 0)]
 
 
-def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan], *, gpus_per_node: int,
-                 eff: Efficiency, layout: Layout = "omni", max_micro_batch: int = 8) -> tuple[list[Estimate], str]:
-    """Fitting estimates, fastest first, and (when none fits) the reason of the plan closest to fitting."""
+def encoder_plans(workload: Workload, layout: EncoderLayout, ranks: int, encoder_ranks: int,
+                  gpus_per_node: int) -> list[EncoderPlan]:
+    """The encoder halves of `layout` on `encoder_ranks` ranks (`ranks` of them the encoders' own): each LSSP
+    group of `lssp_groups` for the long-item encoder, with the threshold that splits what balancing cannot
+    even out (`encoders.long_tokens_threshold`), and every encoder's weights replicated or FSDP-sharded."""
+    threshold = long_tokens_threshold(workload, encoder_ranks)
+    plans = []
+    for group in lssp_groups(workload, encoder_ranks, gpus_per_node):
+        for fsdp in (False, True):
+            specs = {key: EncoderSpec(fsdp=fsdp) for key in encoder_parts(workload)}
+            if group > 1:
+                specs[workload.items.encoder] = EncoderSpec(lssp=group, long_tokens=threshold, fsdp=fsdp)
+            plans.append(EncoderPlan(layout, ranks=ranks, **specs))
+    return plans
+
+
+def disaggregated_splits(num_gpus: int, gpus_per_node: int) -> list[int]:
+    """Encoder ranks a `disaggregated` plan of `num_gpus` tries: k/8 of them (k = 1..7), whole nodes once the
+    Cell spans several."""
+    splits = {num_gpus * k // 8 for k in range(1, 8)}
+    return sorted(e for e in splits if 0 < e < num_gpus and (num_gpus <= gpus_per_node or e % gpus_per_node == 0))
+
+
+def encoder_variants(workload: Workload, layout: EncoderLayout, num_gpus: int,
+                     gpus_per_node: int) -> list[tuple[int, list[EncoderPlan]]]:
+    """(encoder-only ranks, the encoder halves to try with LLM plans on the rest) for `layout`; a workload
+    without encoder items (text only: the encoders run a dummy input wherever they are) has the default half
+    only."""
+    if not workload.items.count or layout == "coupled":
+        return [(0, [EncoderPlan()])]
+    if layout == "omni":
+        return [(0, encoder_plans(workload, "omni", 0, num_gpus, gpus_per_node))]
+    return [(k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node))
+            for k in disaggregated_splits(num_gpus, gpus_per_node)]
+
+
+def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan],
+                 encoders: Sequence[EncoderPlan] = (EncoderPlan(),), *, gpus_per_node: int, eff: Efficiency,
+                 max_micro_batch: int = 8) -> tuple[list[Estimate], str]:
+    """Fitting estimates, fastest first, one per LLM plan of `plans` (with the fastest of `encoders` as its
+    encoder half), and (when none fits) the reason of the plan closest to fitting."""
     fits: list[Estimate] = []
     closest: Estimate | None = None
     for plan in plans:
@@ -92,12 +134,12 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
         # fastest (per-op costs amortise): try from the top down. Checkpointing only costs time: tried only
         # when nothing fits without it.
         descending = plan.pp == 1
-        groups = lssp_groups(workload, plan.world_size, gpus_per_node, layout)
+        variants = [replace(plan, encoders=e) for e in encoders]
         options: list[Estimate] = []
         for checkpoint in (False, True):
             for mb in (sizes[::-1] if descending else sizes):
-                est = min((estimate_step(workload, gpu, plan, Options(mb, checkpoint, layout, g),
-                                         gpus_per_node=gpus_per_node, eff=eff) for g in groups),
+                est = min((estimate_step(workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node,
+                                         eff=eff) for variant in variants),
                           key=lambda e: (not e.fits, e.step_time_s))
                 if not est.fits:
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
@@ -114,7 +156,7 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
                 fits.append(min(options, key=lambda e: e.step_time_s))  # one entry per plan
                 break
     fits.sort(key=lambda e: e.step_time_s)
-    return fits, ("" if fits else (closest.reason if closest else "no plan divides the model on these GPUs"))
+    return fits, ("" if fits else (closest.reason if closest else NO_PLAN))
 
 
 @dataclass
@@ -143,10 +185,18 @@ def cell_shape(num_gpus: int, gpus_per_node: int) -> tuple[int, int]:
 
 
 def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, pp: int, *,
-                eff: Efficiency, layout: Layout = "omni", dp_only: bool = False) -> CellResult:
+                eff: Efficiency, layout: EncoderLayout = "omni", dp_only: bool = False) -> CellResult:
+    """The Cell's best plans whose encoders are laid out as `layout` (`encoder_variants`)."""
     nodes, per_node = cell_shape(num_gpus, gpus_per_node)
-    plans = candidate_plans(workload, num_gpus, per_node, pp, dp_only=dp_only)
-    fits, reason = search_plans(workload, gpu, plans, gpus_per_node=per_node, eff=eff, layout=layout)
+    fits: list[Estimate] = []
+    reasons = []
+    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node):
+        plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, dp_only=dp_only)
+        found, reason = search_plans(workload, gpu, plans, encoders, gpus_per_node=per_node, eff=eff)
+        fits += found
+        reasons.append(reason)
+    fits.sort(key=lambda e: e.step_time_s)
+    reason = "" if fits else next((r for r in reasons if r != NO_PLAN), NO_PLAN)
     return CellResult(gpu.name, num_gpus, nodes, per_node, pp, fits[0] if fits else None,
                       fits[1:1 + RUNNERS_UP], reason)
 
@@ -156,7 +206,8 @@ def pipeline_depths(workload: Workload, num_gpus: int) -> list[int]:
 
 
 def best_for_gpus(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, *,
-                  eff: Efficiency | None = None, layout: Layout = "omni", dp_only: bool = False) -> CellResult | None:
+                  eff: Efficiency | None = None, layout: EncoderLayout = "omni",
+                  dp_only: bool = False) -> CellResult | None:
     """The fastest Cell over pipeline depths for this GPU count (pp=1 only when dp_only); None if none fits."""
     if eff is None:
         gpu, eff = calibrated(gpu)
@@ -172,10 +223,9 @@ def best_for_gpus(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node
 
 
 class PlanRow(Result):
-    plan: str  # ParallelPlan.name; ParallelPlan.parse(plan) is what the runtime executes
+    plan: str  # ParallelPlan.name, the encoders' half included; ParallelPlan.parse(plan) is what the runtime executes
     micro_batch: int
     checkpoint: bool
-    lssp: int = 1  # encoder long-short sequence-parallel group (`omni` layout; not a ParallelPlan degree yet)
     step_time_s: float
     samples_per_s: float
     peak_mem_gb: float
@@ -188,11 +238,10 @@ class CellRow(Result):
     nodes: int
     gpus_per_node: int
     pp: int
-    layout: str
+    layout: str  # the encoder layout the Cell's search laid plans out in (a plan without encoders names none)
     plan: str
     micro_batch: int
     checkpoint: bool
-    lssp: int = 1
     step_time_s: float
     samples_per_s: float
     peak_mem_gb: float
@@ -204,7 +253,7 @@ class CellRow(Result):
 
     def cell_result(self) -> CellResult:
         """The search's result this row was made from (`cell_row`), without its runners-up."""
-        options = Options(self.micro_batch, self.checkpoint, self.layout, self.lssp)
+        options = Options(self.micro_batch, self.checkpoint)
         best = Estimate(self.parallel_plan(), options, self.step_time_s, self.samples_per_s, self.peak_mem_gb * 1e9,
                         breakdown=dict(self.breakdown))
         return CellResult(self.gpu_type, self.num_gpus, self.nodes, self.gpus_per_node, self.pp, best)
@@ -244,11 +293,10 @@ class CellTable(Result):
 
 def _plan_row(est: Estimate) -> PlanRow:
     return PlanRow(plan=est.plan.name, micro_batch=est.options.micro_batch, checkpoint=est.options.checkpoint,
-                   lssp=est.options.lssp, step_time_s=est.step_time_s, samples_per_s=est.samples_per_s,
-                   peak_mem_gb=est.peak_mem_bytes / 1e9)
+                   step_time_s=est.step_time_s, samples_per_s=est.samples_per_s, peak_mem_gb=est.peak_mem_bytes / 1e9)
 
 
-def cell_row(job: str, cell: CellResult, layout: str = "omni") -> CellRow:
+def cell_row(job: str, cell: CellResult, layout: EncoderLayout = "omni") -> CellRow:
     best = cell.best
     assert best is not None
     return CellRow(job=job, gpu_type=cell.gpu_type, num_gpus=cell.num_gpus, nodes=cell.nodes,
@@ -258,7 +306,7 @@ def cell_row(job: str, cell: CellResult, layout: str = "omni") -> CellRow:
 
 
 def job_cells(job: str, workload: Workload, catalog: GpuCatalog, gpus: dict[str, int],
-              gpus_per_node: dict[str, int], layout: Layout = "omni") -> tuple[list[CellRow], Unfit | None]:
+              gpus_per_node: dict[str, int], layout: EncoderLayout = "omni") -> tuple[list[CellRow], Unfit | None]:
     """One job's Cells on the cluster: GPU counts 1, 2, 4, ... up to what each type has, each pipeline
     depth; the job is `Unfit` (with the reason of its largest Cell) when none of them holds it."""
     rows: list[CellRow] = []
@@ -282,7 +330,7 @@ def _job_cells(args: tuple) -> tuple[list[CellRow], Unfit | None]:
 
 
 def build_cell_table(jobs: dict[str, Workload], catalog: GpuCatalog, gpus: dict[str, int], *,
-                     gpus_per_node: dict[str, int] | None = None, layout: Layout = "omni",
+                     gpus_per_node: dict[str, int] | None = None, layout: EncoderLayout = "omni",
                      workers: int = 1) -> CellTable:
     """Every Cell of every job on the cluster `gpus` (GPU type -> GPUs of that type), jobs spread over
     `workers` forked processes. A job no Cell can hold is reported in `unfit`, not dropped."""

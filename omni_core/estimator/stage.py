@@ -41,7 +41,7 @@ class StageTimes(NamedTuple):
 @dataclass(frozen=True)
 class ExtraWork:
     """Work a stage runs besides its own layers' (the `coupled` layout's encoders on stage 0, built by
-    `encoders.encoder_work`): seconds per micro-batch and per step."""
+    `encoders.coupled_encoder_work`): seconds per micro-batch and per step."""
 
     compute: float  # per micro-batch, forward + backward on the device
     host: float  # per micro-batch, operators and attention calls

@@ -9,14 +9,11 @@ each part can read them without an import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.communication import Network
 from omni_core.estimator.workloads import BYTES, Workload
-
-Layout = Literal["omni", "coupled"]
 
 
 @dataclass(frozen=True)
@@ -67,21 +64,21 @@ class Efficiency:
     # What the implementation splits: True (Megatron-style), encoders are split by TP x CP like the LLM and
     # MoE experts by TP; False (omni_core's runtime today), both run replicated on every TP (and CP) rank.
     split_encoders_experts: bool = True
-    # `omni` layout (MegaScale-Omni's joint encoder-LLM pipeline): the share of the LLM pipeline's bubbles the
-    # encoders' forward and backward can fill. Not all: an encoder forward must end before stage 0 needs its
-    # embeddings, so the warm-up bubbles of late stages host the encoders of later micro-batches only.
-    joint_pipeline: float = 0.75
+    # `omni` layout: the share of the LLM pipeline's bubbles the encoders' forward and backward fill. 0 is what
+    # the runtime executes: three phases (the step's encoder forward, the LLM on detached embeddings, the
+    # encoder backward), nothing in a bubble. > 0 prices MegaScale-Omni's joint encoder-LLM pipeline instead
+    # (the encoders then run per micro-batch); not all of the bubbles even there: an encoder forward must end
+    # before stage 0 needs its embeddings, so late stages' warm-up bubbles host later micro-batches' encoders
+    # only (0.75 is a fair guess).
+    joint_pipeline: float = 0.0
 
 
 @dataclass(frozen=True)
 class Options:
-    """Choices the Cell search makes per plan besides the plan's degrees."""
+    """Choices the Cell search makes per plan besides the plan itself (whose `encoders` lay out the encoders)."""
 
     micro_batch: int = 1  # samples per micro-batch per DP rank
     checkpoint: bool = False  # activation checkpointing (recompute each layer in backward)
-    layout: Layout = "omni"
-    lssp: int = 1  # `omni`: ranks an encoder's longest items are split over (long-short sequence parallelism)
-
 
 
 def node_efficiency(eff: Efficiency, gpu: GpuSpec, plan: ParallelPlan, gpus_per_node: int) -> Efficiency:
@@ -122,7 +119,7 @@ class PlanTerms:
     ep_split: int  # tokens an EP rank holds are its own: split over cp, or tp x cp when experts are split
     bubble_ranks: int  # a pipeline send crosses this many ranks
     straggle: float  # a rank's own work x this in a multi-rank step (`Efficiency.straggle`)
-    encoder_split: int  # ranks an encoder's work is split over: tp x cp, or 1 when they run replicated
+    encoder_split: int  # `coupled`: ranks an encoder's work is split over, tp x cp, or 1 when they run replicated
 
     @classmethod
     def of(cls, workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, eff: Efficiency,

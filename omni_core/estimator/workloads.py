@@ -63,6 +63,24 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class EncoderItems:
+    """The encoder items (images, clips) as the `omni` layout balances and splits them, described by the
+    encoder whose longest item is the longest (`encoder`: its `EncoderSpec` lays that item out).
+
+    An item of x times `tokens` (the mean length, in the tokens an LSSP threshold counts: patches, mel frames)
+    costs `work` x ((1 - quad) x + quad x^2) mean samples of encoder work: linear layers and attention's
+    quadratic share (`encoders.item_length` inverts it)."""
+
+    encoder: str = "vision"  # "vision" or "audio": a key of `EncoderPlan`
+    count: float = 0.0  # that encoder's items per sample
+    tokens: float = 0.0  # their mean length
+    heads: int = 1  # that encoder's attention heads (an LSSP group splits them)
+    quad: float = 0.0  # attention's share of the encoders' work at the mean length
+    work: float = 0.0  # a mean item's encoder work, in mean samples'
+    input_bytes: float = 0.0  # raw inputs per sample (fp32 patches, mel frames): what the data shard ships
+
+
+@dataclass(frozen=True)
 class Workload:
     name: str
     llm: tuple[Layer, ...]  # pipelined part
@@ -73,6 +91,7 @@ class Workload:
     tokens_per_sample: float = 1.0  # LLM tokens per sample (for tokens/s and the PP message)
     encoder_cv: float = 0.0  # coefficient of variation of the encoder work per sample (load imbalance)
     encoder_max_item: float = 0.0  # encoder work of the longest single item (image, clip), in mean samples' work
+    items: EncoderItems = EncoderItems()
     head_dim: int = 0  # the LLM's (ring attention's tiles)
     doc_span: float = 0.0  # E[L^2] / E[L] of the LLM's documents: the length of the one a random token is in
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # stage partitions and sums by pp
@@ -391,14 +410,25 @@ def omni_workload(
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
                        num_experts=moe.num_experts if moe else 0, seq_len=seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)
-    max_item = 0.0
+    max_item, described = 0.0, EncoderItems()
     if items:  # the longest item, r times the mean length: linear work x r, attention's x r^2
-        quad = sum(l.attn_flops for l in encoder) / max(sum(l.flops + l.attn_flops for l in encoder), 1.0)
-        r = max(m.max / m.mean for key, m in profile.modalities.items() if key in ("image", "audio") and m.mean)
+        quad = quadratic_share(encoder)
+        r, modality = max((m.max / m.mean, key) for key, m in profile.modalities.items()
+                          if key in ("image", "audio") and m.mean)
         max_item = ((1 - quad) * r + quad * r * r) / items
+        # an image's length is its patches, a clip's its mel frames (the threshold's tokens)
+        count, tokens, heads = ((images, patches / images, v.n_heads) if modality == "image" else
+                                (clips, frames / clips, a.n_heads))
+        described = EncoderItems("vision" if modality == "image" else "audio", count, tokens, heads, quad, 1 / items,
+                                 4.0 * (patches * v.patch_dim + frames * a.n_mels))
     return Workload(name, layers, global_batch, shape, encoder=tuple(encoder), precision=precision,
                     tokens_per_sample=seq_len, encoder_cv=items**-0.5 if items else 0.0, encoder_max_item=max_item,
-                    head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)
+                    items=described, head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)
+
+
+def quadratic_share(encoder: list[Layer] | tuple[Layer, ...]) -> float:
+    """Attention's share of the encoders' forward FLOPs: the part of an item's work quadratic in its length."""
+    return sum(l.attn_flops for l in encoder) / max(sum(l.flops + l.attn_flops for l in encoder), 1.0)
 
 
 # --- MegaScale-Omni's workloads ------------------------------------------------------------------------
@@ -436,6 +466,8 @@ def paper_workload(key: str, image_share: float) -> Workload:
                projector("projector.image", v.dim * MERGE, llm.dim, llm.dim, patches / MERGE))
     shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads, seq_len=seq_len)
     cv = images**-0.5 if images else 0.0  # images per sequence are a count: spread ~ 1 / sqrt(mean)
+    items = EncoderItems("vision", images, PATCHES_PER_IMAGE, v.n_heads, quadratic_share(encoder), 1 / images,
+                         4.0 * patches * v.patch_dim) if images else EncoderItems()
     return Workload(f"{key}@{image_share:.1f}", layers, batch, shape, encoder=encoder, tokens_per_sample=seq_len,
-                    encoder_cv=cv, encoder_max_item=1 / images if images else 0.0, head_dim=llm.dim // llm.n_heads,
-                    doc_span=sum_sq / seq_len)
+                    encoder_cv=cv, encoder_max_item=1 / images if images else 0.0, items=items,
+                    head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)

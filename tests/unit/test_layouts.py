@@ -1,0 +1,139 @@
+"""The encoders' layouts priced through the plan object (`ParallelPlan.encoders`): omni as the runtime runs it
+(three phases, balanced over the world, LSSP for long items, the handoff), coupled, disaggregated; the search's
+encoder halves in CellTable names; a recipe's plans predicted on this machine."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from omni_core.common.catalog import GpuCatalog
+from omni_core.common.plan import EncoderPlan, ParallelPlan
+from omni_core.estimator.calibration import runtime_efficiency
+from omni_core.estimator.cost import Efficiency, Options, estimate_step, llm_only
+from omni_core.estimator.encoders import long_tokens_threshold
+from omni_core.estimator.layouts import compare_layouts
+from omni_core.estimator.recipe_cells import plan_overrides, predicted_step_times
+from omni_core.estimator.search import CellTable, cell_row, search_cell
+from omni_core.estimator.workloads import paper_workload
+from omni_core.recipe import Recipe, override_recipe
+
+H100 = GpuCatalog()["h100"]
+CHECKPOINTED = Options(1, checkpoint=True)
+DEFAULTS = Efficiency()
+
+
+def step(workload, plan: str, options: Options = CHECKPOINTED, eff: Efficiency = DEFAULTS):
+    return estimate_step(workload, H100, ParallelPlan.parse(plan), options, gpus_per_node=8, eff=eff)
+
+
+def test_omni_beats_coupled_on_image_heavy_data_at_tp2_pp2_without_filling_bubbles():
+    """Coupled encoders run on the two stage-0 ranks of each data shard; omni spreads the step's images over all
+    eight. The runtime's three phases leave the pipeline's bubbles empty: the joint schedule is an option."""
+    w = replace(paper_workload("A", 0.9), global_batch=16, cache={})
+    assert Efficiency().joint_pipeline == 0.0
+    for eff in (Efficiency(), runtime_efficiency(Efficiency())):  # encoders split over TP (Megatron) or replicated
+        coupled, omni = step(w, "dp2-tp2-pp2", eff=eff), step(w, "dp2-tp2-pp2+omni.v-fsdp", eff=eff)
+        assert coupled.fits and omni.fits and omni.step_time_s < coupled.step_time_s
+        assert omni.breakdown["bubble_s"] > 0 and omni.breakdown["encoder_handoff_s"] > 0
+        joint = replace(eff, joint_pipeline=0.75)
+        assert step(w, "dp2-tp2-pp2+omni.v-fsdp", eff=joint).step_time_s < omni.step_time_s
+        assert step(w, "dp2-tp2-pp2", eff=joint).step_time_s == coupled.step_time_s
+
+
+def test_omni_weights_and_handoff_follow_the_plan():
+    """Replicated encoder weights cost their states on every rank, FSDP over the world a share; the handoff grows
+    with the items' raw inputs."""
+    w = replace(paper_workload("A", 0.5), global_batch=16, cache={})
+    replicated, sharded = step(w, "dp2-tp2-pp2+omni"), step(w, "dp2-tp2-pp2+omni.v-fsdp")
+    assert sharded.peak_mem_bytes < replicated.peak_mem_bytes
+    heavier = replace(w, items=replace(w.items, input_bytes=10 * w.items.input_bytes), cache={})
+    assert step(heavier, "dp2-tp2-pp2+omni").breakdown["encoder_handoff_s"] > replicated.breakdown["encoder_handoff_s"]
+
+
+@pytest.fixture(scope="module")
+def long_items():
+    """Workload C with one image of four samples' encoder work per step: balancing cannot even it out."""
+    return replace(paper_workload("C", 0.9), encoder_max_item=4.0, cache={})
+
+
+def test_lssp_splits_the_items_over_the_specs_threshold_only(long_items):
+    threshold = long_tokens_threshold(long_items, 256)
+    whole = step(long_items, "dp4-tp8-pp8+omni.v-fsdp")
+    split = step(long_items, f"dp4-tp8-pp8+omni.v-sp8-t{threshold}-fsdp")
+    assert split.step_time_s < whole.step_time_s and split.peak_mem_bytes < whole.peak_mem_bytes
+    assert split.breakdown["encoder_long_item_s"] < whole.breakdown["encoder_long_item_s"]
+    # the longest item is under a higher threshold: it runs whole
+    assert step(long_items, "dp4-tp8-pp8+omni.v-sp8-t10000000-fsdp").step_time_s == whole.step_time_s
+    refused = step(long_items, "dp4-tp8-pp8+omni.v-sp16-t100")
+    assert not refused.fits and "does not divide the vision encoder's 40 attention heads" in refused.reason
+
+
+def test_the_chosen_plan_carries_lssp_as_an_encoder_spec_and_cell_rows_round_trip_it(long_items):
+    cell = search_cell(long_items, H100, 256, 8, 8, eff=Efficiency(), layout="omni")
+    vision = cell.best.plan.encoders.vision
+    assert cell.best.plan.encoders.layout == "omni" and vision.lssp > 1
+    assert vision.long_tokens == long_tokens_threshold(long_items, 256)
+    row = cell_row("long", cell, "omni")
+    assert "+omni.v-sp" in row.plan
+    table = CellTable.from_json(CellTable(cells=[row], unfit=[]).to_json())
+    assert table.cells[0].parallel_plan() == cell.best.plan == table.cells[0].cell_result().plan
+    assert [ParallelPlan.parse(r.plan) for r in table.cells[0].runners_up] == [e.plan for e in cell.runners_up]
+
+
+def test_disaggregated_is_priced_through_the_plan():
+    """The LLM's plan on its ranks and the encoders on theirs side by side, plus the embeddings' handoff."""
+    gpu = replace(H100, inter_bw=50e9)
+    w = paper_workload("A", 0.5)
+    plan = ParallelPlan.parse("dp4x2-tp2-cp2u+disagg32")
+    plan.check_world(64)
+    est = estimate_step(w, gpu, plan, Options(1), gpus_per_node=8)
+    llm = estimate_step(llm_only(w), gpu, replace(plan, encoders=EncoderPlan()), Options(1), gpus_per_node=8)
+    assert est.fits and est.breakdown["llm_s"] == llm.step_time_s
+    assert est.step_time_s == max(est.breakdown["encoder_s"], llm.step_time_s) + est.breakdown["encoder_handoff_s"]
+    best = compare_layouts(w, gpu, 64, 8)["disaggregated"]
+    parsed = ParallelPlan.parse(best.plan)
+    assert parsed.encoders.layout == "disaggregated" and parsed.world_size == 64 and "on 32 GPUs" in best.detail
+
+
+def test_text_only_workloads_lay_out_no_encoders():
+    """Without items there is nothing to balance or split: plans keep the default (coupled) encoder half."""
+    from omni_core.estimator.workloads import omni_workload
+    from omni_core.models.flavors import get_flavor
+
+    text = omni_workload(get_flavor("debug", patch_size=8, n_mels=32), seq_len=256, global_batch=8, precision="fp32")
+    cell = search_cell(text, GpuCatalog()["cpu"], 2, 2, 1, eff=Efficiency(), layout="omni")
+    assert cell.best.plan.encoders == EncoderPlan() and "+" not in cell.best.plan.name
+
+
+RECIPE = {"experiment": {"name": "layouts", "seed": 1}, "model": {"flavor": "debug"},
+          "data": {"synthetic": {"num_samples": 60, "mix": {"image": 0.8, "text": 0.2}}, "seq_len": 256},
+          "parallel": {"nproc": 4}, "train": {"grad_accum": 2}}
+
+
+def test_plan_overrides_run_the_plans_encoders():
+    recipe = Recipe.model_validate(RECIPE)
+    for name in ("dp2-tp2+omni.v-sp2-t256-fsdp", "dp1-tp2+disagg2", "dp4"):
+        plan = ParallelPlan.parse(name)
+        resolved = override_recipe(recipe, plan_overrides(plan, 1, False, 4))
+        assert ParallelPlan.from_config(resolved.parallel, plan.world_size) == plan
+
+
+def test_predicted_step_times_price_a_recipes_plans_on_this_machine(tmp_path, monkeypatch):
+    from omni_core.data.dataset import open_dataset
+    from omni_core.data.flops import FlopModel
+    from omni_core.data.profile import profile_source
+
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "calibration"))  # the catalogue's cpu
+    recipe = Recipe.model_validate({**RECIPE, "experiment": {**RECIPE["experiment"], "output_dir": str(tmp_path)},
+                                    "data": {**RECIPE["data"], "path": str(tmp_path / "data")}})
+    data = recipe.data
+    flops = FlopModel.for_flavor("debug", patch_size=data.patch_size, n_mels=data.n_mels)
+    profile = profile_source(open_dataset(recipe), data, 1, flops)
+    plans = [ParallelPlan.parse(n) for n in ("dp1-tp2-pp2", "dp1-tp2-pp2+omni", "dp1-tp2+disagg2")]
+    times = predicted_step_times(recipe, plans, profile)
+    assert list(times) == [p.name for p in plans] and all(t > 0 for t in times.values())
+    assert times["dp1-tp2-pp2+omni"] < times["dp1-tp2-pp2"]  # stage 0's two ranks vs all four
+    with pytest.raises(ValueError, match=r"dp4\+omni.v-sp8-t10: encoders.vision.lssp=8 exceeds the 4 encoder ranks"):
+        predicted_step_times(recipe, [ParallelPlan.parse("dp4+omni.v-sp8-t10")], profile)

@@ -32,13 +32,19 @@ class OmniModel(nn.Module):
         self.llm = LLM(args.llm)
         self.token_index: torch.Tensor | None = None  # this rank's packed positions under context parallelism
 
-    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
+                encoded: torch.Tensor | None = None) -> torch.Tensor:
         """The whole model, or one pipeline stage of it (see `parallel.pipeline`): a stage without the token
         embedding continues from `hidden`; one without the output head returns hidden states.
 
         Under context parallelism `token_index` holds the packed positions this rank keeps: the full
-        sequence is embedded, then the LLM runs on this rank's tokens only (`cu_seqlens` stays global)."""
-        if self.llm.tok_embeddings is not None:
+        sequence is embedded, then the LLM runs on this rank's tokens only (`cu_seqlens` stays global).
+        `encoded` (the `omni` encoder layout, `parallel.encoders`): the encoders already ran elsewhere, and
+        these are the projected rows of this rank's placeholders in position order; only its tokens are
+        embedded."""
+        if self.llm.tok_embeddings is not None and encoded is not None:
+            hidden = self.embed_encoded(batch, encoded)
+        elif self.llm.tok_embeddings is not None:
             hidden = self.embed(batch)
             if self.token_index is not None:
                 hidden = hidden[self.token_index]
@@ -74,6 +80,16 @@ class OmniModel(nn.Module):
             mels = embeds.new_zeros(2, self.args.audio.n_mels)
             unused = unused + self.projectors["audio"](self.audio(mels, frames)).sum()
         return embeds + 0.0 * unused.to(embeds.dtype)
+
+    def embed_encoded(self, batch: PackedBatch, encoded: torch.Tensor) -> torch.Tensor:
+        """Token embeddings of this rank's tokens with `encoded` rows at their image and audio placeholders."""
+        ids = batch.input_ids if self.token_index is None else batch.input_ids[self.token_index]
+        embeds = self.llm.embed(ids)
+        slots = (ids == IMAGE_ID) | (ids == AUDIO_ID)
+        if int(slots.sum()) != encoded.shape[0]:
+            raise ValueError(f"{int(slots.sum())} image and audio placeholders on this rank, but {encoded.shape[0]} "
+                             "encoded rows were handed to it")
+        return embeds.masked_scatter(slots.unsqueeze(-1), encoded.to(embeds.dtype))
 
     @property
     def aux_loss(self) -> torch.Tensor | None:

@@ -10,9 +10,11 @@ Tensor parallelism goes through DTensor, whose redistributions give every TP ran
 the parameters it replicates (encoders, embeddings, norms, routers). Experts under EP live on one rank of
 their EP group; their data-parallel replicas are the ranks with the same EP index (`dp_mod_ep`).
 
-Simplifications, stated: the encoders are replicated over TP and CP ranks (each runs them on its batch;
-the LLM is what these degrees split); MoE experts are split by EP, never by TP (under TP every rank of the
-group runs the experts on the same tokens).
+Encoders. Under the `coupled` layout they are replicated over TP and CP ranks (each runs them on its batch;
+the LLM is what these degrees split) and FSDP-sharded with the LLM's data-parallel mesh. Under `omni` they
+have their own layout (`parallel.encoders`): replicated over the world, outside the LLM's FSDP units.
+MoE experts are split by EP, never by TP (under TP every rank of the group runs the experts on the same
+tokens).
 """
 
 from __future__ import annotations
@@ -213,28 +215,40 @@ def apply_compile(model: nn.Module) -> None:
         container[key] = torch.compile(container[key], dynamic=True)
 
 
+def encoder_modules(model: nn.Module) -> list[nn.Module]:
+    """The encoders and projectors this model part holds."""
+    modules = [getattr(model, name, None) for name in ("vision", "audio")]
+    if getattr(model, "projectors", None) is not None:
+        modules.extend(model.projectors.values())
+    return [m for m in modules if m is not None]
+
+
 def apply_fsdp(model: OmniModel, meshes: ParallelMeshes, param_dtype: torch.dtype) -> None:
     """FSDP2 (HSDP when dp_replicate > 1): each block, each encoder and projector, then the root, so one
     block's parameters are gathered at a time. Experts under EP are sharded over their own replicas first,
-    which keeps them out of the dense mesh. Reductions sum (see the module docstring)."""
+    which keeps them out of the dense mesh. Reductions sum (see the module docstring). Under the `omni`
+    layout the encoders are left to their own layout: the root ignores their parameters."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard = {"mesh": meshes.dp_mesh, "mp_policy": mp_policy}
+    coupled = meshes.plan.encoders.layout == "coupled"
     for container, key in transformer_blocks(model):
         block = container[key]
+        if not coupled and container is not model.llm.layers:
+            continue  # an encoder block, in the encoders' own layout
         moe = getattr(getattr(block, "_checkpoint_wrapped_module", block), "moe", None)
         if moe is not None and meshes.expert_dp_mesh is not None:
             for expert in moe.experts.values():
                 fully_shard(expert, mesh=meshes.expert_dp_mesh, mp_policy=mp_policy)
         fully_shard(block, **shard)
-    encoders = [getattr(model, name, None) for name in ("vision", "audio")]
-    if getattr(model, "projectors", None) is not None:
-        encoders.extend(model.projectors.values())
-    for module in encoders:
-        if module is not None:
+    encoders = encoder_modules(model)
+    if coupled:
+        for module in encoders:
             fully_shard(module, **shard)
-    fully_shard(model, **shard)
+        fully_shard(model, **shard)
+    else:
+        fully_shard(model, **shard, ignored_params={p for m in encoders for p in m.parameters()})
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

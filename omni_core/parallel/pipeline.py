@@ -106,9 +106,10 @@ def pipeline_split(model: OmniModel, plan: ParallelPlan, pp_rank: int) -> list[O
     """This pp rank's stage chunks (one, or `plan.virtual_stages` for interleaved 1F1B), in stage order.
 
     Each is a deep copy of `model` with the other stages' layers deleted from `llm.layers`; stages other than
-    the first have `vision`, `audio`, `projectors` and `llm.tok_embeddings` set to None (OmniModel.forward then
-    continues from the previous stage's hidden states), stages other than the last `llm.norm` and
-    `llm.output` (LLM.forward then returns hidden states). Layers are balanced by `layer_costs`."""
+    the first have `llm.tok_embeddings` set to None (OmniModel.forward then continues from the previous
+    stage's hidden states), stages other than the last `llm.norm` and `llm.output` (LLM.forward then returns
+    hidden states). The encoders and projectors stay on the first stage (`coupled`), or on every pp rank's
+    first chunk (`omni`: each rank encodes, outside the pipeline). Layers are balanced by `layer_costs`."""
     if not 0 <= pp_rank < plan.pp:
         raise PlanError(f"pp_rank={pp_rank} is outside pp={plan.pp}")
     num_stages = plan.pp * plan.virtual_stages
@@ -121,8 +122,9 @@ def pipeline_split(model: OmniModel, plan: ParallelPlan, pp_rank: int) -> list[O
             if i not in ranges[stage]:
                 del chunk.llm.layers[key]
         if stage > 0:
-            chunk.vision = chunk.audio = chunk.projectors = None
             chunk.llm.tok_embeddings = None
+        if stage > 0 and (plan.encoders.layout == "coupled" or stage != stage_ids(plan, pp_rank)[0]):
+            chunk.vision = chunk.audio = chunk.projectors = None  # `omni`: every pp rank's first chunk keeps them
         if stage < num_stages - 1:
             chunk.llm.norm = chunk.llm.output = None
         chunks.append(chunk)
@@ -172,7 +174,8 @@ class _ChunkHooks:
         dtype = runner.compute_dtype
         self.autocast = torch.autocast(runner.device.type, dtype=dtype, enabled=dtype != torch.float32)
         self.autocast.__enter__()
-        return (runner.batches[self.micro], hidden), {}
+        encoded = runner.encoded[self.micro] if self.first and runner.encoded else None
+        return (runner.batches[self.micro], hidden, encoded), {}
 
     def after(self, chunk: OmniModel, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if self.autocast is None:
@@ -239,6 +242,7 @@ class PipelineRunner:
             self.schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[plan.pp_schedule](stages[0], **options)
         # per-step state, read by the hooks and the loss
         self.batches: list[PackedBatch] = []
+        self.encoded: list[torch.Tensor | None] = []  # `omni`: each micro-batch's encoded rows (stage 0)
         self.global_targets = 1.0
         self.compute_dtype = torch.float32
         self.aux_scale = 0.0
@@ -246,9 +250,11 @@ class PipelineRunner:
         self.aux: dict[tuple[int, int], torch.Tensor] = {}
 
     def forward_backward(
-        self, batches: list[PackedBatch], global_targets: float, compute_dtype: torch.dtype, aux_scale: float
+        self, batches: list[PackedBatch], global_targets: float, compute_dtype: torch.dtype, aux_scale: float,
+        encoded: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """Forward and backward of every micro-batch through the pipeline, gradients accumulated in the chunks.
+        """Forward and backward of every micro-batch through the pipeline, gradients accumulated in the chunks
+        (and, under `omni`, in the `encoded` rows' leaves).
 
         Returns the sum over micro-batches of `LossSums.stats()` (on the rank holding the last stage; zeros
         elsewhere) and this rank's stages' aux-loss total, sum over micro-batches of `aux_scale * aux_loss`
@@ -256,6 +262,7 @@ class PipelineRunner:
         if len(batches) != self.n_microbatches:
             raise ValueError(f"the schedule runs {self.n_microbatches} micro-batches, got {len(batches)}")
         self.batches, self.global_targets = batches, max(global_targets, 1.0)
+        self.encoded = encoded or []
         self.compute_dtype, self.aux_scale = compute_dtype, aux_scale
         self.stats, self.aux = {}, {}
         index = torch.arange(len(batches))
@@ -265,7 +272,7 @@ class PipelineRunner:
         finally:
             for hooks in self.hooks:
                 hooks.close()
-            self.batches = []
+            self.batches, self.encoded = [], []
         if self.last is None:
             stats = torch.zeros(STATS_SIZE, dtype=torch.float64)
         else:

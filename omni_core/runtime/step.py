@@ -10,6 +10,7 @@ tp, cp or pp) count its tokens, samples and FLOPs once: sums over the world are 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -19,12 +20,15 @@ from torch import nn
 
 from omni_core.common.batch import PackedBatch
 from omni_core.common.loss import local_targets, summarize, token_loss_sums
-from omni_core.common.plan import ParallelPlan
+from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.common.tokenizer import PAD_ID
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, all_reduce_sum
+
+
+ENCODER_PREFIXES = ("vision.", "audio.", "projectors.")
 
 
 @dataclass
@@ -35,6 +39,7 @@ class ModelReplica:
     parts: list[OmniModel]
     meshes: ParallelMeshes | None  # None on a single process
     pipeline: object | None = None  # parallel.pipeline.PipelineRunner when plan.pp > 1
+    encoders: object | None = None  # parallel.encoders.EncoderStep under the `omni` layout (several ranks)
 
     @property
     def args(self):
@@ -64,7 +69,11 @@ class ModelReplica:
 
 
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
-    """Build the full model from the seed (identical on every rank), then split and parallelize it."""
+    """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
+    process every layout is the same placement (the encoders on the one rank) and runs as `coupled`."""
+    if plan.encoders.layout == "disaggregated":
+        raise PlanError(f"plan {plan.name}: the disaggregated encoder layout is priced by the estimator "
+                        "(estimator/layouts.py) but the runtime does not execute it yet; use coupled or omni")
     meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
     model = build_model(
         recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,
@@ -86,6 +95,10 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
             param_dtype=compute_dtype,
         )
     replica = ModelReplica(plan, parts, meshes)
+    if plan.encoders.layout == "omni" and meshes is not None:
+        from omni_core.parallel.encoders import EncoderStep
+
+        replica.encoders = EncoderStep(parts[0], plan, recipe.data.seq_len * recipe.data.micro_batch)
     if plan.pp > 1:
         from omni_core.parallel.pipeline import PipelineRunner
 
@@ -198,7 +211,8 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
 
     Sharded (DTensor) gradients are reduced by DTensor per (mesh, placement) group, so replicated copies
     count once; experts under EP differ across the EP group and stages across pipeline ranks, so those
-    squares are summed over their groups too."""
+    squares are summed over their groups too. `omni` encoders are replicated on every rank (pipeline ranks
+    included) with summed gradients: counted once, after the pipeline's sum."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -207,27 +221,24 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
             if param.grad is None:
                 continue
             grad = param.grad
-            expert = ".experts." in name
-            key = (expert, grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (expert, None, None)
+            kind = "expert" if ".experts." in name else "dense"
+            if replica.encoders is not None and name.startswith(ENCODER_PREFIXES):
+                kind = "encoder"
+            key = (kind, grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (kind, None, None)
             groups[key].append(grad)
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    for (expert, mesh, _), grads in groups.items():
+    squares = dict.fromkeys(("dense", "expert", "encoder"), torch.zeros((), dtype=torch.float64))
+    for (kind, mesh, _), grads in groups.items():
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if mesh is not None:
             norm = norm.full_tensor()
-        square = norm.detach().double().cpu() ** 2
-        if expert:
-            expert_sq += square
-        else:
-            dense_sq += square
+        squares[kind] = squares[kind] + norm.detach().double().cpu() ** 2
     meshes = replica.meshes
     if meshes is not None and replica.plan.ep > 1:
-        dist.all_reduce(expert_sq, group=meshes.ep_group)
-    total_sq = dense_sq + expert_sq
+        dist.all_reduce(squares["expert"], group=meshes.ep_group)
+    total_sq = squares["dense"] + squares["expert"]
     if meshes is not None and replica.plan.pp > 1:
         dist.all_reduce(total_sq, group=meshes.group("pp"))
-    total = float(total_sq.sqrt())
+    total = float((total_sq + squares["encoder"]).sqrt())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for grads in groups.values():
@@ -250,6 +261,24 @@ class StepStats:
     tokens: int  # real (non-padding) tokens processed by all model replicas
     samples: int
     flops: float  # model FLOPs (forward + backward) of the step, counted once per replica
+
+
+def layout_metrics(replica: ModelReplica, llm_s: float) -> dict[str, float]:
+    """Per-rank encoder and LLM seconds as max and mean over the world, with the handoff's bytes and LSSP's
+    items (`omni`). The LLM seconds of a coupled step include its encoders (they run inside stage 0)."""
+    encoder = replica.encoders.metrics if replica.encoders else {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    times = torch.tensor([encoder.get("encoder_s", 0.0), llm_s], dtype=torch.float64)
+    peaks = times.clone()
+    if world > 1:
+        dist.all_reduce(times)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(times[0]) / world,
+           "llm_s_max": float(peaks[1]), "llm_s_mean": float(times[1]) / world}
+    if replica.encoders:
+        sent = all_reduce_sum(torch.tensor([encoder["handoff_bytes"]], dtype=torch.float64))
+        out.update(handoff_bytes=float(sent), lssp_items=encoder["lssp_items"])
+    return out
 
 
 def train_step(
@@ -277,19 +306,25 @@ def train_step(
     # the whole sequence's loss, and its differentiable all-reduce sums their gradients: hence the cp.
     aux_scale = 1.0 / (len(batches) * plan.dp * plan.cp)
     device_type = batches[0].input_ids.device.type
+    encoded = replica.encoders.forward(batches, compute_dtype) if replica.encoders else [None] * len(batches)
+    llm_start = time.perf_counter()
     if replica.pipeline is not None:
-        stats, aux_total = replica.pipeline.forward_backward(batches, global_targets, compute_dtype, aux_scale)
+        stats, aux_total = replica.pipeline.forward_backward(
+            batches, global_targets, compute_dtype, aux_scale, encoded if replica.encoders else None)
     else:
         stats, aux_total = None, 0.0
         for index, batch in enumerate(batches):
             set_gradient_sync(model, index == len(batches) - 1)  # FSDP reduces once, after the last micro-batch
             with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-                logits = model(batch)
+                logits = model(batch, encoded=encoded[index])
             sums = token_loss_sums(logits, local_targets(batch, model.token_index))
             aux = model.aux_loss * aux_scale
             (sums.total / max(global_targets, 1.0) + aux).backward()
             aux_total += float(aux.detach())
             stats = sums.stats() if stats is None else stats + sums.stats()
+    llm_s = time.perf_counter() - llm_start
+    if replica.encoders:
+        replica.encoders.backward()
     params = replica.trainable()
     for param in params:
         if param.grad is None:  # a trainable parameter the step never reached: keep optimizer state uniform
@@ -305,4 +340,5 @@ def train_step(
         metrics["aux_loss"] = float(reduced[-1])
     metrics["grad_norm"] = grad_norm
     metrics["lr"] = optimizers.lr
+    metrics.update(layout_metrics(replica, llm_s))
     return StepStats(metrics=metrics, tokens=int(global_tokens), samples=int(global_samples), flops=global_flops)

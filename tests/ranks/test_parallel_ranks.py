@@ -16,97 +16,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.data.dataset import open_dataset
-from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
-from omni_core.recipe.schema import Recipe
 from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
 from omni_core.runtime.ckpt_store import LocalStore
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
-from omni_core.runtime.step import Optimizers, build_replica, train_step
-
-STEPS = 3
-GRAD_ACCUM = 2
-
-
-def recipe_for(root: Path, flavor: str = "debug") -> Recipe:
-    return Recipe.model_validate({
-        "experiment": {"name": "par", "output_dir": str(root / "out"), "seed": 5},
-        "data": {"path": str(root / "data"), "synthetic": {"num_samples": 120}, "seq_len": 256},
-        "model": {"flavor": flavor},
-        "train": {"steps": 10, "lr": 3e-3, "warmup_steps": 1, "grad_accum": GRAD_ACCUM, "ckpt_every": 0,
-                  "dtype": "float32"},
-    })
-
-
-class CapturingOptimizers(Optimizers):
-    """Optimizers that keep the full (gathered) gradients they were about to apply."""
-
-    def __init__(self, parts, recipe):
-        super().__init__(parts, recipe)
-        self.parts, self.grads = parts, {}
-
-    def step(self) -> None:
-        self.grads = {}
-        for part in self.parts:
-            for name, param in part.named_parameters():
-                grad = param.grad
-                self.grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
-        super().step()
-
-
-def _loaders(recipe: Recipe, shards: list[int], num_shards: int) -> list:
-    dataset = open_dataset(recipe)
-    return [iter(PackedLoader(dataset, recipe.data, "train", r, num_shards, recipe.experiment.seed)) for r in shards]
-
-
-def _steps(replica, optimizers, loaders, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        batches = [next(loader) for loader in loaders for _ in range(GRAD_ACCUM)]
-        losses.append(train_step(replica, optimizers, batches, grad_clip=1.0).metrics["loss"])
-    return losses
-
-
-def run_plan(recipe: Recipe, plan: ParallelPlan, info: DistInfo, shards: list[int]) -> tuple[list[float], dict]:
-    """Losses of STEPS steps of `plan` on the given data shards, and the full gradients of the last step."""
-    replica = build_replica(recipe, plan, info, torch.float32)
-    optimizers = CapturingOptimizers(replica.parts, recipe)
-    losses = _steps(replica, optimizers, _loaders(recipe, shards, max(plan.dp, len(shards))), STEPS)
-    return losses, optimizers.grads
-
-
-def _plans_worker(rank: int, world: int, root: str, flavors_and_plans: list[tuple[str, str]]) -> dict:
-    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    results = {}
-    for flavor, name in flavors_and_plans:
-        plan = ParallelPlan.parse(name)
-        results[flavor, name] = run_plan(recipe_for(Path(root), flavor), plan, info, shards=[plan.data_rank(rank)])
-    return results
-
-
-def reference(root: Path, flavor: str, dp: int) -> tuple[list[float], dict]:
-    """One process, gradient accumulation over all `dp` data shards' micro-batches."""
-    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    return run_plan(recipe_for(root, flavor), ParallelPlan(), cpu, shards=list(range(dp)))
-
-
-def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]]) -> None:
-    ensure_dataset(recipe_for(root))
-    per_rank = run_ranks(_plans_worker, world, str(root), flavors_and_plans)
-    for flavor, name in flavors_and_plans:
-        plan = ParallelPlan.parse(name)
-        ref_losses, ref_grads = reference(root, flavor, plan.dp)
-        merged: dict[str, torch.Tensor] = {}
-        for rank_results in per_rank:
-            losses, grads = rank_results[flavor, name]
-            assert losses == pytest.approx(ref_losses, rel=1e-5), f"{flavor} {name}: losses"
-            merged.update(grads)
-        assert merged.keys() == ref_grads.keys(), f"{flavor} {name}: parameter names"
-        for key, expected in ref_grads.items():
-            torch.testing.assert_close(merged[key], expected, rtol=1e-3, atol=1e-6, msg=f"{flavor} {name}: {key}")
-
+from omni_core.runtime.step import Optimizers, build_replica
+from tests.helpers.plans import GRAD_ACCUM, check_plans, loaders_for, recipe_for, steps
 
 def test_plans_on_two_ranks_train_like_one_process(tmp_path):
     check_plans(tmp_path, 2, [
@@ -159,9 +75,9 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
         recipe.train.grad_accum = per_rank * GRAD_ACCUM  # the pipeline schedule's micro-batch count
         replica = build_replica(recipe, plan, info, torch.float32)
         optimizers = Optimizers(replica.parts, recipe)
-        loaders = _loaders(recipe, shards, world)
+        loaders = loaders_for(recipe, shards, world)
         if name == saved:
-            _steps(replica, optimizers, loaders, 1)
+            steps(replica, optimizers, loaders, 1)
             save_checkpoint(store, step=1, parts=replica.parts, optimizers=optimizers, rank_state={}, history={},
                             info=info, plan=name, recipe_hash="test", keep_last=1)
         else:
@@ -170,11 +86,12 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
             for loader in loaders:  # the batches of step 1, already trained
                 for _ in range(GRAD_ACCUM):
                     next(loader)
-        losses[name] = _steps(replica, optimizers, loaders, 1)[0]
+        losses[name] = steps(replica, optimizers, loaders, 1)[0]
     return losses[saved], losses[resumed]
 
 
-@pytest.mark.parametrize("saved,resumed", [("dp4", "dp2-tp2"), ("dp2-tp2", "dp2-pp2"), ("dp2-pp2", "dp1-tp2-cp2r")])
+@pytest.mark.parametrize("saved,resumed", [("dp4", "dp2-tp2"), ("dp2-tp2", "dp2-pp2"), ("dp2-pp2", "dp1-tp2-cp2r"),
+                                          ("dp2-tp2", "dp2-pp2+omni"), ("dp4+omni.v-sp2-t16", "dp1-tp2-cp2r")])
 def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, resumed):
     ensure_dataset(recipe_for(tmp_path))
     for continued, after_resume in run_ranks(_resume_worker, 4, str(tmp_path), saved, resumed):

@@ -1,0 +1,386 @@
+"""The `omni` encoder layout (MegaScale-Omni's encoder-LLM multiplexing, DESIGN.md §3): every rank of the
+world encodes, under the encoders' own layout, items of any data shard; their embeddings then travel to the
+LLM ranks whose placeholders they fill.
+
+A step runs in three phases (the design's reference schedule; the encoders do not yet fill the LLM
+pipeline's bubbles):
+
+1. `EncoderStep.forward`: each data shard's owner publishes its items' metadata (modality, grid or frames,
+   placeholder position; never sample bytes), every rank computes the same assignment (`assign`: longest
+   processing time first on the models' FLOPs of each item, a*L + b*L^2; items over their encoder's
+   threshold go to an LSSP group whose members each run a chunk), inputs travel to their encoder ranks
+   (one all-to-all per modality), the encoders run, and the projected rows are handed to their consumers,
+   every stage-0 rank of the item's data shard, each getting the rows of its own context-parallel share,
+   by one variable-split all-to-all (`AllToAll`) whose backward is the mirrored exchange of their gradients;
+2. the LLM's forward and backward, pipelined or not, on detached leaves of those rows;
+3. `EncoderStep.backward`: the leaves' gradients go back through the mirrored all-to-all, the encoders run
+   backward, and their gradients are summed over the world (the weights are replicated).
+
+Every rank calls every collective each step, with empty buffers when it has nothing to send or encode, so
+a rank without images or audio never hangs the others. Frozen encoders (and projectors) skip phase 3's
+encoder backward by autograd itself: nothing on their side requires a gradient.
+
+Gradient convention (see `parallelize`): a consumer's leaf holds the gradient of the global loss for its rows.
+Context-parallel consumers hold disjoint rows; tensor-parallel consumers hold the same rows with the same
+(full) gradient, so only tensor-parallel rank 0 sends its gradient back (the others send zeros).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from omni_core.common.batch import PackedBatch, audio_tokens
+from omni_core.common.plan import EncoderSpec, ParallelPlan
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.models.flops import audio_forward_flops, vision_forward_flops
+from omni_core.models.omni import OmniModel
+from omni_core.models.projector import merged_grid
+from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
+from omni_core.parallel.context import cp_token_index
+from omni_core.parallel.lssp import SequenceShard, lssp_splits
+
+ENCODER_OF = {"image": "vision", "audio": "audio"}
+PLACEHOLDER_OF = {"image": IMAGE_ID, "audio": AUDIO_ID}
+ACTIVATION_BYTES_PER_TOKEN_DIM = 4 * 16  # fp32, ~16 saved tensors of [tokens, dim] per encoder block
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image or audio clip of the step, as every rank knows it after the metadata all-gather."""
+
+    modality: str  # "image" | "audio"
+    shard: int  # the data shard whose batch holds it
+    micro: int  # its micro-batch
+    shape: tuple[int, ...]  # (rows, cols) in patches, or (frames,)
+    start: int  # packed position of its first placeholder in the micro-batch
+    input_offset: int  # its first row in the micro-batch's image_patches / audio_mels
+
+    @property
+    def input_rows(self) -> int:
+        return self.shape[0] * self.shape[1] if self.modality == "image" else self.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        """Encoder tokens: patches, or subsampled mel frames."""
+        return self.input_rows if self.modality == "image" else audio_tokens(self.shape[0])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of an item's projected rows that one rank produces: all of them, or an LSSP member's chunk."""
+
+    item: Item
+    rank: int
+    rows: tuple[int, int]  # [first, end) of the item's projected rows
+    inputs: tuple[int, int]  # [first, end) of the item's input rows this rank needs
+    group: tuple[int, ...] = ()  # the LSSP group (ranks in order); () for a whole item
+    splits: tuple[int, ...] = ()  # the group's encoder-token chunks
+
+
+def describe_items(batches: list[PackedBatch], shard: int, merge: int) -> list[Item]:
+    """Items of one data shard's micro-batches, each with the position of its (contiguous) placeholders."""
+    items = []
+    for micro, batch in enumerate(batches):
+        for modality, shapes in (("image", batch.image_grids.tolist()), ("audio", batch.audio_frames.tolist())):
+            positions = (batch.input_ids == PLACEHOLDER_OF[modality]).nonzero().flatten().tolist()
+            cursor = offset = 0
+            for shape in shapes:
+                shape = tuple(shape) if modality == "image" else (shape,)
+                item = Item(modality, shard, micro, shape, positions[cursor] if positions else -1, offset)
+                rows = output_rows(item, merge)
+                span = positions[cursor:cursor + rows]
+                if len(span) != rows or span[-1] - span[0] != rows - 1:
+                    raise ValueError(f"micro-batch {micro}: the placeholders of {modality} {shape} are not "
+                                     f"{rows} contiguous tokens")
+                items.append(item)
+                cursor += rows
+                offset += item.input_rows
+    return items
+
+
+def output_rows(item: Item, merge: int) -> int:
+    """LLM embeddings an item yields (its placeholders)."""
+    if item.modality == "image":
+        m_rows, m_cols = merged_grid(*item.shape, merge)
+        return m_rows * m_cols
+    return item.tokens
+
+
+def item_cost(item: Item, model: OmniModel) -> float:
+    """Forward FLOPs (the models' own count: linear and quadratic in the item's tokens)."""
+    if item.modality == "image":
+        return vision_forward_flops(model.args.vision, item.input_rows)
+    return audio_forward_flops(model.args.audio, item.shape[0])
+
+
+def split_unit(item: Item, merge: int) -> int:
+    """Encoder tokens an LSSP chunk is a multiple of: whole merge-rows of patches (see `lssp_pieces`), or 1."""
+    return merge * item.shape[1] if item.modality == "image" else 1
+
+
+def is_long(item: Item, spec: EncoderSpec, dim: int, layers: int, merge: int) -> bool:
+    """Over the encoder's threshold by tokens (cost) or by its activations' estimated MiB (memory). An item
+    too small to give every member of the group a chunk runs whole."""
+    if spec.lssp == 1 or -(-item.tokens // split_unit(item, merge)) < spec.lssp:
+        return False
+    by_tokens = spec.long_tokens and item.tokens > spec.long_tokens
+    mib = item.tokens * dim * layers * ACTIVATION_BYTES_PER_TOKEN_DIM / 2**20
+    return bool(by_tokens or (spec.long_mb and mib > spec.long_mb))
+
+
+def assign(items: list[Item], model: OmniModel, plan: ParallelPlan) -> list[Piece]:
+    """The same placement on every rank: items by decreasing cost, each onto the least-loaded rank (a long
+    one onto the least-loaded LSSP group, a chunk per member); ties go to the lower rank. Returns the pieces
+    in this canonical order."""
+    ranks = list(plan.encoder_ranks)
+    load = dict.fromkeys(ranks, 0.0)
+    merge = model.args.spatial_merge
+    keyed = sorted(items, key=lambda it: (-item_cost(it, model), it.shard, it.micro, it.modality, it.start))
+    pieces = []
+    for item in keyed:
+        spec = plan.encoders.spec(ENCODER_OF[item.modality])
+        encoder = getattr(model, ENCODER_OF[item.modality]).args
+        cost = item_cost(item, model)
+        if not is_long(item, spec, encoder.dim, encoder.n_layers, merge):
+            rank = min(ranks, key=lambda r: (load[r], r))
+            load[rank] += cost
+            pieces.append(Piece(item, rank, (0, output_rows(item, merge)), (0, item.input_rows)))
+            continue
+        groups = [ranks[i:i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
+        group = min(groups, key=lambda g: (max(load[r] for r in g), g[0]))
+        pieces.extend(lssp_pieces(item, tuple(group), merge))
+        for rank in group:
+            load[rank] += cost / len(group)
+    return pieces
+
+
+def lssp_pieces(item: Item, group: tuple[int, ...], merge: int) -> list[Piece]:
+    """An item's chunks over an LSSP group. Images are cut at whole merge-rows of patches, so that each chunk
+    merges into whole rows of LLM tokens on its own; a clip's members each take the whole clip's frames (the
+    conv stem runs whole, see `AudioEncoder`) and a chunk of its subsampled tokens."""
+    if item.modality == "image":
+        rows, cols = item.shape
+        splits = lssp_splits(item.tokens, len(group), split_unit(item, merge))
+        m_cols = merged_grid(rows, cols, merge)[1]
+        out_rows = [-(-(s // cols) // merge) * m_cols for s in splits]
+    else:
+        splits = lssp_splits(item.tokens, len(group), 1)
+        out_rows = list(splits)
+    pieces, token, row = [], 0, 0
+    for rank, split, out in zip(group, splits, out_rows, strict=True):
+        inputs = (token, token + split) if item.modality == "image" else (0, item.input_rows)
+        pieces.append(Piece(item, rank, (row, row + out), inputs, group, tuple(splits)))
+        token, row = token + split, row + out
+    return pieces
+
+
+class EncoderStep:
+    """Phases 1 and 3 of the `omni` step on this rank (see the module docstring)."""
+
+    def __init__(self, model: OmniModel, plan: ParallelPlan, tokens_per_microbatch: int):
+        self.model, self.plan = model, plan
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.total_tokens = tokens_per_microbatch
+        self.coords = [plan.coordinates(r) for r in range(plan.llm_world_size)]
+        self.shard_of = [plan.data_rank(r) for r in range(plan.llm_world_size)]
+        owners: dict[int, int] = {}
+        for rank, shard in enumerate(self.shard_of):
+            owners.setdefault(shard, rank)
+        self.owner_of_shard = owners
+        self.lssp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for size in sorted({plan.encoders.spec(e).lssp for e in ENCODER_OF.values()} - {1}):
+            ranks = list(plan.encoder_ranks)
+            for i in range(0, len(ranks) - size + 1, size):  # every rank creates every group, in one order
+                group = tuple(ranks[i:i + size])
+                self.lssp_groups[group] = dist.new_group(list(group))
+        self.params = [p for name in ("vision", "audio", "projectors") for p in getattr(model, name).parameters()
+                       if p.requires_grad]
+        self._received: torch.Tensor | None = None
+        self._leaf: torch.Tensor | None = None
+        self.metrics: dict[str, float] = {}
+
+    # --- phase 1 -------------------------------------------------------------------------------------------
+
+    def forward(self, batches: list[PackedBatch], compute_dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """This rank's encoded rows per micro-batch, sorted by packed position within its CP share (leaves
+        that collect the LLM's gradients), or None per micro-batch on ranks outside pipeline stage 0."""
+        start = time.perf_counter()
+        merge = self.model.args.spatial_merge
+        mine = describe_items(batches, self.shard_of[self.rank], merge) if self._owns_shard() else []
+        gathered: list[list[Item]] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, mine)
+        pieces = assign([it for part in gathered for it in part], self.model, self.plan)
+        inputs = self._ship_inputs(pieces, batches)
+        device_type = batches[0].input_ids.device.type
+        with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
+        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})),
+                        "encoder_items": float(len({p.item for p in pieces}))}
+        encoded = self._hand_off(pieces, produced, len(batches), compute_dtype, batches[0].input_ids.device)
+        self.metrics["encoder_s"] = time.perf_counter() - start
+        return encoded
+
+    def _owns_shard(self) -> bool:
+        return self.rank < self.plan.llm_world_size and self.owner_of_shard[self.shard_of[self.rank]] == self.rank
+
+    def _holds(self, rank: int, shard: int) -> bool:
+        return rank < self.plan.llm_world_size and self.shard_of[rank] == shard
+
+    def _ship_inputs(self, pieces: list[Piece], batches: list[PackedBatch]) -> dict[Piece, torch.Tensor]:
+        """Each of this rank's pieces' input rows: sliced locally where this rank holds the item's batch, else
+        received from the shard's owner (one all-to-all per modality, in the canonical piece order)."""
+        needs = [p for p in pieces if not self._holds(p.rank, p.item.shard)]
+        out: dict[Piece, torch.Tensor] = {}
+        for modality, field in (("image", "image_patches"), ("audio", "audio_mels")):
+            empty = getattr(batches[0], field)[:0]
+            send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]  # by destination rank
+            recv_splits = [0] * self.world
+            mine = []
+            for piece in (p for p in needs if p.item.modality == modality):
+                source = self.owner_of_shard[piece.item.shard]
+                if source == self.rank:
+                    send[piece.rank].append(self._input_rows(piece, batches))
+                if piece.rank == self.rank:
+                    recv_splits[source] += piece.inputs[1] - piece.inputs[0]
+                    mine.append((source, piece))
+            send_splits = [sum(t.shape[0] for t in rows) for rows in send]
+            flat = torch.cat([t for rows in send for t in rows]) if any(send_splits) else empty
+            received = all_to_all_uneven(flat, recv_splits, send_splits, None)
+            cursor = [sum(recv_splits[:r]) for r in range(self.world)]  # each source's rows, in canonical order
+            for source, piece in mine:
+                rows = piece.inputs[1] - piece.inputs[0]
+                out[piece] = received[cursor[source]:cursor[source] + rows]
+                cursor[source] += rows
+        for piece in pieces:
+            if piece.rank == self.rank and piece not in out:
+                out[piece] = self._input_rows(piece, batches)
+        return out
+
+    @staticmethod
+    def _input_rows(piece: Piece, batches: list[PackedBatch]) -> torch.Tensor:
+        batch = batches[piece.item.micro]
+        source = batch.image_patches if piece.item.modality == "image" else batch.audio_mels
+        first = piece.item.input_offset
+        return source[first + piece.inputs[0]:first + piece.inputs[1]]
+
+    def _encode(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]) -> dict[Piece, torch.Tensor]:
+        """Projected rows of this rank's pieces: whole items batched per modality (one encoder call each),
+        LSSP chunks one by one in the canonical order their group's members share."""
+        model, out = self.model, {}
+        whole = [p for p in pieces if not p.group]
+        images = [p for p in whole if p.item.modality == "image"]
+        if images:
+            grids = torch.tensor([p.item.shape for p in images], dtype=torch.long)
+            rows = model.project_image(model.vision(torch.cat([inputs[p] for p in images]), grids), grids)
+            out.update(zip(images, rows.split([p.rows[1] - p.rows[0] for p in images]), strict=True))
+        clips = [p for p in whole if p.item.modality == "audio"]
+        if clips:
+            frames = torch.tensor([p.item.shape[0] for p in clips], dtype=torch.long)
+            rows = model.projectors["audio"](model.audio(torch.cat([inputs[p] for p in clips]), frames))
+            out.update(zip(clips, rows.split([p.rows[1] - p.rows[0] for p in clips]), strict=True))
+        for piece in (p for p in pieces if p.group):
+            shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
+            if piece.item.modality == "image":
+                cols = piece.item.shape[1]
+                grid = torch.tensor([piece.item.shape], dtype=torch.long)
+                features = model.vision(inputs[piece], grid, shard=shard)
+                chunk_grid = torch.tensor([[features.shape[0] // cols, cols]], dtype=torch.long)
+                out[piece] = model.project_image(features, chunk_grid)
+            else:
+                frames = torch.tensor([piece.item.shape[0]], dtype=torch.long)
+                out[piece] = model.projectors["audio"](model.audio(inputs[piece], frames, shard=shard))
+        return out
+
+    # --- the handoff ---------------------------------------------------------------------------------------
+
+    def _consumers(self, shard: int) -> list[int]:
+        """Stage-0 LLM ranks of a data shard: each needs the rows of its CP share."""
+        return [r for r in range(self.plan.llm_world_size) if self.shard_of[r] == shard and self.coords[r]["pp"] == 0]
+
+    def _share(self, rank: int) -> list[tuple[int, int]]:
+        """The packed positions [first, end) a consumer's LLM holds (its context-parallel share)."""
+        plan = self.plan
+        if plan.cp == 1:
+            return [(0, self.total_tokens)]
+        index = cp_token_index(self.total_tokens, plan.cp, self.coords[rank]["cp"], plan.cp_kind)
+        chunk = self.total_tokens // (plan.cp if plan.cp_kind == "ulysses" else 2 * plan.cp)
+        starts = index[::chunk].tolist()
+        return [(s, s + chunk) for s in starts]
+
+    def _transfers(self, pieces: list[Piece]) -> list[tuple[int, Piece, int, int]]:
+        """(consumer, piece, first, end) of item rows, sorted by consumer, micro-batch and packed position:
+        the order senders fill and receivers read the handoff buffers in."""
+        out = []
+        for piece in pieces:
+            item = piece.item
+            for consumer in self._consumers(item.shard):
+                for lo, hi in self._share(consumer):
+                    first = max(piece.rows[0], lo - item.start)
+                    end = min(piece.rows[1], hi - item.start)
+                    if first < end:
+                        out.append((consumer, piece, first, end))
+        return sorted(out, key=lambda t: (t[0], t[1].item.micro, t[1].item.start + t[2]))
+
+    def _hand_off(self, pieces: list[Piece], produced: dict[Piece, torch.Tensor], n_micro: int,
+                  dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
+        """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too)."""
+        dim = self.model.args.llm.dim
+        transfers = self._transfers(pieces)
+        outgoing = [t for t in transfers if t[1].rank == self.rank]
+        chunks = [produced[piece][first - piece.rows[0]:end - piece.rows[0]] for _, piece, first, end in outgoing]
+        send_splits, recv_splits = [0] * self.world, [0] * self.world
+        for consumer, piece, first, end in transfers:
+            if piece.rank == self.rank:
+                send_splits[consumer] += end - first
+            if consumer == self.rank:
+                recv_splits[piece.rank] += end - first
+        trains = bool(self.params)
+        send = torch.cat(chunks).to(dtype) if chunks else torch.zeros(0, dim, dtype=dtype, device=device)
+        if trains and not send.requires_grad:  # no rows, or only frozen encoders' rows: the backward still runs
+            send = send + torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+        exchange = AllToAll.apply if trains else all_to_all_uneven
+        received = exchange(send, recv_splits, send_splits, None)
+        incoming = sorted((t for t in transfers if t[0] == self.rank), key=lambda t: t[1].rank)  # stable
+        order = sorted(range(len(incoming)), key=lambda i: (incoming[i][1].item.micro,
+                                                            incoming[i][1].item.start + incoming[i][2]))
+        spans = list(received.split([end - first for _, _, first, end in incoming])) if incoming else []
+        rows = torch.cat([spans[i] for i in order]) if incoming else received
+        self.metrics["handoff_bytes"] = float(send.numel() * send.element_size()) * (2 if trains else 1)
+        self._received = rows
+        self._leaf = rows.detach().requires_grad_(rows.requires_grad)
+        if self.rank >= self.plan.llm_world_size or self.coords[self.rank]["pp"] != 0:
+            return [None] * n_micro
+        per_micro: dict[int, int] = defaultdict(int)
+        for i in order:
+            per_micro[incoming[i][1].item.micro] += incoming[i][3] - incoming[i][2]
+        return list(self._leaf.split([per_micro[m] for m in range(n_micro)]))
+
+    # --- phase 3 -------------------------------------------------------------------------------------------
+
+    def backward(self) -> None:
+        """Send the LLM's gradients of the received rows back and run the encoders' backward; then sum the
+        encoders' gradients over the world (their weights are replicated)."""
+        start = time.perf_counter()
+        received, leaf = self._received, self._leaf
+        self._received = self._leaf = None
+        if received is not None and received.requires_grad:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if self.rank < self.plan.llm_world_size and self.coords[self.rank]["tp"] != 0:
+                grad = torch.zeros_like(grad)  # the same full gradient as TP rank 0's: counted once
+            torch.autograd.backward(received, grad)
+        if self.params:
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            dist.all_reduce(flat)
+            offset = 0
+            for param in self.params:
+                param.grad.copy_(flat[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+        self.metrics["encoder_s"] += time.perf_counter() - start

@@ -1,0 +1,115 @@
+"""Training a plan on gloo ranks against one process: the shared harness of the multi-rank plan tests.
+
+For each plan the ranks take a few optimizer steps through the real `train_step`; the reference is one
+process doing gradient accumulation over the same micro-batches (all data-parallel shards). Losses per step
+and the full gradients of the last step (after two optimizer updates, so the weights agree too) must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from omni_core.common.plan import ParallelPlan
+from omni_core.data.dataset import open_dataset
+from omni_core.data.loader import PackedLoader
+from omni_core.data.synthetic import ensure_dataset
+from omni_core.recipe.schema import Recipe
+from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.ranks import run_ranks
+from omni_core.runtime.step import Optimizers, build_replica, train_step
+
+STEPS = 3
+GRAD_ACCUM = 2
+
+
+def recipe_for(root: Path, flavor: str = "debug") -> Recipe:
+    return Recipe.model_validate({
+        "experiment": {"name": "par", "output_dir": str(root / "out"), "seed": 5},
+        "data": {"path": str(root / "data"), "synthetic": {"num_samples": 120}, "seq_len": 256},
+        "model": {"flavor": flavor},
+        "train": {"steps": 10, "lr": 3e-3, "warmup_steps": 1, "grad_accum": GRAD_ACCUM, "ckpt_every": 0,
+                  "dtype": "float32"},
+    })
+
+
+class CapturingOptimizers(Optimizers):
+    """Optimizers that keep the full (gathered) gradients they were about to apply."""
+
+    def __init__(self, parts, recipe):
+        super().__init__(parts, recipe)
+        self.parts, self.grads = parts, {}
+
+    def step(self) -> None:
+        self.grads = {}
+        for part in self.parts:
+            for name, param in part.named_parameters():
+                grad = param.grad
+                self.grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+        super().step()
+
+
+def loaders_for(recipe: Recipe, shards: list[int], num_shards: int) -> list:
+    dataset = open_dataset(recipe)
+    return [iter(PackedLoader(dataset, recipe.data, "train", r, num_shards, recipe.experiment.seed)) for r in shards]
+
+
+def steps(replica, optimizers, loaders, count: int, metrics: list | None = None) -> list[float]:
+    """Losses of `count` steps; each step's metrics are appended to `metrics` when given."""
+    losses = []
+    for _ in range(count):
+        batches = [next(loader) for loader in loaders for _ in range(GRAD_ACCUM)]
+        step_metrics = train_step(replica, optimizers, batches, grad_clip=1.0).metrics
+        losses.append(step_metrics["loss"])
+        if metrics is not None:
+            metrics.append(step_metrics)
+    return losses
+
+
+def run_plan(recipe: Recipe, plan: ParallelPlan, info: DistInfo, shards: list[int]
+             ) -> tuple[list[float], dict, list[dict]]:
+    """Losses of STEPS steps of `plan` on the given data shards, the full gradients of the last step, and
+    every step's metrics."""
+    replica = build_replica(recipe, plan, info, torch.float32)
+    optimizers = CapturingOptimizers(replica.parts, recipe)
+    metrics: list[dict] = []
+    losses = steps(replica, optimizers, loaders_for(recipe, shards, max(plan.dp, len(shards))), STEPS, metrics)
+    return losses, optimizers.grads, metrics
+
+
+def plans_worker(rank: int, world: int, root: str, flavors_and_plans: list[tuple[str, str]]) -> dict:
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    results = {}
+    for flavor, name in flavors_and_plans:
+        plan = ParallelPlan.parse(name)
+        results[flavor, name] = run_plan(recipe_for(Path(root), flavor), plan, info, shards=[plan.data_rank(rank)])
+    return results
+
+
+def reference(root: Path, flavor: str, dp: int) -> tuple[list[float], dict, list[dict]]:
+    """One process, gradient accumulation over all `dp` data shards' micro-batches."""
+    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return run_plan(recipe_for(root, flavor), ParallelPlan(), cpu, shards=list(range(dp)))
+
+
+def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]]) -> dict[tuple, list[dict]]:
+    """Asserts each plan trains like one process; returns rank 0's step metrics per (flavor, plan)."""
+    ensure_dataset(recipe_for(root))
+    per_rank = run_ranks(plans_worker, world, str(root), flavors_and_plans)
+    for flavor, name in flavors_and_plans:
+        plan = ParallelPlan.parse(name)
+        ref_losses, ref_grads, _ = reference(root, flavor, plan.dp)
+        merged: dict[str, torch.Tensor] = {}
+        for rank_results in per_rank:
+            losses, grads, _ = rank_results[flavor, name]
+            assert losses == pytest.approx(ref_losses, rel=1e-5), f"{flavor} {name}: losses"
+            merged.update(grads)
+        assert merged.keys() == ref_grads.keys(), f"{flavor} {name}: parameter names"
+        for key, expected in ref_grads.items():
+            torch.testing.assert_close(merged[key], expected, rtol=1e-3, atol=1e-6, msg=f"{flavor} {name}: {key}")
+    return {key: metrics for key, (_, _, metrics) in per_rank[0].items()}
+
+

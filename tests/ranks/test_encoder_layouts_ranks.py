@@ -1,0 +1,74 @@
+"""The `omni` encoder layout on gloo: encoders over every rank under their own plan (LSSP for long items),
+the handoff into the LLM's layout, and the three-phase step, all against one process.
+
+Tolerances are those of `tests.helpers.plans.check_plans`: losses rel 1e-5, gradients rtol 1e-3 / atol 1e-6
+(fp32; the layouts sum the same terms in other orders)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.common.plan import ParallelPlan
+from omni_core.recipe.schema import Recipe
+from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.ranks import run_ranks
+from omni_core.runtime.step import build_replica, train_step
+from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch
+from tests.helpers.plans import CapturingOptimizers, check_plans
+
+LSSP = "omni.v-sp2-t16.a-sp2-t16"  # the debug data's images and clips are mostly over 16 tokens
+
+
+def test_omni_layout_trains_like_one_process_on_two_ranks(tmp_path):
+    plans = ["dp2+omni", "dp1-tp2+omni", "dp1-cp2u+omni", "dp1-cp2r+omni", "dp1-pp2+omni", "dp1-pp2g+omni",
+             f"dp2+{LSSP}", f"dp1-tp2+{LSSP}", f"dp1-pp2+{LSSP}"]
+    metrics = check_plans(tmp_path, 2, [("debug", name) for name in plans])
+    for (_, name), steps in metrics.items():
+        assert all(m["handoff_bytes"] > 0 for m in steps), name
+        assert all(m["encoder_s_max"] > 0 for m in steps), name
+        if "sp2" in name:
+            assert sum(m["lssp_items"] for m in steps) > 0, f"{name}: no item was long enough to be split"
+
+
+def test_omni_layout_trains_like_one_process_on_four_ranks(tmp_path):
+    check_plans(tmp_path, 4, [("debug", "dp2-tp2+omni"), ("debug", "dp2-pp2+omni.v-sp4-t16"),
+                              ("debug-moe", "dp2-cp2u-ep2+omni.a-sp2-t16")])
+
+
+def _recipe() -> Recipe:
+    return Recipe.model_validate({
+        "experiment": {"name": "partial", "seed": 3},
+        "data": {"path": "unused", "seq_len": 64, "patch_size": PATCH_SIZE, "n_mels": N_MELS},
+        "model": {"flavor": "debug"},
+        "train": {"steps": 2, "lr": 1e-3, "warmup_steps": 1, "grad_accum": 1, "dtype": "float32"},
+    })
+
+
+SHARDS = [  # shard 0 holds every image and clip of the step, shard 1 only text
+    make_batch([[("text", 5), ("image", (4, 6)), ("text", 4)], [("audio", 40), ("text", 9)]], seed=1),
+    make_batch([[("text", 30)], [("text", 21)]], seed=2),
+]
+
+
+def _partial_worker(rank: int, world: int, plan_name: str) -> tuple[float, dict]:
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    plan = ParallelPlan.parse(plan_name)
+    recipe = _recipe()
+    replica = build_replica(recipe, plan, info, torch.float32)
+    optimizers = CapturingOptimizers(replica.parts, recipe)
+    batches = SHARDS if world == 1 else [SHARDS[plan.data_rank(rank)]]
+    loss = train_step(replica, optimizers, batches, grad_clip=0.0).metrics["loss"]
+    return loss, optimizers.grads
+
+
+@pytest.mark.parametrize("plan", ["dp2+omni", "dp2+omni.v-sp2-t8.a-sp2-t8"])
+def test_a_step_where_only_one_shard_holds_images_and_audio(plan):
+    """Rank 1 has nothing to encode from its own batch; under LSSP it still encodes chunks of rank 0's items.
+    Either way every rank enters every collective and the gradients are those of one process."""
+    (ref_loss, ref_grads), = run_ranks(_partial_worker, 1, "dp1")
+    results = run_ranks(_partial_worker, 2, plan)
+    for loss, grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name in ("vision.layers.0.attention.wq.weight", "audio.conv1.weight", "projectors.image.fc1.weight"):
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-6, msg=name)

@@ -26,6 +26,7 @@ from pathlib import Path
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import Result
+from omni_core.estimator.calibration import runtime_efficiency
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.workloads import omni_workload
 from omni_core.runtime.ranks import run_ranks
@@ -203,14 +204,6 @@ class ValidationReport(Result):
     seconds: float
 
 
-def runtime_efficiency(eff: Efficiency) -> Efficiency:
-    """What omni_core's runtime does, on top of a device's calibration: every collective is waited for
-    (gloo's calls block: nothing overlaps), and the encoders and MoE experts run replicated on each TP (and
-    CP) rank."""
-    return replace(eff, dp_overlap=0.0, tp_overlap=0.0, ep_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
-                   split_encoders_experts=False)
-
-
 def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0):
     """The cost model's Estimate for the case: its plan on the calibrated device (one node of `world`
     ranks), encoders on the first pipeline stage with the LLM's data split (the `coupled` layout, what the
@@ -222,7 +215,7 @@ def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: fl
     workload = omni_workload(args, seq_len=case.seq_len, global_batch=case.global_batch, profile=profile,
                              precision="fp32", name=case.name)
     eff = replace(runtime_efficiency(eff), step_overhead_s=loader_s * case.grad_accum)
-    options = Options(micro_batch=case.micro_batch, layout="coupled")
+    options = Options(micro_batch=case.micro_batch)
     return estimate_step(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
 
 

@@ -74,6 +74,10 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     if plan.encoders.layout == "disaggregated":
         raise PlanError(f"plan {plan.name}: the disaggregated encoder layout is priced by the estimator "
                         "(estimator/layouts.py) but the runtime does not execute it yet; use coupled or omni")
+    sharded = [key for key in ("vision", "audio") if plan.encoders.spec(key).fsdp]
+    if sharded:
+        raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp is priced by the estimator but the runtime "
+                        "replicates the encoders' weights over their group (sharding them is not built)")
     meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
     model = build_model(
         recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,

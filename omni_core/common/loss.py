@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from omni_core.common.batch import MODALITY_IDS, PackedBatch
 
 IGNORE = -100
+STATS_SIZE = 1 + 2 * len(MODALITY_IDS)  # length of `LossSums.stats()`
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The `omni` encoder layout (MegaScale-Omni's encoder-LLM multiplexing, DESIGN.md §3): every rank of the
 world encodes, under the encoders' own layout, items of any data shard; their embeddings then travel to the
-LLM ranks whose placeholders they fill.
+LLM ranks whose placeholders they fill. The `disaggregated` baseline (DistTrain) is the same machinery with
+the encoder ranks restricted to ranks of their own, which hold no LLM and load no data.
 
 A step runs in three phases (the design's reference schedule; the encoders do not yet fill the LLM
 pipeline's bubbles):
@@ -144,7 +145,7 @@ def assign(items: list[Item], model: OmniModel, plan: ParallelPlan) -> list[Piec
     pieces = []
     for item in keyed:
         spec = plan.encoders.spec(ENCODER_OF[item.modality])
-        encoder = getattr(model, ENCODER_OF[item.modality]).args
+        encoder = getattr(model.args, ENCODER_OF[item.modality])
         cost = item_cost(item, model)
         if not is_long(item, spec, encoder.dim, encoder.n_layers, merge):
             rank = min(ranks, key=lambda r: (load[r], r))
@@ -180,10 +181,15 @@ def lssp_pieces(item: Item, group: tuple[int, ...], merge: int) -> list[Piece]:
 
 
 class EncoderStep:
-    """Phases 1 and 3 of the `omni` step on this rank (see the module docstring)."""
+    """Phases 1 and 3 of the step on this rank (see the module docstring), under `omni` (every rank encodes)
+    and `disaggregated` (only the encoders' own ranks encode; the LLM ranks send inputs and receive rows).
 
-    def __init__(self, model: OmniModel, plan: ParallelPlan, tokens_per_microbatch: int):
-        self.model, self.plan = model, plan
+    `trains`: whether any encoder or projector parameter trains; the same on every rank (it decides whether
+    the handoff has a backward), also on LLM ranks that hold no encoder."""
+
+    def __init__(self, model: OmniModel, plan: ParallelPlan, tokens_per_microbatch: int, trains: bool,
+                 device: torch.device):
+        self.model, self.plan, self.trains, self.device = model, plan, trains, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.total_tokens = tokens_per_microbatch
         self.coords = [plan.coordinates(r) for r in range(plan.llm_world_size)]
@@ -198,8 +204,11 @@ class EncoderStep:
             for i in range(0, len(ranks) - size + 1, size):  # every rank creates every group, in one order
                 group = tuple(ranks[i:i + size])
                 self.lssp_groups[group] = dist.new_group(list(group))
-        self.params = [p for name in ("vision", "audio", "projectors") for p in getattr(model, name).parameters()
-                       if p.requires_grad]
+        # the encoders' gradient all-reduce: over the world (`omni`), or the encoders' own ranks (every rank
+        # creates the group, members or not)
+        self.encoder_group = dist.new_group(list(plan.encoder_ranks)) if plan.encoders.ranks else None
+        self.params = [p for name in ("vision", "audio", "projectors") if getattr(model, name, None) is not None
+                       for p in getattr(model, name).parameters() if p.requires_grad]
         self._received: torch.Tensor | None = None
         self._leaf: torch.Tensor | None = None
         self.metrics: dict[str, float] = {}
@@ -216,12 +225,12 @@ class EncoderStep:
         dist.all_gather_object(gathered, mine)
         pieces = assign([it for part in gathered for it in part], self.model, self.plan)
         inputs = self._ship_inputs(pieces, batches)
-        device_type = batches[0].input_ids.device.type
-        with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        enabled = compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
             produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
         self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})),
                         "encoder_items": float(len({p.item for p in pieces}))}
-        encoded = self._hand_off(pieces, produced, len(batches), compute_dtype, batches[0].input_ids.device)
+        encoded = self._hand_off(pieces, produced, len(batches), compute_dtype)
         self.metrics["encoder_s"] = time.perf_counter() - start
         return encoded
 
@@ -236,8 +245,9 @@ class EncoderStep:
         received from the shard's owner (one all-to-all per modality, in the canonical piece order)."""
         needs = [p for p in pieces if not self._holds(p.rank, p.item.shard)]
         out: dict[Piece, torch.Tensor] = {}
-        for modality, field in (("image", "image_patches"), ("audio", "audio_mels")):
-            empty = getattr(batches[0], field)[:0]
+        widths = {"image": self.model.args.vision.patch_dim, "audio": self.model.args.audio.n_mels}
+        for modality in ("image", "audio"):
+            empty = torch.zeros(0, widths[modality], device=self.device)
             send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]  # by destination rank
             recv_splits = [0] * self.world
             mine = []
@@ -327,7 +337,7 @@ class EncoderStep:
         return sorted(out, key=lambda t: (t[0], t[1].item.micro, t[1].item.start + t[2]))
 
     def _hand_off(self, pieces: list[Piece], produced: dict[Piece, torch.Tensor], n_micro: int,
-                  dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
+                  dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too)."""
         dim = self.model.args.llm.dim
         transfers = self._transfers(pieces)
@@ -339,7 +349,7 @@ class EncoderStep:
                 send_splits[consumer] += end - first
             if consumer == self.rank:
                 recv_splits[piece.rank] += end - first
-        trains = bool(self.params)
+        trains, device = self.trains, self.device
         send = torch.cat(chunks).to(dtype) if chunks else torch.zeros(0, dim, dtype=dtype, device=device)
         if trains and not send.requires_grad:  # no rows, or only frozen encoders' rows: the backward still runs
             send = send + torch.zeros((), dtype=dtype, device=device, requires_grad=True)
@@ -378,7 +388,7 @@ class EncoderStep:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.encoder_group)
             offset = 0
             for param in self.params:
                 param.grad.copy_(flat[offset:offset + param.numel()].view_as(param))

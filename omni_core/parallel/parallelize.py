@@ -60,9 +60,11 @@ class ParallelMeshes:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         dist.barrier()  # no rank still has a collective in flight on a group about to go
-        for pg in self.world._get_root_mesh()._pg_registry.values():
-            if pg not in (dist.GroupMember.WORLD, dist.GroupMember.NON_GROUP_MEMBER):
-                dist.destroy_process_group(pg)
+        roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in (self.world, self.dp_mesh, self.ep_mesh) if m}
+        for root in roots.values():
+            for pg in root._pg_registry.values():
+                if pg not in (dist.GroupMember.WORLD, dist.GroupMember.NON_GROUP_MEMBER):
+                    dist.destroy_process_group(pg)
         _clear_sharding_prop_cache()
         DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
         _gen_transform_infos.cache_clear()
@@ -98,23 +100,33 @@ class ParallelMeshes:
 
 
 def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes:
-    """Meshes over the whole world, outermost first (MESH_ORDER: PP crosses nodes, TP stays inside one).
+    """Meshes over the LLM's ranks, outermost first (MESH_ORDER: PP crosses nodes, TP stays inside one): the
+    whole world, or under `disaggregated` its first `llm_world_size` ranks (every rank builds them, so that
+    every rank creates the same process groups in the same order; the encoders' ranks are in none).
 
     EP is folded into dp_shard x cp: the same ranks, viewed as (dp_mod_ep, ep), give the EP groups and the
     experts' data-parallel groups."""
-    flat = init_device_mesh(device_type, (plan.world_size,), mesh_dim_names=("world",))
-    world = flat._unflatten(0, tuple(plan.mesh_shape().values()), MESH_ORDER)
+    if plan.encoders.ranks:
+        def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+            # a mesh over part of the world cannot be unflattened from a flat one: each view is its own mesh
+            return DeviceMesh(device_type, torch.arange(plan.llm_world_size).view(shape), mesh_dim_names=names)
+    else:
+        flat = init_device_mesh(device_type, (plan.world_size,), mesh_dim_names=("world",))
+
+        def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+            return flat._unflatten(0, shape, names)
+    world = flat_view(tuple(plan.mesh_shape().values()), MESH_ORDER)
     dp_mesh = expert_dp_mesh = None
     # FSDP's meshes are 2-D (HSDP) only when there is more than one replica: with a replicate dimension of
     # size 1, FSDP2 would still all-reduce every unit's gradients over that one rank (a blocking call each)
     replicas = ("dp_replicate",) if plan.dp_replicate > 1 else ()
     if plan.dp * plan.cp > 1:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp)
-        dp_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
+        dp_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
     ep_mesh = None
     if plan.ep > 1:
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
-        ep_mesh = flat._unflatten(0, shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
+        ep_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         expert_dp_mesh = ep_mesh[(*replicas, "dp_mod_ep")]
     return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from omni_core.common.batch import MODALITY_IDS, PackedBatch
-from omni_core.common.loss import local_targets, token_loss_sums
+from omni_core.common.batch import PackedBatch
+from omni_core.common.loss import STATS_SIZE, local_targets, token_loss_sums
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.models.args import LLMArgs
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel
 
-STATS_SIZE = 1 + 2 * len(MODALITY_IDS)  # length of `LossSums.stats()`
 
 # --- the split ------------------------------------------------------------------------------------------
 
@@ -155,22 +155,32 @@ class _ChunkHooks:
     """Forward hooks that let a chunk (the stage's own module, so that PipelineStage sees an FSDP root as
     such) run inside the schedule: the pre-hook turns the schedule's `micro` index into the micro-batch's
     PackedBatch and enters autocast, the post-hook leaves it and attaches the stage's aux loss. Calls without
-    `micro` (outside the runner) pass through untouched."""
+    `micro` (outside the runner) pass through untouched.
+
+    They also clock the stage's busy time (`PipelineRunner.busy_s`): each forward from pre- to post-hook, each
+    backward from the gradient of the stage's output to that of its input (the token embeddings' output on
+    the first stage). The rest of the LLM phase is the pipeline's bubble on this rank."""
 
     def __init__(self, runner: PipelineRunner, chunk: OmniModel, stage: int):
         self.runner, self.stage = runner, stage
         self.first = chunk.llm.tok_embeddings is not None
         self.micro: int | None = None
         self.autocast: torch.autocast | None = None
+        self.started = self.backward_started = 0.0
         chunk.register_forward_pre_hook(self.before, with_kwargs=True)
         chunk.register_forward_hook(self.after)
+        if self.first:
+            chunk.llm.tok_embeddings.register_forward_hook(self.embedded)
 
     def before(self, chunk: OmniModel, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if "micro" not in kwargs:
             return None
         runner = self.runner
         self.micro = int(kwargs["micro"])
+        self.started = time.perf_counter()
         hidden = None if self.first else args[0]
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(self.backward_done)
         dtype = runner.compute_dtype
         self.autocast = torch.autocast(runner.device.type, dtype=dtype, enabled=dtype != torch.float32)
         self.autocast.__enter__()
@@ -183,7 +193,21 @@ class _ChunkHooks:
         self.close()
         aux, scale = chunk.aux_loss, self.runner.aux_scale
         self.runner.aux[(self.stage, self.micro)] = aux.detach() * scale
-        return _AddAuxGrad.apply(output, aux, scale) if aux.requires_grad else output
+        output = _AddAuxGrad.apply(output, aux, scale) if aux.requires_grad else output
+        if output.requires_grad:
+            output.register_hook(self.backward_start)
+        self.runner.busy_s += time.perf_counter() - self.started
+        return output
+
+    def embedded(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self.autocast is not None and output.requires_grad:  # inside the runner's forward
+            output.register_hook(self.backward_done)
+
+    def backward_start(self, grad: torch.Tensor) -> None:
+        self.backward_started = time.perf_counter()
+
+    def backward_done(self, grad: torch.Tensor) -> None:
+        self.runner.busy_s += time.perf_counter() - self.backward_started
 
     def close(self) -> None:
         """Leave autocast (also after a forward that raised, so that no autocast state outlives the step)."""
@@ -248,6 +272,7 @@ class PipelineRunner:
         self.aux_scale = 0.0
         self.stats: dict[int, torch.Tensor] = {}
         self.aux: dict[tuple[int, int], torch.Tensor] = {}
+        self.busy_s = 0.0  # this rank's stage compute in the last step (see `_ChunkHooks`)
 
     def forward_backward(
         self, batches: list[PackedBatch], global_targets: float, compute_dtype: torch.dtype, aux_scale: float,
@@ -264,7 +289,7 @@ class PipelineRunner:
         self.batches, self.global_targets = batches, max(global_targets, 1.0)
         self.encoded = encoded or []
         self.compute_dtype, self.aux_scale = compute_dtype, aux_scale
-        self.stats, self.aux = {}, {}
+        self.stats, self.aux, self.busy_s = {}, {}, 0.0
         index = torch.arange(len(batches))
         try:
             # return_outputs=False: the last stage keeps no logits beyond each micro-batch's loss

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from omni_core.common.batch import PackedBatch
-from omni_core.common.loss import local_targets, summarize, token_loss_sums
+from omni_core.common.loss import STATS_SIZE, local_targets, summarize, token_loss_sums
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.common.tokenizer import PAD_ID
 from omni_core.models.omni import OmniModel, build_model
-from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, parallelize_omni
+from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, all_reduce_sum
 
@@ -50,6 +50,12 @@ class ModelReplica:
         return self.meshes.dp_rank if self.meshes else 0
 
     @property
+    def loads_data(self) -> bool:
+        """Whether this rank reads batches: every LLM rank (not the encoders' own, under `disaggregated`)."""
+        rank = dist.get_rank() if self.meshes is not None else 0
+        return rank < self.plan.llm_world_size
+
+    @property
     def batch_copies(self) -> int:
         """Ranks that load the same batch: they differ only in tp, cp or pp."""
         return self.plan.tp * self.plan.cp * self.plan.pp
@@ -70,10 +76,8 @@ class ModelReplica:
 
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
-    process every layout is the same placement (the encoders on the one rank) and runs as `coupled`."""
-    if plan.encoders.layout == "disaggregated":
-        raise PlanError(f"plan {plan.name}: the disaggregated encoder layout is priced by the estimator "
-                        "(estimator/layouts.py) but the runtime does not execute it yet; use coupled or omni")
+    process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
+    `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM."""
     sharded = [key for key in ("vision", "audio") if plan.encoders.spec(key).fsdp]
     if sharded:
         raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp is priced by the estimator but the runtime "
@@ -86,6 +90,32 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     for name in recipe.model.freeze:
         for param in getattr(model, name).parameters():
             param.requires_grad_(False)
+    encoders_train = any(p.requires_grad for m in encoder_modules(model) for p in m.parameters())
+    if info.rank >= plan.llm_world_size:  # one of the encoders' own ranks
+        model.llm = None
+        parts = [model]
+    else:
+        if plan.encoders.layout == "disaggregated":
+            model.vision = model.audio = model.projectors = None
+        parts = llm_parts(model, plan, meshes, recipe, compute_dtype)
+    replica = ModelReplica(plan, parts, meshes)
+    tokens = recipe.data.seq_len * recipe.data.micro_batch
+    if plan.encoders.layout != "coupled" and meshes is not None:
+        from omni_core.parallel.encoders import EncoderStep
+
+        replica.encoders = EncoderStep(parts[0], plan, tokens, encoders_train, info.device)
+    if plan.pp > 1 and replica.loads_data:
+        from omni_core.parallel.pipeline import PipelineRunner
+
+        replica.pipeline = PipelineRunner(
+            parts, plan, meshes.group("pp"), meshes.pp_rank, info.device, recipe.train.grad_accum
+        )
+    return replica
+
+
+def llm_parts(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes | None, recipe: Recipe,
+              compute_dtype: torch.dtype) -> list[OmniModel]:
+    """This LLM rank's model parts (pipeline stage chunks), each parallelized by the plan."""
     if plan.pp > 1:
         from omni_core.parallel.pipeline import pipeline_split
 
@@ -98,18 +128,7 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
             activation_checkpointing=recipe.train.activation_checkpointing, compile=recipe.train.compile,
             param_dtype=compute_dtype,
         )
-    replica = ModelReplica(plan, parts, meshes)
-    if plan.encoders.layout == "omni" and meshes is not None:
-        from omni_core.parallel.encoders import EncoderStep
-
-        replica.encoders = EncoderStep(parts[0], plan, recipe.data.seq_len * recipe.data.micro_batch)
-    if plan.pp > 1:
-        from omni_core.parallel.pipeline import PipelineRunner
-
-        replica.pipeline = PipelineRunner(
-            parts, plan, meshes.group("pp"), meshes.pp_rank, info.device, recipe.train.grad_accum
-        )
-    return replica
+    return parts
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, floor: float) -> float:
@@ -237,11 +256,17 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
             norm = norm.full_tensor()
         squares[kind] = squares[kind] + norm.detach().double().cpu() ** 2
     meshes = replica.meshes
-    if meshes is not None and replica.plan.ep > 1:
+    if meshes is not None and replica.plan.ep > 1 and replica.loads_data:
         dist.all_reduce(squares["expert"], group=meshes.ep_group)
     total_sq = squares["dense"] + squares["expert"]
-    if meshes is not None and replica.plan.pp > 1:
+    if meshes is not None and replica.plan.pp > 1 and replica.loads_data:
         dist.all_reduce(total_sq, group=meshes.group("pp"))
+    if replica.plan.encoders.ranks:  # disaggregated: the LLM's ranks and the encoders' each know their half
+        first_encoder_rank = replica.plan.llm_world_size
+        halves = torch.stack([total_sq if dist.get_rank() == 0 else torch.zeros_like(total_sq),
+                              squares["encoder"] if dist.get_rank() == first_encoder_rank else total_sq * 0])
+        dist.all_reduce(halves)
+        total_sq, squares["encoder"] = halves[0], halves[1]
     total = float((total_sq + squares["encoder"]).sqrt())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
@@ -268,21 +293,53 @@ class StepStats:
 
 
 def layout_metrics(replica: ModelReplica, llm_s: float) -> dict[str, float]:
-    """Per-rank encoder and LLM seconds as max and mean over the world, with the handoff's bytes and LSSP's
-    items (`omni`). The LLM seconds of a coupled step include its encoders (they run inside stage 0)."""
+    """Per-rank encoder and LLM seconds as max and mean over the world, the pipeline's bubble (the idle share
+    of the LLM phase, mean over the LLM's ranks), the handoff's bytes and LSSP's items (`omni`,
+    `disaggregated`). The LLM seconds of a coupled step include its encoders (they run inside stage 0)."""
     encoder = replica.encoders.metrics if replica.encoders else {}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    times = torch.tensor([encoder.get("encoder_s", 0.0), llm_s], dtype=torch.float64)
+    bubble = 0.0
+    if replica.pipeline is not None and llm_s > 0:
+        bubble = max(0.0, 1.0 - replica.pipeline.busy_s / llm_s)
+    times = torch.tensor([encoder.get("encoder_s", 0.0), llm_s, bubble], dtype=torch.float64)
     peaks = times.clone()
     if world > 1:
         dist.all_reduce(times)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(times[0]) / world,
-           "llm_s_max": float(peaks[1]), "llm_s_mean": float(times[1]) / world}
+           "llm_s_max": float(peaks[1]), "llm_s_mean": float(times[1]) / world,
+           "bubble_pct": 100 * float(times[2]) / replica.plan.llm_world_size}
     if replica.encoders:
         sent = all_reduce_sum(torch.tensor([encoder["handoff_bytes"]], dtype=torch.float64))
         out.update(handoff_bytes=float(sent), lssp_items=encoder["lssp_items"])
     return out
+
+
+def llm_forward_backward(replica: ModelReplica, batches: list[PackedBatch], encoded: list[torch.Tensor | None],
+                         global_targets: float, compute_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The LLM's forward and backward over this rank's micro-batches, pipelined or not: the summed loss
+    statistics and this rank's aux-loss total (zeros on the encoders' own ranks, which hold no LLM)."""
+    plan, model = replica.plan, replica.parts[0]
+    if not replica.loads_data:
+        return torch.zeros(STATS_SIZE, dtype=torch.float64), 0.0
+    # The MoE balancing loss is a mean over micro-batches and data shards. Context-parallel ranks each hold
+    # the whole sequence's loss, and its differentiable all-reduce sums their gradients: hence the cp.
+    aux_scale = 1.0 / (len(batches) * plan.dp * plan.cp)
+    if replica.pipeline is not None:
+        return replica.pipeline.forward_backward(
+            batches, global_targets, compute_dtype, aux_scale, encoded if replica.encoders else None)
+    stats, aux_total = None, 0.0
+    device_type = batches[0].input_ids.device.type
+    for index, batch in enumerate(batches):
+        set_gradient_sync(model, index == len(batches) - 1)  # FSDP reduces once, after the last micro-batch
+        with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            logits = model(batch, encoded=encoded[index])
+        sums = token_loss_sums(logits, local_targets(batch, model.token_index))
+        aux = model.aux_loss * aux_scale
+        (sums.total / max(global_targets, 1.0) + aux).backward()
+        aux_total += float(aux.detach())
+        stats = sums.stats() if stats is None else stats + sums.stats()
+    return stats, aux_total
 
 
 def train_step(
@@ -306,26 +363,9 @@ def train_step(
         dtype=torch.float64,
     )
     global_targets, global_samples, global_tokens, global_flops = (all_reduce_sum(local) / copies).tolist()
-    # The MoE balancing loss is a mean over micro-batches and data shards. Context-parallel ranks each hold
-    # the whole sequence's loss, and its differentiable all-reduce sums their gradients: hence the cp.
-    aux_scale = 1.0 / (len(batches) * plan.dp * plan.cp)
-    device_type = batches[0].input_ids.device.type
     encoded = replica.encoders.forward(batches, compute_dtype) if replica.encoders else [None] * len(batches)
     llm_start = time.perf_counter()
-    if replica.pipeline is not None:
-        stats, aux_total = replica.pipeline.forward_backward(
-            batches, global_targets, compute_dtype, aux_scale, encoded if replica.encoders else None)
-    else:
-        stats, aux_total = None, 0.0
-        for index, batch in enumerate(batches):
-            set_gradient_sync(model, index == len(batches) - 1)  # FSDP reduces once, after the last micro-batch
-            with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-                logits = model(batch, encoded=encoded[index])
-            sums = token_loss_sums(logits, local_targets(batch, model.token_index))
-            aux = model.aux_loss * aux_scale
-            (sums.total / max(global_targets, 1.0) + aux).backward()
-            aux_total += float(aux.detach())
-            stats = sums.stats() if stats is None else stats + sums.stats()
+    stats, aux_total = llm_forward_backward(replica, batches, encoded, global_targets, compute_dtype)
     llm_s = time.perf_counter() - llm_start
     if replica.encoders:
         replica.encoders.backward()

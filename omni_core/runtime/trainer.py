@@ -74,7 +74,9 @@ def train(
     compute_dtype = resolve_dtype(cfg.dtype, info.device)
     replica = build_replica(recipe, plan, info, compute_dtype)
     dataset = open_dataset(recipe)
-    loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed)
+    # the encoders' own ranks (`disaggregated`) read no batches: the LLM ranks' items reach them in the step
+    loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed) \
+        if replica.loads_data else None
     peak_flops = device_peak_flops(info.device, compute_dtype)
     optimizers = Optimizers(replica.parts, recipe)
 
@@ -92,7 +94,8 @@ def train(
             log(f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); "
                 "data order restarts because loader positions are per rank")
         else:
-            loader.load_state_dict(rank_state["loader"])
+            if loader is not None:
+                loader.load_state_dict(rank_state["loader"])
             torch.set_rng_state(rank_state["rng"])
             log(f"resumed from {resume_from} at step {start_step}")
         if start_step >= cfg.steps:
@@ -108,11 +111,11 @@ def train(
     def checkpoint(step: int) -> str:
         return save_checkpoint(
             store, step=step, parts=replica.parts, optimizers=optimizers,
-            rank_state={"loader": loader.state_dict(), "rng": torch.get_rng_state()},
+            rank_state={"loader": loader.state_dict() if loader else {}, "rng": torch.get_rng_state()},
             history=asdict(history), info=info, plan=plan.name, recipe_hash=rhash, keep_last=cfg.keep_last,
         )
 
-    batches: Iterator[PackedBatch] = iter(loader)
+    batches: Iterator[PackedBatch] | None = iter(loader) if loader else None
     cluster_peak = peak_flops * info.world_size if peak_flops else None
     window = Window(cluster_peak)
     last_ckpt, saved_step = resume_from, start_step
@@ -123,13 +126,13 @@ def train(
     while step < last_step and (stop_after is None or step - start_step < stop_after):
         step += 1
         step_start = time.perf_counter()
-        micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)]
+        micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)] if batches else []
         result = train_step(replica, optimizers, micro, grad_clip=cfg.grad_clip, compute_dtype=compute_dtype)
         window.add(result)
         if step % cfg.log_every == 0 or step == last_step:
             metrics = {f"train/{k}": v for k, v in result.metrics.items()}
             metrics.update(window.rates())
-            metrics.update({f"data/skipped_{reason}": n for reason, n in loader.stats.items()})
+            metrics.update({f"data/skipped_{reason}": n for reason, n in (loader.stats if loader else {}).items()})
             metrics["perf/peak_mem_mb"] = peak_memory_mb(info.device)
             tracker.log_metrics(metrics, step=step)
             log(f"step {step}/{cfg.steps} loss {result.metrics['loss']:.4f} "

@@ -76,7 +76,8 @@ def run_plan(recipe: Recipe, plan: ParallelPlan, info: DistInfo, shards: list[in
     replica = build_replica(recipe, plan, info, torch.float32)
     optimizers = CapturingOptimizers(replica.parts, recipe)
     metrics: list[dict] = []
-    losses = steps(replica, optimizers, loaders_for(recipe, shards, max(plan.dp, len(shards))), STEPS, metrics)
+    loaders = loaders_for(recipe, shards, max(plan.dp, len(shards))) if replica.loads_data else []
+    losses = steps(replica, optimizers, loaders, STEPS, metrics)
     return losses, optimizers.grads, metrics
 
 

@@ -1,5 +1,6 @@
 """The `omni` encoder layout on gloo: encoders over every rank under their own plan (LSSP for long items),
-the handoff into the LLM's layout, and the three-phase step, all against one process.
+the handoff into the LLM's layout, and the three-phase step, all against one process; and the
+`disaggregated` baseline (encoders on ranks of their own) the same way.
 
 Tolerances are those of `tests.helpers.plans.check_plans`: losses rel 1e-5, gradients rtol 1e-3 / atol 1e-6
 (fp32; the layouts sum the same terms in other orders)."""
@@ -34,6 +35,15 @@ def test_omni_layout_trains_like_one_process_on_two_ranks(tmp_path):
 def test_omni_layout_trains_like_one_process_on_four_ranks(tmp_path):
     check_plans(tmp_path, 4, [("debug", "dp2-tp2+omni"), ("debug", "dp2-pp2+omni.v-sp4-t16"),
                               ("debug-moe", "dp2-cp2u-ep2+omni.a-sp2-t16")])
+
+
+def test_disaggregated_layout_trains_like_one_process(tmp_path):
+    """The encoders on the last rank, the LLM's dp2, tp2 and pp2 on the others (world 3), and on one LLM rank."""
+    check_plans(tmp_path, 2, [("debug", "dp1+disagg1")])
+    metrics = check_plans(tmp_path, 3, [("debug", "dp2+disagg1"), ("debug", "dp1-tp2+disagg1"),
+                                        ("debug", "dp1-pp2+disagg1")])
+    assert all(m["bubble_pct"] > 0 for m in metrics["debug", "dp1-pp2+disagg1"])
+    assert all(m["bubble_pct"] == 0 for m in metrics["debug", "dp2+disagg1"])
 
 
 def _recipe() -> Recipe:

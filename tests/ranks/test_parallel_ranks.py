@@ -75,7 +75,7 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
         recipe.train.grad_accum = per_rank * GRAD_ACCUM  # the pipeline schedule's micro-batch count
         replica = build_replica(recipe, plan, info, torch.float32)
         optimizers = Optimizers(replica.parts, recipe)
-        loaders = loaders_for(recipe, shards, world)
+        loaders = loaders_for(recipe, shards, world) if replica.loads_data else []
         if name == saved:
             steps(replica, optimizers, loaders, 1)
             save_checkpoint(store, step=1, parts=replica.parts, optimizers=optimizers, rank_state={}, history={},
@@ -91,7 +91,8 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
 
 
 @pytest.mark.parametrize("saved,resumed", [("dp4", "dp2-tp2"), ("dp2-tp2", "dp2-pp2"), ("dp2-pp2", "dp1-tp2-cp2r"),
-                                          ("dp2-tp2", "dp2-pp2+omni"), ("dp4+omni.v-sp2-t16", "dp1-tp2-cp2r")])
+                                          ("dp2-tp2", "dp2-pp2+omni"), ("dp4+omni.v-sp2-t16", "dp1-tp2-cp2r"),
+                                          ("dp2-tp2+omni", "dp1-tp2+disagg2")])
 def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, resumed):
     ensure_dataset(recipe_for(tmp_path))
     for continued, after_resume in run_ranks(_resume_worker, 4, str(tmp_path), saved, resumed):

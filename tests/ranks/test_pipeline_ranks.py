@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from omni_core.common.loss import token_loss_sums
 from omni_core.common.plan import ParallelPlan
-from omni_core.parallel.pipeline import STATS_SIZE, PipelineRunner, pipeline_split
+from omni_core.common.loss import STATS_SIZE
+from omni_core.parallel.pipeline import PipelineRunner, pipeline_split
 from omni_core.runtime.ranks import run_ranks
 from tests.helpers.pipeline import make_model, micro_batches
 

@@ -2,7 +2,8 @@
 
 All token-level tensors are flat over the micro-batch (the packed sequences laid end to end); documents
 are delimited by `cu_seqlens`, so attention never crosses a document boundary. Placeholder tokens
-(IMAGE_ID / AUDIO_ID) mark where encoder outputs are scattered, in the order images / audio clips appear.
+(IMAGE_ID / AUDIO_ID / VIDEO_ID) mark where encoder outputs are scattered, in the order images / audio clips /
+videos appear; each item's placeholders are contiguous, `video_tokens` of them for a video.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-MODALITY_IDS = {"text": 0, "image": 1, "audio": 2}
+MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
 
 
 @dataclass
@@ -25,6 +26,8 @@ class PackedBatch:
     image_grids: torch.Tensor  # [N_img, 2] long, (rows, cols) patch grid per image
     audio_mels: torch.Tensor  # [F, n_mels] float, all clips' log-mel frames
     audio_frames: torch.Tensor  # [N_aud] long, frames per clip (a multiple of 2)
+    video_patches: torch.Tensor  # [P_v, 3*patch*patch] float, frame after frame (row-major), video after video
+    video_grids: torch.Tensor  # [N_vid, 3] long, (frames, rows, cols): sampled frames and each frame's patch grid
     num_samples: int  # real samples (documents that are not padding)
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -43,3 +46,9 @@ def audio_tokens(frames: int) -> int:
     """Embeddings an audio clip yields: the encoder subsamples log-mel frames by 2, as Whisper does (conv1
     stride 1, conv2 stride 2), so that Whisper checkpoints load unchanged."""
     return frames // 2
+
+
+def video_tokens(frames, rows, cols, temporal_merge: int, spatial_merge: int):
+    """Embeddings a video yields (ints or arrays): `temporal_merge` consecutive frames averaged into one (the
+    last group may be shorter), then each merged frame's patch grid merged spatially as an image's is."""
+    return -(-frames // temporal_merge) * -(-rows // spatial_merge) * -(-cols // spatial_merge)

@@ -9,9 +9,10 @@ BOS_ID = 257
 EOS_ID = 258
 IMAGE_ID = 259  # one per image embedding position
 AUDIO_ID = 260  # one per audio embedding position
-VOCAB_SIZE = 264  # rounded up to a multiple of 8
+VIDEO_ID = 261  # one per video embedding position (frames merged in time and space)
+VOCAB_SIZE = 264  # rounded up to a multiple of 8, above every special id
 
-PLACEHOLDER_IDS = {"image": IMAGE_ID, "audio": AUDIO_ID}
+PLACEHOLDER_IDS = {"image": IMAGE_ID, "audio": AUDIO_ID, "video": VIDEO_ID}
 
 
 class ByteTokenizer:

@@ -24,7 +24,6 @@ from omni_core.recipe.schema import DataConfig, Recipe
 __all__ = ["CorruptSample", "DecodedSample", "ManifestDataset", "Split"]
 
 Split = Literal["train", "heldout"]
-LOSS_BUCKET = {"video": "image"}  # video frames take the vision path; the loss has no video bucket yet
 
 
 @dataclass
@@ -33,9 +32,11 @@ class DecodedSample:
 
     input_ids: list[int]
     modality: str = "text"  # the loss bucket (batch.MODALITY_IDS)
-    image_patches: list[torch.Tensor] = field(default_factory=list)  # [rows*cols, 3*p*p] each (video: per frame)
+    image_patches: list[torch.Tensor] = field(default_factory=list)  # [rows*cols, 3*p*p] each
     image_grids: list[tuple[int, int]] = field(default_factory=list)
     audio_mels: list[torch.Tensor] = field(default_factory=list)  # [frames, n_mels] each
+    video_patches: list[torch.Tensor] = field(default_factory=list)  # [frames*rows*cols, 3*p*p] each, frame by frame
+    video_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (sampled frames, rows, cols)
     is_padding: bool = False
 
     @classmethod
@@ -65,7 +66,7 @@ class ManifestDataset:
     def decode(self, record: Record) -> DecodedSample:
         """Reads and featurises a record's media; raises CorruptSample instead of any I/O or format error."""
         sample = self.source.sample(record)
-        doc = DecodedSample(token_ids(sample, record.segment_tokens), LOSS_BUCKET.get(sample.modality, sample.modality))
+        doc = DecodedSample(token_ids(sample, record.segment_tokens), sample.modality)
         for seg in sample.segments:
             if seg.kind == "text":
                 continue
@@ -80,10 +81,9 @@ class ManifestDataset:
                 frames, total = media
                 self._check(record, seg, f"{frames[0].width}x{frames[0].height}, {total} frames",
                             f"{seg.width}x{seg.height}, {seg.num_frames} frames")
-                for frame in frames:
-                    patches, grid = patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches)
-                    doc.image_patches.append(patches)
-                    doc.image_grids.append(grid)
+                patches = [patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches) for frame in frames]
+                doc.video_patches.append(torch.cat([p for p, _ in patches]))
+                doc.video_grids.append((len(frames), *patches[0][1]))  # frames of one clip share their size
             else:
                 wave, rate = media
                 self._check(record, seg, f"{len(wave)} samples at {rate} Hz",

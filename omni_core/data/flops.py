@@ -5,10 +5,12 @@ estimator). Each is a polynomial in a sample's sizes, so it is evaluated at two 
 coefficients, which then apply to arrays of samples at once. Per sample, training = 3 x forward:
 
     LLM      a * T + b * T^2                   T: the sample's LLM tokens, as its own causal document
-    vision   sum over its images and video frames of  c * n + d * n^2        n: patches (projector included)
+    vision   sum over its images and video frames of  c * n + d * n^2,  + p * V
+             n: patches; V: LLM tokens of its images and videos, the image projector's outputs
     audio    e * F + f * sum over its clips of t^2      F: log-mel frames, t = F / 2 encoder tokens per clip
 
-Spatial merging before the image projector is taken as n / merge^2 tokens (edge windows are not rounded up).
+The data's tokens follow its own merges (sample.SPATIAL_MERGE, TEMPORAL_MERGE); under a flavor that merges
+spatially more, the projector's tokens are taken as V * (data merge / flavor merge)^2 (edges not rounded up).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omni_core.data.sample import SPATIAL_MERGE
 from omni_core.models import flops as model_flops
 from omni_core.models.flavors import get_flavor
 
@@ -37,6 +40,7 @@ class FlopModel:
     llm_per_token_sq: float
     vision_per_patch: float
     vision_per_patch_sq: float
+    projector_per_token: float
     audio_per_frame: float
     audio_per_token_sq: float
 
@@ -49,26 +53,28 @@ class FlopModel:
             return train * model_flops.llm_forward_flops(args.llm, [int(tokens)])
 
         def vision(patches: float) -> float:
-            merged = patches / args.spatial_merge**2
-            return train * (model_flops.vision_forward_flops(args.vision, patches)
-                            + model_flops.projector_forward_flops(*dims["image"], merged))
+            return train * model_flops.vision_forward_flops(args.vision, patches)
+
+        rescale = (SPATIAL_MERGE / args.spatial_merge) ** 2
+        projector = train * model_flops.projector_forward_flops(*dims["image"], 1) * rescale
 
         def audio(frames: float) -> float:
             return train * (model_flops.audio_forward_flops(args.audio, int(frames))
                             + model_flops.projector_forward_flops(*dims["audio"], int(frames) // 2))
 
         per_frame, per_frame_sq = _coefficients(audio, at=2.0)  # frames are even: t = F / 2, so t^2 = F^2 / 4
-        return cls(*_coefficients(llm), *_coefficients(vision), per_frame, 4 * per_frame_sq)
+        return cls(*_coefficients(llm), *_coefficients(vision), projector, per_frame, 4 * per_frame_sq)
 
     def llm(self, tokens: np.ndarray) -> np.ndarray:
         t = np.asarray(tokens, dtype=np.float64)
         return self.llm_per_token * t + self.llm_per_token_sq * t * t
 
-    def encoder(self, vision_tokens: np.ndarray, vision_sq: np.ndarray, audio_frames: np.ndarray,
-                audio_sq: np.ndarray) -> np.ndarray:
-        """From a sample's measured sizes: patches and sum of patches^2 over its images and frames, log-mel
-        frames and sum of encoder tokens^2 over its clips."""
+    def encoder(self, vision_tokens: np.ndarray, vision_sq: np.ndarray, vision_llm: np.ndarray,
+                audio_frames: np.ndarray, audio_sq: np.ndarray) -> np.ndarray:
+        """From a sample's measured sizes: patches and sum of patches^2 over its images and frames, LLM tokens of
+        its images and videos, log-mel frames and sum of encoder tokens^2 over its clips."""
         return (self.vision_per_patch * np.asarray(vision_tokens, dtype=np.float64)
                 + self.vision_per_patch_sq * np.asarray(vision_sq, dtype=np.float64)
+                + self.projector_per_token * np.asarray(vision_llm, dtype=np.float64)
                 + self.audio_per_frame * np.asarray(audio_frames, dtype=np.float64)
                 + self.audio_per_token_sq * np.asarray(audio_sq, dtype=np.float64))

@@ -171,5 +171,7 @@ def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatc
         image_grids=torch.tensor([g for d in docs for g in d.image_grids], dtype=torch.long).reshape(-1, 2),
         audio_mels=torch.cat([m for d in docs for m in d.audio_mels] + [torch.empty(0, cfg.n_mels)]),
         audio_frames=torch.tensor([len(m) for d in docs for m in d.audio_mels], dtype=torch.long),
+        video_patches=torch.cat([p for d in docs for p in d.video_patches] + [torch.empty(0, patch_dim)]),
+        video_grids=torch.tensor([g for d in docs for g in d.video_grids], dtype=torch.long).reshape(-1, 3),
         num_samples=sum(not d.is_padding for d in docs),
     )

@@ -26,7 +26,7 @@ from omni_core.common.results import Result
 from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
-from omni_core.data.sample import KIND_CODE, KINDS
+from omni_core.data.sample import KIND_CODE, KINDS, SIZE_FIELDS
 from omni_core.data.sources import Record, ShardedSource, Sizes, View
 from omni_core.data.synthetic import DynamicSource
 from omni_core.recipe.schema import DataConfig, Recipe
@@ -50,6 +50,16 @@ class ModalityProfile(Result):
     hist_counts: list[int]
     encoder_flops_mean: float  # training FLOPs per sample (flops.FORMULA)
     llm_flops_mean: float
+
+
+class MediaProfile(Result):
+    """One kind of media over all profiled samples, whichever sample holds it (a sample's modality is only its
+    first media's kind)."""
+
+    items: int  # images, videos or clips
+    frames: int  # video: sampled frames; audio: log-mel frames; an image is one
+    encoder_tokens: int  # patches (of every frame) or audio embeddings
+    llm_tokens: int  # their placeholders: a video's after the temporal and spatial merge
 
 
 class SequenceProfile(Result):
@@ -86,6 +96,7 @@ class DatasetProfile(Result):
     total_tokens: int
     seq_len: int
     modalities: dict[str, ModalityProfile]
+    media: dict[str, MediaProfile] = {}  # image, video, audio: those the data holds (profiles before it: none)
     skipped: dict[str, int]  # reason (sources.SKIP_REASONS) -> count; too_long samples are profiled too
     packed_sequences: int
     packing_efficiency: float  # real tokens / (packed_sequences * seq_len)
@@ -98,6 +109,17 @@ class DatasetProfile(Result):
     drift_detected: bool
     windows: list[DriftWindow]
     decode_samples_per_s: dict[str, float]  # per modality, when the profile decoded (data.profile_decode)
+
+
+MEDIA = ("image", "video", "audio")
+
+
+def media_columns(sizes: Sizes) -> dict[str, tuple[np.ndarray, ...]]:
+    """Per media kind, MediaProfile's fields per sample."""
+    image_patches = sizes.vision_tokens - sizes.video_patches
+    return {"image": (sizes.image_items, sizes.image_items, image_patches, sizes.image_llm),
+            "video": (sizes.video_items, sizes.video_frames, sizes.video_patches, sizes.video_llm),
+            "audio": (sizes.audio_items, sizes.audio_frames, sizes.audio_tokens, sizes.audio_tokens)}
 
 
 class Counts:
@@ -183,6 +205,7 @@ class Profiler:
         self.pending_count = 0
         self.lengths = {m: Counts() for m in KINDS}
         self.sums = {m: np.zeros(4) for m in KINDS}  # encoder tokens, encoder FLOPs, LLM FLOPs, samples
+        self.media = {kind: np.zeros(4, dtype=np.int64) for kind in MEDIA}  # MediaProfile's fields
         self.reference: _Window | None = None
         self.windows: list[DriftWindow] = []
         self.seen = 0
@@ -194,8 +217,7 @@ class Profiler:
     def add(self, record: Record, *, packable: bool) -> None:
         """Counts a sample; a packable one (it fits seq_len) also goes through the packer at once (a scheduled
         source draws its next sample at the batch count)."""
-        self.rows.append((KIND_CODE[record.modality], record.tokens, record.vision_tokens, record.vision_sq,
-                          record.audio_tokens, record.audio_sq, record.audio_frames))
+        self.rows.append((KIND_CODE[record.modality], *(getattr(record, name) for name in SIZE_FIELDS)))
         if len(self.rows) == self.window:
             self._take_rows()
         if packable:
@@ -232,7 +254,10 @@ class Profiler:
     def _flush(self, sizes: Sizes) -> None:
         """One window's statistics."""
         modality, tokens = sizes.modality, sizes.tokens
-        encoder = self.flops.encoder(sizes.vision_tokens, sizes.vision_sq, sizes.audio_frames, sizes.audio_sq)
+        encoder = self.flops.encoder(sizes.vision_tokens, sizes.vision_sq, sizes.image_llm + sizes.video_llm,
+                                     sizes.audio_frames, sizes.audio_sq)
+        for kind, columns in media_columns(sizes).items():
+            self.media[kind] += [int(c.sum()) for c in columns]
         llm = self.flops.llm(tokens)
         encoder_tokens = sizes.vision_tokens + sizes.audio_tokens
         for code, m in enumerate(KINDS):
@@ -293,7 +318,7 @@ class Profiler:
             manifest=location, source=source, manifest_samples=total + sum(v for k, v in skipped.items()
                                                                             if k != "too_long"),
             total_samples=total, total_tokens=sum(p.tokens for p in modalities.values()), seq_len=self.cfg.seq_len,
-            modalities=modalities, skipped=skipped, packed_sequences=sequences.count,
+            modalities=modalities, media=self._media_profiles(), skipped=skipped, packed_sequences=sequences.count,
             packing_efficiency=sequences.real_tokens_mean / sequences.capacity, sequences=sequences,
             encoder_flops=float(sum(self.sums[m][1] for m in KINDS)),
             llm_flops=float(sum(self.sums[m][2] for m in KINDS)), flops_formula=FORMULA,
@@ -301,6 +326,10 @@ class Profiler:
             windows=self.windows, decode_samples_per_s=decode_rates,
         )
 
+
+    def _media_profiles(self) -> dict[str, MediaProfile]:
+        names = list(MediaProfile.model_fields)
+        return {kind: MediaProfile(**dict(zip(names, sums.tolist()))) for kind, sums in self.media.items() if sums[0]}
 
     def _sequence_profile(self) -> SequenceProfile:
         capacity, count = self.cfg.seq_len, self.real.n

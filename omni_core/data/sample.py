@@ -9,8 +9,8 @@ Media segments name their file by `path`: relative to the manifest's folder in a
 extension ("png", "0.jpg", "txt") in a WebDataset sample. Audio carries "num_samples" and "sample_rate",
 video (an animated GIF/WebP: sampled frames) "width", "height" and "num_frames".
 
-A sample's sequence is BOS + segments + EOS: text as tokenizer ids, every image patch, video frame patch or
-audio embedding as one placeholder (video frames go through the vision path, so they use IMAGE_ID).
+A sample's sequence is BOS + segments + EOS: text as tokenizer ids, every image patch, audio embedding or
+video embedding (sampled frames merged in time and space, `batch.video_tokens`) as one placeholder of its kind.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from omni_core.common.batch import audio_tokens
-from omni_core.common.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PLACEHOLDER_IDS, ByteTokenizer
+from omni_core.common.batch import audio_tokens, video_tokens
+from omni_core.common.tokenizer import BOS_ID, EOS_ID, PLACEHOLDER_IDS, ByteTokenizer
 from omni_core.data.audio import mel_frames, resampled_length
 from omni_core.data.image import patch_grid, sampled_frames
+from omni_core.models.args import OmniModelArgs
 from omni_core.recipe.schema import MODALITIES, DataConfig
 
 KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment
@@ -36,7 +37,10 @@ _SIZES = {"image": ((3, "width", 1), (4, "height", 1)),
           "audio": ((5, "num_samples", 0), (6, "sample_rate", 1)),  # an empty clip is skipped later: empty_audio
           "video": ((3, "width", 1), (4, "height", 1), (7, "num_frames", 1))}
 TOKENIZER = ByteTokenizer()
-PLACEHOLDERS = {**PLACEHOLDER_IDS, "video": IMAGE_ID}  # frames take the vision path: the model has no video input
+# The model's merges that a video's placeholders count by. DataConfig names no flavor, so these are OmniModelArgs'
+# defaults, which the flavors that train on data keep (debug, debug-moe, small); images likewise take one
+# placeholder per patch, spatial_merge 1. A flavor that differs fails at its first batch, in OmniModel.embed.
+TEMPORAL_MERGE, SPATIAL_MERGE = OmniModelArgs.temporal_merge, OmniModelArgs.spatial_merge
 SegmentFields = tuple[str, str, str, int, int, int, int, int]  # a Segment's fields, in order
 
 
@@ -182,6 +186,13 @@ class Measures:
     audio_tokens: np.ndarray  # audio encoder outputs (= its LLM placeholders)
     audio_sq: np.ndarray  # sum over clips of outputs^2
     audio_frames: np.ndarray  # log-mel frames: the audio encoder's convolution input
+    image_items: np.ndarray  # its images, clips and videos
+    audio_items: np.ndarray
+    video_items: np.ndarray
+    image_llm: np.ndarray  # LLM placeholders of its images; video_llm: of its videos (image projector outputs both)
+    video_llm: np.ndarray
+    video_frames: np.ndarray  # sampled frames of its videos
+    video_patches: np.ndarray  # their patches (part of vision_tokens)
     problem: list[str]  # per sample: "" or why it cannot be used ("oversized_image", "empty_audio")
     segment_owner: np.ndarray  # per segment (as in `Segments`): its sample
     segment_llm: np.ndarray  # per segment: its LLM tokens
@@ -198,6 +209,11 @@ class Measures:
         return self.vision_tokens + self.audio_tokens
 
 
+# A sample's sizes, in the order `sources.Record` and `sources.Sizes` carry them.
+SIZE_FIELDS = ("tokens", "vision_tokens", "vision_sq", "audio_tokens", "audio_sq", "audio_frames", "image_items",
+               "audio_items", "video_items", "image_llm", "video_llm", "video_frames", "video_patches")
+
+
 def text_length(text: str) -> int:
     """Tokens of a text under the byte tokenizer, without encoding ASCII text."""
     return len(text) if text.isascii() else len(text.encode("utf-8"))
@@ -208,7 +224,7 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     decoding share."""
     w, h, n, f = segs.width, segs.height, segs.num_samples, segs.num_frames
     llm = segs.text_bytes.copy()
-    vision, vision_sq, aud, aud_sq, mels = (np.zeros_like(llm) for _ in range(5))
+    vision, vision_sq, aud, aud_sq, mels, shown = (np.zeros_like(llm) for _ in range(6))
 
     img = segs.kind == KIND_CODE["image"]
     rows, cols = patch_grid(w[img], h[img], cfg.patch_size, cfg.max_image_patches, cfg.min_image_patches)
@@ -217,9 +233,10 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
 
     vid = segs.kind == KIND_CODE["video"]
     rows, cols = patch_grid(w[vid], h[vid], cfg.patch_size, cfg.video_frame_patches)
-    shown = sampled_frames(f[vid], cfg.video_max_frames)
-    llm[vid] = vision[vid] = shown * rows * cols
-    vision_sq[vid] = shown * (rows * cols) ** 2
+    shown[vid] = sampled_frames(f[vid], cfg.video_max_frames)
+    vision[vid] = shown[vid] * rows * cols
+    vision_sq[vid] = shown[vid] * (rows * cols) ** 2
+    llm[vid] = video_tokens(shown[vid], rows, cols, TEMPORAL_MERGE, SPATIAL_MERGE)
 
     au = segs.kind == KIND_CODE["audio"]
     mels[au] = mel_frames(resampled_length(n[au], segs.sample_rate[au], cfg.sample_rate), cfg.sample_rate)
@@ -236,8 +253,10 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"
     return Measures(
         tokens=2 + per_sample(llm), vision_tokens=per_sample(vision), vision_sq=per_sample(vision_sq),
-        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels), problem=problem,
-        segment_owner=segs.owner, segment_llm=llm,
+        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels),
+        image_items=per_sample(img), audio_items=per_sample(au), video_items=per_sample(vid),
+        image_llm=per_sample(llm * img), video_llm=per_sample(llm * vid), video_frames=per_sample(shown),
+        video_patches=per_sample(vision * vid), problem=problem, segment_owner=segs.owner, segment_llm=llm,
     )
 
 
@@ -248,6 +267,6 @@ def token_ids(sample: Sample, segment_tokens: Sequence[int]) -> list[int]:
         if seg.kind == "text":
             ids.extend(TOKENIZER.encode(seg.text))
         else:
-            ids.extend([PLACEHOLDERS[seg.kind]] * count)
+            ids.extend([PLACEHOLDER_IDS[seg.kind]] * count)
     ids.append(EOS_ID)
     return ids

@@ -28,8 +28,8 @@ from PIL import Image
 
 from omni_core.data.audio import EmptyAudio, audio_header, read_audio
 from omni_core.data.image import OversizedImage, image_header, open_image, open_video_frames, video_header
-from omni_core.data.sample import (KIND_CODE, Measures, Sample, Segment, SegmentFields, SegmentRows, measure,
-                                   modality_of, record_fields)
+from omni_core.data.sample import (KIND_CODE, SIZE_FIELDS, Measures, Sample, Segment, SegmentFields, SegmentRows,
+                                   measure, modality_of, record_fields)
 from omni_core.data.storage import Storage, join, parent
 from omni_core.recipe.schema import DataConfig
 
@@ -85,12 +85,19 @@ class Record:
     ordinal: int  # count of records this consumer's stream yielded before it
     id: str
     modality: str
-    tokens: int  # LLM tokens
+    tokens: int  # LLM tokens; then the rest of sample.SIZE_FIELDS, as `Measures` defines them
     vision_tokens: int
     vision_sq: int
     audio_tokens: int
     audio_sq: int
     audio_frames: int
+    image_items: int
+    audio_items: int
+    video_items: int
+    image_llm: int
+    video_llm: int
+    video_frames: int
+    video_patches: int
     segment_tokens: list[int]
     payload: Any  # the source's own: (Sample, where its media are) / the generator's choices
 
@@ -98,13 +105,20 @@ class Record:
 class Sizes(NamedTuple):
     """Records' measured sizes as columns (one entry per record, as in `Record`): what the profile reads."""
 
-    modality: np.ndarray  # codes into KINDS
+    modality: np.ndarray  # codes into KINDS; then sample.SIZE_FIELDS
     tokens: np.ndarray
     vision_tokens: np.ndarray
     vision_sq: np.ndarray
     audio_tokens: np.ndarray
     audio_sq: np.ndarray
     audio_frames: np.ndarray
+    image_items: np.ndarray
+    audio_items: np.ndarray
+    video_items: np.ndarray
+    image_llm: np.ndarray
+    video_llm: np.ndarray
+    video_frames: np.ndarray
+    video_patches: np.ndarray
 
 
 class Stream(ABC):
@@ -187,9 +201,7 @@ class _Parsed:
     def stream_items(self) -> list[tuple[Record | str, tuple[int, int]]]:
         """(record or skip reason, (offset, index) after it) per entry; records carry ref=[offset, index]."""
         sizes = self.sizes
-        tokens, vision, vision_sq, audio, audio_sq, frames = (a.tolist() for a in (
-            sizes.tokens, sizes.vision_tokens, sizes.vision_sq, sizes.audio_tokens, sizes.audio_sq,
-            sizes.audio_frames))
+        columns = [getattr(sizes, name).tolist() for name in SIZE_FIELDS]
         items: list[tuple[Record | str, tuple[int, int]]] = []
         for raw, i, extra in self.entries:
             after = (-1, -1) if raw is None else (raw.after, raw.index + 1)  # broke off: resume at the next shard
@@ -197,16 +209,14 @@ class _Parsed:
                 items.append((extra if i < 0 else sizes.problem[i], after))
             else:
                 sample = extra[0]
-                items.append((Record([raw.offset, raw.index], 0, sample.id, sample.modality, tokens[i], vision[i],
-                                     vision_sq[i], audio[i], audio_sq[i], frames[i], sizes.segment_tokens[i], extra),
-                              after))
+                items.append((Record([raw.offset, raw.index], 0, sample.id, sample.modality, *(c[i] for c in columns),
+                                     sizes.segment_tokens[i], extra), after))
         return items
 
     def columns(self) -> tuple[Sizes, list[tuple[int, str]]]:
         """The usable samples' sizes, and each skipped entry as (usable samples before it, reason)."""
         sizes, problem = self.sizes, self.sizes.problem
-        columns = Sizes(np.array(self.modality, dtype=np.int64), sizes.tokens, sizes.vision_tokens, sizes.vision_sq,
-                        sizes.audio_tokens, sizes.audio_sq, sizes.audio_frames)
+        columns = Sizes(np.array(self.modality, dtype=np.int64), *(getattr(sizes, name) for name in SIZE_FIELDS))
         if len(self.entries) == len(problem) and not any(problem):
             return columns, []
         skips, usable = [], 0

@@ -27,7 +27,8 @@ import soundfile as sf
 import torch
 from PIL import Image, ImageDraw
 
-from omni_core.data.sample import KINDS, Measures, Sample, Segment, measure
+from omni_core.data.image import frame_indices
+from omni_core.data.sample import KINDS, SIZE_FIELDS, Measures, Sample, Segment, measure
 from omni_core.data.sources import Record, Source, Stream, View
 from omni_core.data.storage import is_s3
 from omni_core.data.workload import (
@@ -202,7 +203,9 @@ class DynamicSource(Source):
         _, media = content(spec, seed, stream, self.cfg.sample_rate, with_media=True)
         if seg.kind == "audio":
             return torch.from_numpy(media.astype(np.float32) / 32768.0), self.cfg.sample_rate  # as soundfile reads
-        return (media, spec.frames) if seg.kind == "video" else media
+        if seg.kind == "video":  # the frames a file source samples (image.open_video_frames), which measure counts
+            return [media[k] for k in frame_indices(spec.frames, self.cfg.video_max_frames)], spec.frames
+        return media
 
 
 class _DynamicStream(Stream):
@@ -238,8 +241,7 @@ class _DynamicStream(Stream):
         if modality not in self.variants:
             specs = draw_specs(syn, view.seed, self.stream, self.index, np.full(DRAW_CHUNK, modality))
             sizes = measure(segments_of(specs, cfg.sample_rate), DRAW_CHUNK, cfg)
-            columns = [a.tolist() for a in (sizes.tokens, sizes.vision_tokens, sizes.vision_sq, sizes.audio_tokens,
-                                            sizes.audio_sq, sizes.audio_frames)]
+            columns = [getattr(sizes, name).tolist() for name in SIZE_FIELDS]
             self.variants[modality] = (specs.rows(), columns, sizes)
         specs, columns, sizes = self.variants[modality]
         spec, kind = specs[i], KINDS[modality]

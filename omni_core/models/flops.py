@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from omni_core.common.batch import video_tokens
 from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
 from omni_core.models.projector import merged_grid
 
@@ -134,9 +135,12 @@ def omni_train_flops(
     doc_lengths: Sequence[int],
     image_grids: Sequence[tuple[int, int]] = (),
     audio_frames: Sequence[int] = (),
+    video_grids: Sequence[tuple[int, int, int]] = (),
 ) -> float:
-    """Forward + backward FLOPs of one packed batch: LLM documents, images by (rows, cols), clips by frames.
-    Frozen parts are counted as trained (the MFU convention: 3x forward for every FLOP of the model)."""
+    """Forward + backward FLOPs of one packed batch: LLM documents, images by (rows, cols), clips by frames,
+    videos by (frames, rows, cols): every frame through the ViT, the image projector after the temporal merge
+    (its averaging is no matmul). Frozen parts are counted as trained (the MFU convention: 3x forward for
+    every FLOP of the model)."""
     dims = projector_dims(args)
     flops = llm_forward_flops(args.llm, doc_lengths)
     for rows, cols in image_grids:
@@ -145,4 +149,8 @@ def omni_train_flops(
         flops += projector_forward_flops(*dims["image"], m_rows * m_cols)
     for frames in audio_frames:
         flops += audio_forward_flops(args.audio, frames) + projector_forward_flops(*dims["audio"], frames // 2)
+    for frames, rows, cols in video_grids:
+        merged = video_tokens(frames, rows, cols, args.temporal_merge, args.spatial_merge)
+        flops += frames * vision_forward_flops(args.vision, rows * cols)
+        flops += projector_forward_flops(*dims["image"], merged)
     return TRAIN_FACTOR * flops

@@ -1,4 +1,5 @@
-"""OmniModel: vision and audio encoders whose projected outputs are anchored into the LLM's packed sequence."""
+"""OmniModel: vision and audio encoders whose projected outputs are anchored into the LLM's packed sequence
+(videos take the vision encoder per frame and the image projector, see `encode_video`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from torch import nn
 
 from omni_core.common.batch import PackedBatch
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.flavors import get_flavor
@@ -71,6 +72,15 @@ class OmniModel(nn.Module):
             grid = torch.tensor([[merge, merge]], device=embeds.device)
             patches = embeds.new_zeros(merge * merge, self.args.vision.patch_dim)
             unused = unused + self.project_image(self.vision(patches, grid), grid).sum()
+        if batch.video_grids.shape[0] > 0:
+            video_embeds = self.encode_video(batch.video_patches, batch.video_grids)
+            embeds = anchor_embeddings(embeds, batch.input_ids, VIDEO_ID, video_embeds, "video")
+        else:
+            anchor_embeddings(embeds, batch.input_ids, VIDEO_ID, None, "video")
+            merge = self.args.spatial_merge
+            grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+            patches = embeds.new_zeros(merge * merge, self.args.vision.patch_dim)
+            unused = unused + self.encode_video(patches, grid).sum()
         if batch.audio_frames.shape[0] > 0:
             audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, batch.audio_frames))
             embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
@@ -111,17 +121,16 @@ class OmniModel(nn.Module):
 
     def encode_video(self, patches: torch.Tensor, video_grids: torch.Tensor) -> torch.Tensor:
         """Videos (patches frame after frame, `video_grids` [N, 3] of frames, rows, cols) -> LLM embeddings:
-        the vision encoder per frame, `temporal_merge` frames averaged, then the image projector.
-        PackedBatch carries no video yet: this is the encoder the data side will anchor once it does."""
+        the vision encoder per frame, `temporal_merge` frames averaged, then the image projector: rows in the
+        order of the videos' VIDEO_ID placeholders, `batch.video_tokens` per video."""
         features = self.vision.forward_video(patches, video_grids, self.args.temporal_merge)
         grids = [[r, c] for f, r, c in video_grids.tolist() for _ in range(-(-f // self.args.temporal_merge))]
         return self.project_image(features, torch.tensor(grids, dtype=torch.long).view(-1, 2))
 
     def train_flops(self, batch: PackedBatch) -> float:
-        """Forward + backward FLOPs of this batch, from its actual documents, images and clips (for MFU)."""
-        return omni_train_flops(
-            self.args, batch.cu_seqlens.diff().tolist(), batch.image_grids.tolist(), batch.audio_frames.tolist()
-        )
+        """Forward + backward FLOPs of this batch, from its actual documents, images, clips and videos (for MFU)."""
+        return omni_train_flops(self.args, batch.cu_seqlens.diff().tolist(), batch.image_grids.tolist(),
+                                batch.audio_frames.tolist(), batch.video_grids.tolist())
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

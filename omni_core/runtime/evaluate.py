@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from omni_core.common.batch import MODALITY_IDS
+from omni_core.common.batch import MODALITY_IDS, video_tokens
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.results import EvalReport, ModalityScore, TaskScore
 from omni_core.data.dataset import open_dataset
@@ -42,6 +42,9 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     def tokens_per_image(rows: int, cols: int) -> int:
         return math.prod(merged_grid(rows, cols, model.args.spatial_merge))
 
+    def tokens_per_video(frames: int, rows: int, cols: int) -> int:
+        return video_tokens(frames, rows, cols, model.args.temporal_merge, model.args.spatial_merge)
+
     stats = None
     samples = 0
     captions: dict[str, list[tuple[str, str]]] = {}
@@ -52,7 +55,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
             sums = token_loss_sums(model(batch), batch).stats()
             stats = sums if stats is None else stats + sums
             samples += batch.num_samples
-            for doc in documents(batch, tokens_per_image):
+            for doc in documents(batch, tokens_per_image, tokens_per_video):
                 done = captions.setdefault(doc.modality, [])
                 if len(done) < recipe.eval.generate_samples:
                     pair = greedy_caption(model, doc, recipe.eval.max_new_tokens)

@@ -29,9 +29,10 @@ def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, con
 
 
 def same_docs(a, b) -> bool:
+    inputs_a, inputs_b = (d.image_patches + d.audio_mels + d.video_patches for d in (a, b))
     return (a.input_ids == b.input_ids and a.modality == b.modality and a.image_grids == b.image_grids
-            and all(torch.equal(x, y) for x, y in zip(a.image_patches + a.audio_mels, b.image_patches + b.audio_mels))
-            and len(a.image_patches) == len(b.image_patches) and len(a.audio_mels) == len(b.audio_mels))
+            and a.video_grids == b.video_grids and len(inputs_a) == len(inputs_b)
+            and all(torch.equal(x, y) for x, y in zip(inputs_a, inputs_b)))
 
 
 def both_formats(root: Path) -> tuple[ManifestDataset, ManifestDataset]:

@@ -18,8 +18,8 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens
-from omni_core.common.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID
+from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens, video_tokens
+from omni_core.common.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID, VIDEO_ID
 from omni_core.data.audio import log_mel, mel_frames
 from omni_core.data.dataset import DecodedSample, ManifestDataset, open_dataset
 from omni_core.data.image import patch_grid, patchify
@@ -348,7 +348,8 @@ def check_batch(batch: PackedBatch, cfg: DataConfig) -> list[tuple[int, ...]]:
         assert doc[0] == BOS_ID and doc[-1] == EOS_ID and ((doc == BOS_ID) | (doc == EOS_ID)).sum() == 2
         expected = [int(n) if n < 256 or n == EOS_ID else -100 for n in doc[1:]] + [-100]
         assert batch.labels[a:b].tolist() == expected
-        modality = "image" if IMAGE_ID in doc else "audio" if AUDIO_ID in doc else "text"
+        modality = next((m for m, p in (("image", IMAGE_ID), ("audio", AUDIO_ID), ("video", VIDEO_ID)) if p in doc),
+                        "text")
         assert (batch.loss_modality[a:b] == MODALITY_IDS[modality]).all()
         real.append(tuple(doc.tolist()))
     assert batch.num_samples == len(real)
@@ -357,6 +358,9 @@ def check_batch(batch: PackedBatch, cfg: DataConfig) -> list[tuple[int, ...]]:
     frames = batch.audio_frames.tolist()
     assert (ids == AUDIO_ID).sum() == sum(audio_tokens(f) for f in frames)
     assert len(batch.audio_mels) == sum(frames) and all(f % 2 == 0 for f in frames)
+    videos = batch.video_grids.tolist()
+    assert (ids == VIDEO_ID).sum() == sum(video_tokens(f, r, c, 2, 1) for f, r, c in videos)
+    assert len(batch.video_patches) == sum(f * r * c for f, r, c in videos)
     return real
 
 

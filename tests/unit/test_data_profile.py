@@ -203,9 +203,13 @@ def test_sample_flops_are_the_models_own_counts(flavor):
     args = get_flavor(flavor, patch_size=14, n_mels=128)
     flops = FlopModel.for_flavor(flavor, patch_size=14, n_mels=128)
     image, (rows, cols), frames = 30 * 20, (30, 20), 1200
+    video = (5, 4, 6)  # sampled frames of 4 x 6 patches: 3 merged frames, 72 placeholders
     assert flops.llm(777) == pytest.approx(3 * model.llm_forward_flops(args.llm, [777]))
-    expected = model.omni_train_flops(args, [1], [(rows, cols)], [frames]) - 3 * model.llm_forward_flops(args.llm, [1])
-    measured = flops.encoder(image, image**2, frames, (frames // 2) ** 2)
+    expected = (model.omni_train_flops(args, [1], [(rows, cols)], [frames], [video])
+                - 3 * model.llm_forward_flops(args.llm, [1]))
+    patches = video[0] * video[1] * video[2]
+    measured = flops.encoder(image + patches, image**2 + video[0] * (patches // video[0]) ** 2, image + 72, frames,
+                             (frames // 2) ** 2)
     assert measured == pytest.approx(expected, rel=1e-3 if args.spatial_merge > 1 else 1e-9)  # merge: edges
 
 

@@ -13,7 +13,7 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.common.tokenizer import AUDIO_ID, VIDEO_ID
 from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
@@ -40,8 +40,10 @@ def test_webdataset_round_trip_equals_the_jsonl_manifest(both):
         assert same_docs(jsonl.decode(x), wds.decode(y)), x.id
     video = next(r for r in b if r.modality == "video")
     doc = wds.decode(video)
-    assert len(doc.image_grids) == min(8, wds.source.sample(video).segments[0].num_frames)  # frames -> vision path
-    assert doc.modality == "image" and doc.input_ids.count(IMAGE_ID) == video.vision_tokens
+    frames = min(8, wds.source.sample(video).segments[0].num_frames)
+    assert [grid[0] for grid in doc.video_grids] == [frames] and not doc.image_grids
+    assert doc.modality == "video" and doc.input_ids.count(VIDEO_ID) == video.video_llm
+    assert len(doc.video_patches[0]) == video.video_patches == video.vision_tokens
 
 
 def test_webdataset_without_metadata_members_is_sized_from_headers(tmp_path):
@@ -75,7 +77,8 @@ def test_webdataset_without_metadata_members_is_sized_from_headers(tmp_path):
     assert got["c"].tokens == 2 + 25 and got["e"].tokens == 2 + len("just text")
     docs = {k: dataset.decode(r) for k, r in got.items()}
     assert docs["c"].input_ids.count(AUDIO_ID) == 25 and docs["c"].audio_mels[0].shape == (50, cfg.n_mels)
-    assert len(docs["d"].image_patches) == 3
+    assert docs["d"].video_grids == [(3, 2, 3)] and docs["d"].video_patches[0].shape == (18, 3 * 8 * 8)
+    assert docs["d"].input_ids.count(VIDEO_ID) == got["d"].tokens - 2 == 2 * 2 * 3  # 3 frames merge into 2
 
 
 def test_webdataset_shards_are_dealt_to_consumers_and_reshuffled_per_epoch(both):

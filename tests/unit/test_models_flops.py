@@ -16,7 +16,7 @@ from omni_core.models.flops import (
     omni_params,
     vision_params,
 )
-from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, make_batch
+from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small"])
@@ -64,10 +64,10 @@ def test_llm_flops_by_hand() -> None:
 def test_train_flops_match_torch_flop_counter(flavor: str) -> None:
     """torch counts every matmul and convolution of the real forward, attention included (SDPA's CPU path is
     two bmm per document), but that path also computes the masked half of each causal document: our count,
-    over the batch's own documents, images and clips, is the counter's minus that half."""
+    over the batch's own documents, images, clips and videos, is the counter's minus that half."""
     args = get_flavor(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS)
     model = OmniModel(args)
-    batch = make_batch(MIXED_DOCS)
+    batch = make_batch(MIXED_DOCS + VIDEO_DOCS)  # every modality: no encoder runs a dummy input
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(batch)
     docs = batch.cu_seqlens.diff().tolist()

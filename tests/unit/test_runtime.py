@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni_core.common.batch import MODALITY_IDS, audio_tokens
+from omni_core.common.batch import MODALITY_IDS, audio_tokens, video_tokens
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.plan import PlanError
 from omni_core.common.results import TrainResult
@@ -22,6 +22,7 @@ from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, 
 from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.step import lr_lambda
 from omni_core.runtime.trainer import resolve_plan, train
+from tests.helpers.models import MERGES
 from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
 
 
@@ -39,7 +40,7 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
     assert means["loss"] == pytest.approx(float(expected), rel=1e-6)
     image_mean = F.cross_entropy(logits[2:4], batch.labels[2:4])
     assert means["loss/image"] == pytest.approx(float(image_mean), rel=1e-6)
-    assert sums.counts.tolist() == [1.0, 2.0, 1.0]
+    assert sums.counts.tolist() == [1.0, 2.0, 1.0, 0.0]  # text, image, audio, video
     assert set(means) == {"loss", "loss/text", "loss/image", "loss/audio"}
 
 
@@ -51,7 +52,7 @@ def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
 
     recipe = tiny_recipe(tmp_path)
     batch = next(iter(PackedLoader(open_dataset(recipe), recipe.data, "train")))
-    docs = list(documents(batch, lambda rows, cols: rows * cols))
+    docs = list(documents(batch, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, *MERGES)))
     assert len(docs) == batch.num_samples
     assert {d.modality for d in docs} == {"text", "image", "audio"}
     for doc in docs:

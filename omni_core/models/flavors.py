@@ -39,6 +39,14 @@ FLAVORS: dict[str, OmniModelArgs] = {
         vision=VisionArgs(dim=384, n_layers=6, n_heads=6, max_grid=64),
         audio=AudioArgs(dim=384, n_layers=4, n_heads=6),
     ),
+    # `debug`'s LLM with encoders as wide as it and twice as deep: at an image-heavy mix the encoders are a real
+    # share of the step, as in the paper's workloads, so the layout benchmark can tell layouts apart. No spatial
+    # merge: the data side lays out one placeholder per patch.
+    "debug-enc": OmniModelArgs(
+        llm=LLMArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384),
+        vision=VisionArgs(dim=128, n_layers=8, n_heads=4, max_grid=64),
+        audio=AudioArgs(dim=128, n_layers=8, n_heads=4),
+    ),
     # `debug` with 4 routed SwiGLU experts (top-2) and a shared one in every LLM block.
     "debug-moe": OmniModelArgs(
         llm=LLMArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192,

@@ -92,13 +92,14 @@ class OmniModel(nn.Module):
         return embeds + 0.0 * unused.to(embeds.dtype)
 
     def embed_encoded(self, batch: PackedBatch, encoded: torch.Tensor) -> torch.Tensor:
-        """Token embeddings of this rank's tokens with `encoded` rows at their image and audio placeholders."""
+        """Token embeddings of this rank's tokens with `encoded` rows at their image, video and audio
+        placeholders."""
         ids = batch.input_ids if self.token_index is None else batch.input_ids[self.token_index]
         embeds = self.llm.embed(ids)
-        slots = (ids == IMAGE_ID) | (ids == AUDIO_ID)
+        slots = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
         if int(slots.sum()) != encoded.shape[0]:
-            raise ValueError(f"{int(slots.sum())} image and audio placeholders on this rank, but {encoded.shape[0]} "
-                             "encoded rows were handed to it")
+            raise ValueError(f"{int(slots.sum())} image, video and audio placeholders on this rank, but "
+                             f"{encoded.shape[0]} encoded rows were handed to it")
         return embeds.masked_scatter(slots.unsqueeze(-1), encoded.to(embeds.dtype))
 
     @property

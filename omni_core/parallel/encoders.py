@@ -28,6 +28,7 @@ Context-parallel consumers hold disjoint rows; tensor-parallel consumers hold th
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from omni_core.common.batch import PackedBatch, audio_tokens
+from omni_core.common.batch import PackedBatch, audio_tokens, video_tokens
 from omni_core.common.plan import EncoderSpec, ParallelPlan
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
+from omni_core.models.args import OmniModelArgs
 from omni_core.models.flops import audio_forward_flops, vision_forward_flops
 from omni_core.models.omni import OmniModel
 from omni_core.models.projector import merged_grid
@@ -45,8 +47,9 @@ from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 from omni_core.parallel.context import cp_token_index
 from omni_core.parallel.lssp import SequenceShard, lssp_splits
 
-ENCODER_OF = {"image": "vision", "audio": "audio"}
-PLACEHOLDER_OF = {"image": IMAGE_ID, "audio": AUDIO_ID}
+ENCODER_OF = {"image": "vision", "video": "vision", "audio": "audio"}
+PLACEHOLDER_OF = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}
+INPUT_FIELD = {"image": "image_patches", "video": "video_patches", "audio": "audio_mels"}
 ACTIVATION_BYTES_PER_TOKEN_DIM = 4 * 16  # fp32, ~16 saved tensors of [tokens, dim] per encoder block
 
 
@@ -54,21 +57,21 @@ ACTIVATION_BYTES_PER_TOKEN_DIM = 4 * 16  # fp32, ~16 saved tensors of [tokens, d
 class Item:
     """One image or audio clip of the step, as every rank knows it after the metadata all-gather."""
 
-    modality: str  # "image" | "audio"
+    modality: str  # "image" | "video" | "audio"
     shard: int  # the data shard whose batch holds it
     micro: int  # its micro-batch
-    shape: tuple[int, ...]  # (rows, cols) in patches, or (frames,)
+    shape: tuple[int, ...]  # (rows, cols) in patches, (frames, rows, cols), or (mel frames,)
     start: int  # packed position of its first placeholder in the micro-batch
-    input_offset: int  # its first row in the micro-batch's image_patches / audio_mels
+    input_offset: int  # its first row in the micro-batch's image_patches / video_patches / audio_mels
 
     @property
     def input_rows(self) -> int:
-        return self.shape[0] * self.shape[1] if self.modality == "image" else self.shape[0]
+        return math.prod(self.shape)
 
     @property
     def tokens(self) -> int:
-        """Encoder tokens: patches, or subsampled mel frames."""
-        return self.input_rows if self.modality == "image" else audio_tokens(self.shape[0])
+        """Encoder tokens: patches (of every frame), or subsampled mel frames."""
+        return audio_tokens(self.shape[0]) if self.modality == "audio" else self.input_rows
 
 
 @dataclass(frozen=True)
@@ -83,17 +86,18 @@ class Piece:
     splits: tuple[int, ...] = ()  # the group's encoder-token chunks
 
 
-def describe_items(batches: list[PackedBatch], shard: int, merge: int) -> list[Item]:
+def describe_items(batches: list[PackedBatch], shard: int, args: OmniModelArgs) -> list[Item]:
     """Items of one data shard's micro-batches, each with the position of its (contiguous) placeholders."""
     items = []
     for micro, batch in enumerate(batches):
-        for modality, shapes in (("image", batch.image_grids.tolist()), ("audio", batch.audio_frames.tolist())):
+        for modality, shapes in (("image", batch.image_grids.tolist()), ("video", batch.video_grids.tolist()),
+                                 ("audio", batch.audio_frames.tolist())):
             positions = (batch.input_ids == PLACEHOLDER_OF[modality]).nonzero().flatten().tolist()
             cursor = offset = 0
             for shape in shapes:
-                shape = tuple(shape) if modality == "image" else (shape,)
+                shape = tuple(shape) if isinstance(shape, list) else (shape,)
                 item = Item(modality, shard, micro, shape, positions[cursor] if positions else -1, offset)
-                rows = output_rows(item, merge)
+                rows = output_rows(item, args)
                 span = positions[cursor:cursor + rows]
                 if len(span) != rows or span[-1] - span[0] != rows - 1:
                     raise ValueError(f"micro-batch {micro}: the placeholders of {modality} {shape} are not "
@@ -104,31 +108,45 @@ def describe_items(batches: list[PackedBatch], shard: int, merge: int) -> list[I
     return items
 
 
-def output_rows(item: Item, merge: int) -> int:
+def output_rows(item: Item, args: OmniModelArgs) -> int:
     """LLM embeddings an item yields (its placeholders)."""
     if item.modality == "image":
-        m_rows, m_cols = merged_grid(*item.shape, merge)
+        m_rows, m_cols = merged_grid(*item.shape, args.spatial_merge)
         return m_rows * m_cols
+    if item.modality == "video":
+        return video_tokens(*item.shape, args.temporal_merge, args.spatial_merge)
     return item.tokens
 
 
-def item_cost(item: Item, model: OmniModel) -> float:
-    """Forward FLOPs (the models' own count: linear and quadratic in the item's tokens)."""
+def item_cost(item: Item, args: OmniModelArgs) -> float:
+    """Forward FLOPs (the models' own count: linear and quadratic in the item's tokens; a video's frames are
+    attention documents of their own)."""
     if item.modality == "image":
-        return vision_forward_flops(model.args.vision, item.input_rows)
-    return audio_forward_flops(model.args.audio, item.shape[0])
+        return vision_forward_flops(args.vision, item.input_rows)
+    if item.modality == "video":
+        frames, rows, cols = item.shape
+        return frames * vision_forward_flops(args.vision, rows * cols)
+    return audio_forward_flops(args.audio, item.shape[0])
 
 
-def split_unit(item: Item, merge: int) -> int:
-    """Encoder tokens an LSSP chunk is a multiple of: whole merge-rows of patches (see `lssp_pieces`), or 1."""
-    return merge * item.shape[1] if item.modality == "image" else 1
+def split_units(item: Item, args: OmniModelArgs) -> tuple[int, int]:
+    """(units, unit size) an LSSP split cuts an item into, in its split dimension: whole merge-rows of an
+    image's patches, groups of `temporal_merge` frames of a video, a clip's subsampled tokens one by one."""
+    if item.modality == "image":
+        unit = args.spatial_merge * item.shape[1]
+        return -(-item.tokens // unit), unit
+    if item.modality == "video":
+        return -(-item.shape[0] // args.temporal_merge), args.temporal_merge
+    return item.tokens, 1
 
 
-def is_long(item: Item, spec: EncoderSpec, dim: int, layers: int, merge: int) -> bool:
+def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:
     """Over the encoder's threshold by tokens (cost) or by its activations' estimated MiB (memory). An item
     too small to give every member of the group a chunk runs whole."""
-    if spec.lssp == 1 or -(-item.tokens // split_unit(item, merge)) < spec.lssp:
+    if spec.lssp == 1 or split_units(item, args)[0] < spec.lssp:
         return False
+    encoder = getattr(args, ENCODER_OF[item.modality])
+    dim, layers = encoder.dim, encoder.n_layers
     by_tokens = spec.long_tokens and item.tokens > spec.long_tokens
     mib = item.tokens * dim * layers * ACTIVATION_BYTES_PER_TOKEN_DIM / 2**20
     return bool(by_tokens or (spec.long_mb and mib > spec.long_mb))
@@ -140,43 +158,51 @@ def assign(items: list[Item], model: OmniModel, plan: ParallelPlan) -> list[Piec
     in this canonical order."""
     ranks = list(plan.encoder_ranks)
     load = dict.fromkeys(ranks, 0.0)
-    merge = model.args.spatial_merge
-    keyed = sorted(items, key=lambda it: (-item_cost(it, model), it.shard, it.micro, it.modality, it.start))
+    args = model.args
+    keyed = sorted(items, key=lambda it: (-item_cost(it, args), it.shard, it.micro, it.modality, it.start))
     pieces = []
     for item in keyed:
         spec = plan.encoders.spec(ENCODER_OF[item.modality])
-        encoder = getattr(model.args, ENCODER_OF[item.modality])
-        cost = item_cost(item, model)
-        if not is_long(item, spec, encoder.dim, encoder.n_layers, merge):
+        cost = item_cost(item, args)
+        if not is_long(item, spec, args):
             rank = min(ranks, key=lambda r: (load[r], r))
             load[rank] += cost
-            pieces.append(Piece(item, rank, (0, output_rows(item, merge)), (0, item.input_rows)))
+            pieces.append(Piece(item, rank, (0, output_rows(item, args)), (0, item.input_rows)))
             continue
         groups = [ranks[i:i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
         group = min(groups, key=lambda g: (max(load[r] for r in g), g[0]))
-        pieces.extend(lssp_pieces(item, tuple(group), merge))
+        pieces.extend(lssp_pieces(item, tuple(group), args))
         for rank in group:
             load[rank] += cost / len(group)
     return pieces
 
 
-def lssp_pieces(item: Item, group: tuple[int, ...], merge: int) -> list[Piece]:
-    """An item's chunks over an LSSP group. Images are cut at whole merge-rows of patches, so that each chunk
-    merges into whole rows of LLM tokens on its own; a clip's members each take the whole clip's frames (the
-    conv stem runs whole, see `AudioEncoder`) and a chunk of its subsampled tokens."""
+def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list[Piece]:
+    """An item's chunks over an LSSP group (`split_units`). An image's chunk merges into whole rows of LLM
+    tokens on its own; a video's chunk is a shorter video (its frames are separate attention documents, so its
+    members need no exchange); a clip's members each take the whole clip's frames (the conv stem runs whole,
+    see `AudioEncoder`) and a chunk of its subsampled tokens."""
+    units, unit = split_units(item, args)
+    merge = args.spatial_merge
     if item.modality == "image":
         rows, cols = item.shape
-        splits = lssp_splits(item.tokens, len(group), split_unit(item, merge))
+        splits = lssp_splits(item.tokens, len(group), unit)
         m_cols = merged_grid(rows, cols, merge)[1]
         out_rows = [-(-(s // cols) // merge) * m_cols for s in splits]
+        inputs = list(splits)
+    elif item.modality == "video":
+        frames, rows, cols = item.shape
+        splits = lssp_splits(frames, len(group), unit)  # frames per member
+        out_rows = [video_tokens(f, rows, cols, args.temporal_merge, merge) for f in splits]
+        inputs = [f * rows * cols for f in splits]
     else:
-        splits = lssp_splits(item.tokens, len(group), 1)
-        out_rows = list(splits)
-    pieces, token, row = [], 0, 0
-    for rank, split, out in zip(group, splits, out_rows, strict=True):
-        inputs = (token, token + split) if item.modality == "image" else (0, item.input_rows)
-        pieces.append(Piece(item, rank, (row, row + out), inputs, group, tuple(splits)))
-        token, row = token + split, row + out
+        splits = lssp_splits(item.tokens, len(group), unit)
+        out_rows, inputs = list(splits), [0] * len(splits)
+    pieces, first, row = [], 0, 0
+    for rank, count, out in zip(group, inputs, out_rows, strict=True):
+        span = (first, first + count) if item.modality != "audio" else (0, item.input_rows)
+        pieces.append(Piece(item, rank, (row, row + out), span, group, tuple(splits)))
+        first, row = first + count, row + out
     return pieces
 
 
@@ -219,8 +245,7 @@ class EncoderStep:
         """This rank's encoded rows per micro-batch, sorted by packed position within its CP share (leaves
         that collect the LLM's gradients), or None per micro-batch on ranks outside pipeline stage 0."""
         start = time.perf_counter()
-        merge = self.model.args.spatial_merge
-        mine = describe_items(batches, self.shard_of[self.rank], merge) if self._owns_shard() else []
+        mine = describe_items(batches, self.shard_of[self.rank], self.model.args) if self._owns_shard() else []
         gathered: list[list[Item]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine)
         pieces = assign([it for part in gathered for it in part], self.model, self.plan)
@@ -245,8 +270,9 @@ class EncoderStep:
         received from the shard's owner (one all-to-all per modality, in the canonical piece order)."""
         needs = [p for p in pieces if not self._holds(p.rank, p.item.shard)]
         out: dict[Piece, torch.Tensor] = {}
-        widths = {"image": self.model.args.vision.patch_dim, "audio": self.model.args.audio.n_mels}
-        for modality in ("image", "audio"):
+        widths = {"image": self.model.args.vision.patch_dim, "video": self.model.args.vision.patch_dim,
+                  "audio": self.model.args.audio.n_mels}
+        for modality in INPUT_FIELD:
             empty = torch.zeros(0, widths[modality], device=self.device)
             send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]  # by destination rank
             recv_splits = [0] * self.world
@@ -273,8 +299,7 @@ class EncoderStep:
 
     @staticmethod
     def _input_rows(piece: Piece, batches: list[PackedBatch]) -> torch.Tensor:
-        batch = batches[piece.item.micro]
-        source = batch.image_patches if piece.item.modality == "image" else batch.audio_mels
+        source = getattr(batches[piece.item.micro], INPUT_FIELD[piece.item.modality])
         first = piece.item.input_offset
         return source[first + piece.inputs[0]:first + piece.inputs[1]]
 
@@ -288,6 +313,11 @@ class EncoderStep:
             grids = torch.tensor([p.item.shape for p in images], dtype=torch.long)
             rows = model.project_image(model.vision(torch.cat([inputs[p] for p in images]), grids), grids)
             out.update(zip(images, rows.split([p.rows[1] - p.rows[0] for p in images]), strict=True))
+        videos = [p for p in whole if p.item.modality == "video"]
+        if videos:
+            grids = torch.tensor([p.item.shape for p in videos], dtype=torch.long)
+            rows = model.encode_video(torch.cat([inputs[p] for p in videos]), grids)
+            out.update(zip(videos, rows.split([p.rows[1] - p.rows[0] for p in videos]), strict=True))
         clips = [p for p in whole if p.item.modality == "audio"]
         if clips:
             frames = torch.tensor([p.item.shape[0] for p in clips], dtype=torch.long)
@@ -295,7 +325,11 @@ class EncoderStep:
             out.update(zip(clips, rows.split([p.rows[1] - p.rows[0] for p in clips]), strict=True))
         for piece in (p for p in pieces if p.group):
             shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
-            if piece.item.modality == "image":
+            if piece.item.modality == "video":  # a chunk of whole frames: a shorter video, no exchange
+                frames = (piece.inputs[1] - piece.inputs[0]) // (piece.item.shape[1] * piece.item.shape[2])
+                grid = torch.tensor([[frames, *piece.item.shape[1:]]], dtype=torch.long)
+                out[piece] = model.encode_video(inputs[piece], grid)
+            elif piece.item.modality == "image":
                 cols = piece.item.shape[1]
                 grid = torch.tensor([piece.item.shape], dtype=torch.long)
                 features = model.vision(inputs[piece], grid, shard=shard)

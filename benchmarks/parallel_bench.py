@@ -18,7 +18,6 @@ pipeline bubbles, encoders run again on every tp and cp rank), not how it scales
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, shutdown
 from omni_core.runtime.perf import peak_memory_mb
+from omni_core.runtime.ranks import preimport
 from omni_core.runtime.step import Optimizers, build_replica, train_step
 from omni_core.runtime.trainer import resolve_dtype, resolve_plan
 
@@ -65,13 +65,6 @@ PLANS = [
 FULL_ONLY = [("debug", "dp2-tp2-pp2")]  # 8 ranks on 2 cores: too slow for --quick
 SEQ_LEN = 512
 GLOBAL_BATCH = 4  # micro-batches per step over all replicas: every dp above divides it and leaves >= pp each
-# What the runtime imports on first use (AdamW imports dynamo): imported in the parent before forking, so that
-# the forked ranks do not each pay for them (seconds per rank on 2 shared cores).
-LAZY_IMPORTS = (
-    "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.nn.functional", "torch.distributed.pipelining",
-    "torch.distributed.tensor.parallel", "omni_core.parallel.context", "omni_core.parallel.expert",
-    "omni_core.parallel.pipeline",
-)
 TIMEOUT_S = 300  # process-group timeout: a failing rank fails the others instead of hanging them
 
 
@@ -233,8 +226,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         ensure_dataset(bench_recipe(root, "debug", ParallelPlan()))  # once, before forking: the ranks read it
-        for module in LAZY_IMPORTS:
-            importlib.import_module(module)
+        preimport()
         report["baseline_mb"] = None if cuda else peak_memory_mb(torch.device("cpu"))
         report["results"] = measure(root, plans, steps, rounds)
     report["load_average"]["end"] = os.getloadavg()

@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
-from omni_core.recipe.schema import ENCODER_LAYOUTS, encoder_layout_problems
+from omni_core.recipe.schema import ENCODER_LAYOUTS, PLAN_DEGREES, encoder_layout_problems
 
 if TYPE_CHECKING:
     from omni_core.recipe.schema import ParallelConfig
@@ -259,6 +259,10 @@ class ParallelPlan:
         )
         plan.check_world(world_size)
         return plan
+
+    def recipe_fields(self) -> dict:
+        """The recipe's `parallel` fields that run this plan (its degrees and its encoders' layout)."""
+        return {**{degree: getattr(self, degree) for degree in PLAN_DEGREES}, "encoders": asdict(self.encoders)}
 
     # --- validation --------------------------------------------------------------------------------------
 

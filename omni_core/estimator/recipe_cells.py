@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from omni_core.estimator.cost import Options, estimate_step
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
 from omni_core.recipe.loader import RecipeError, override_recipe
-from omni_core.recipe.schema import PLAN_DEGREES, ClusterConfig, NodeGroup
+from omni_core.recipe.schema import ClusterConfig, NodeGroup
 
 if TYPE_CHECKING:
     from omni_core.common.plan import ParallelPlan
@@ -93,8 +92,7 @@ def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, globa
     values = {
         "parallel.plan": "explicit",
         "parallel.nproc": plan.world_size,
-        **{f"parallel.{degree}": getattr(plan, degree) for degree in PLAN_DEGREES},
-        "parallel.encoders": asdict(plan.encoders),
+        **{f"parallel.{key}": value for key, value in plan.recipe_fields().items()},
         "data.micro_batch": micro_batch,
         "train.grad_accum": global_batch // (micro_batch * plan.dp),
         "train.activation_checkpointing": checkpoint,

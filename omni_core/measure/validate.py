@@ -82,9 +82,7 @@ def case_recipe(case: Case, root: Path):
         "data": {"synthetic": {"num_samples": 400, "mix": MIXES[case.mix]}, "seq_len": case.seq_len,
                  "micro_batch": case.micro_batch, "path": str(root / "data" / f"{case.mix}")},
         "model": {"flavor": case.flavor},
-        "parallel": {"nproc": plan.world_size, "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard,
-                     "tp": plan.tp, "pp": plan.pp, "pp_schedule": plan.pp_schedule, "cp": plan.cp,
-                     "cp_kind": plan.cp_kind, "ep": plan.ep},
+        "parallel": {"nproc": plan.world_size, **plan.recipe_fields()},
         "train": {"steps": case.steps, "grad_accum": case.grad_accum, "warmup_steps": 1, "log_every": 1,
                   "ckpt_every": 0, "resume": False, "dtype": "float32", "ckpt_dir": str(root / "ckpt" / case.name)},
     })
@@ -148,8 +146,9 @@ def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: 
 
 def validation_cases(quick: bool) -> list[Case]:
     """Plans over world 1-4: DP (FSDP, HSDP), TP, PP (1F1B, interleaved, GPipe), CP (Ulysses, ring), EP and
-    their combinations, on the debug, debug-moe and small flavors and four mixes. Quick: 10 short cases (5
-    steps); full: 30, with longer sequences and 10 steps."""
+    their combinations, and the encoders' omni and disaggregated layouts beside coupled ones, on the debug,
+    debug-moe and small flavors and four mixes. Quick: 12 short cases (5 steps); full: 37, with longer
+    sequences and 10 steps."""
     d, moe, small = "debug", "debug-moe", "small"
     if quick:  # one case per mechanism, short sequences: about a minute and a half on two cores
         cases = [
@@ -158,6 +157,7 @@ def validation_cases(quick: bool) -> list[Case]:
             Case(d, "dp1-cp2r", 256, mix="text"), Case(moe, "dp2-ep2", 128),
             Case(d, "dp1-pp3", 128, grad_accum=3),
             Case(d, "dp2-pp2", 128, grad_accum=2), Case(moe, "dp2-cp2u-ep2", 128),
+            Case(d, "dp2+omni", 256, mix="image"), Case(d, "dp1+disagg1", 256, mix="image"),
         ]
         return [replace(c, steps=5) for c in cases]
     cases = [
@@ -172,6 +172,10 @@ def validation_cases(quick: bool) -> list[Case]:
         Case(d, "dp4", 256, mix="audio"), Case(d, "dp2-tp2", 256), Case(d, "dp2-pp2", 256, grad_accum=2),
         Case(d, "dp2x2", 256, mix="image"), Case(d, "dp2-cp2r", 512), Case(moe, "dp2-cp2u-ep2", 256),
         Case(d, "dp1-tp2-cp2u", 512, mix="text"), Case(d, "dp1-pp4g", 256, grad_accum=4),
+        Case(d, "dp2+omni", 256, mix="image"), Case(d, "dp1-tp2+omni", 256, mix="image"),
+        Case(d, "dp1-pp2+omni", 256, grad_accum=4), Case(d, "dp2-tp2+omni", 256, mix="image"),
+        Case(d, "dp1+disagg1", 256, mix="image"), Case(d, "dp2+disagg1", 256, mix="image"),
+        Case(d, "dp1-tp2+disagg2", 256, mix="image"),
     ]
     return [replace(c, steps=10) for c in cases]
 

@@ -49,6 +49,23 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
     dist.destroy_process_group()
 
 
+# What the runtime imports on first use (AdamW imports dynamo): imported in the parent before forking, so that
+# forked ranks do not each pay for them (seconds per rank on 2 shared cores) inside what a benchmark times.
+LAZY_IMPORTS = (
+    "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.nn.functional", "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel", "omni_core.parallel.context", "omni_core.parallel.expert",
+    "omni_core.parallel.pipeline", "omni_core.parallel.encoders",
+)
+
+
+def preimport() -> None:
+    """Import LAZY_IMPORTS in this (parent) process."""
+    import importlib
+
+    for module in LAZY_IMPORTS:
+        importlib.import_module(module)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """`fn(rank, world, *args)` on `world` forked gloo ranks on loopback; the ranks' results in rank order.
 

@@ -286,6 +286,7 @@ def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_pa
     for cases in (full, quick):
         plans = [ParallelPlan.parse(c.plan) for c in cases]
         assert all(any(getattr(p, dim) > 1 for p in plans) for dim in ("tp", "pp", "cp", "ep", "dp_shard"))
+        assert {p.encoders.layout for p in plans} == {"coupled", "omni", "disaggregated"}
         assert {c.flavor for c in cases} >= {"debug", "small"} and len({c.mix for c in cases}) >= 3
     for case in full + quick:
         assert resolve_plan(case_recipe(case, tmp_path), case.world) == case.parallel_plan

@@ -71,6 +71,10 @@ class Efficiency:
     # before stage 0 needs its embeddings, so late stages' warm-up bubbles host later micro-batches' encoders
     # only (0.75 is a fair guess).
     joint_pipeline: float = 0.0
+    # `disaggregated` layout: the share of the shorter side (encoder ranks or LLM ranks) hidden behind the
+    # longer. 0 is what the runtime executes: three phases, each side waiting for the other within the step;
+    # 1 prices DistTrain's schedule, whose encoder and LLM ranks work on different micro-batches at once.
+    disaggregated_overlap: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,10 @@ def test_disaggregated_is_priced_through_the_plan():
     est = estimate_step(w, gpu, plan, Options(1), gpus_per_node=8)
     llm = estimate_step(llm_only(w), gpu, replace(plan, encoders=EncoderPlan()), Options(1), gpus_per_node=8)
     assert est.fits and est.breakdown["llm_s"] == llm.step_time_s
-    assert est.step_time_s == max(est.breakdown["encoder_s"], llm.step_time_s) + est.breakdown["encoder_handoff_s"]
+    handoff, encoder_s = est.breakdown["encoder_handoff_s"], est.breakdown["encoder_s"]
+    assert est.step_time_s == pytest.approx(encoder_s + llm.step_time_s + handoff)  # the runtime's three phases
+    overlapped = estimate_step(w, gpu, plan, Options(1), gpus_per_node=8, eff=Efficiency(disaggregated_overlap=1.0))
+    assert overlapped.step_time_s == pytest.approx(max(encoder_s, llm.step_time_s) + handoff)  # DistTrain's
     best = compare_layouts(w, gpu, 64, 8)["disaggregated"]
     parsed = ParallelPlan.parse(best.plan)
     assert parsed.encoders.layout == "disaggregated" and parsed.world_size == 64 and "on 32 GPUs" in best.detail

@@ -242,7 +242,20 @@ def _recipe_command(args: argparse.Namespace) -> int:
     else:
         print(dump_recipe(recipe).rstrip("\n"))
         print(f"# recipe.hash: {recipe_hash(recipe)}")
+        print(f"# parallel plan: {_plan_line(recipe)}")
     return 0
+
+
+def _plan_line(recipe) -> str:
+    """The plan the recipe runs on its parallel.nproc ranks, by compact name (encoders' layout included)."""
+    from omni_core.common.plan import ParallelPlan, PlanError
+
+    if recipe.parallel.plan == "auto":
+        return "auto (the estimate stage's best plan for the train stage's Cell)"
+    try:
+        return f"{ParallelPlan.from_config(recipe.parallel, recipe.parallel.nproc).name} on {recipe.parallel.nproc} ranks"
+    except PlanError as err:
+        return f"does not fit parallel.nproc={recipe.parallel.nproc}: {err}"
 
 
 FLOWS = {

@@ -83,7 +83,7 @@ class Piece:
     rows: tuple[int, int]  # [first, end) of the item's projected rows
     inputs: tuple[int, int]  # [first, end) of the item's input rows this rank needs
     group: tuple[int, ...] = ()  # the LSSP group (ranks in order); () for a whole item
-    splits: tuple[int, ...] = ()  # the group's encoder-token chunks
+    splits: tuple[int, ...] = ()  # the group's chunks: encoder tokens (image, audio) or frames (video)
 
 
 def describe_items(batches: list[PackedBatch], shard: int, args: OmniModelArgs) -> list[Item]:
@@ -152,13 +152,12 @@ def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:
     return bool(by_tokens or (spec.long_mb and mib > spec.long_mb))
 
 
-def assign(items: list[Item], model: OmniModel, plan: ParallelPlan) -> list[Piece]:
+def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan) -> list[Piece]:
     """The same placement on every rank: items by decreasing cost, each onto the least-loaded rank (a long
     one onto the least-loaded LSSP group, a chunk per member); ties go to the lower rank. Returns the pieces
     in this canonical order."""
     ranks = list(plan.encoder_ranks)
     load = dict.fromkeys(ranks, 0.0)
-    args = model.args
     keyed = sorted(items, key=lambda it: (-item_cost(it, args), it.shard, it.micro, it.modality, it.start))
     pieces = []
     for item in keyed:
@@ -182,7 +181,7 @@ def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list
     tokens on its own; a video's chunk is a shorter video (its frames are separate attention documents, so its
     members need no exchange); a clip's members each take the whole clip's frames (the conv stem runs whole,
     see `AudioEncoder`) and a chunk of its subsampled tokens."""
-    units, unit = split_units(item, args)
+    unit = split_units(item, args)[1]
     merge = args.spatial_merge
     if item.modality == "image":
         rows, cols = item.shape
@@ -248,7 +247,7 @@ class EncoderStep:
         mine = describe_items(batches, self.shard_of[self.rank], self.model.args) if self._owns_shard() else []
         gathered: list[list[Item]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine)
-        pieces = assign([it for part in gathered for it in part], self.model, self.plan)
+        pieces = assign([it for part in gathered for it in part], self.model.args, self.plan)
         inputs = self._ship_inputs(pieces, batches)
         enabled = compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
@@ -324,12 +323,13 @@ class EncoderStep:
             rows = model.projectors["audio"](model.audio(torch.cat([inputs[p] for p in clips]), frames))
             out.update(zip(clips, rows.split([p.rows[1] - p.rows[0] for p in clips]), strict=True))
         for piece in (p for p in pieces if p.group):
-            shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
             if piece.item.modality == "video":  # a chunk of whole frames: a shorter video, no exchange
                 frames = (piece.inputs[1] - piece.inputs[0]) // (piece.item.shape[1] * piece.item.shape[2])
                 grid = torch.tensor([[frames, *piece.item.shape[1:]]], dtype=torch.long)
                 out[piece] = model.encode_video(inputs[piece], grid)
-            elif piece.item.modality == "image":
+                continue
+            shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
+            if piece.item.modality == "image":
                 cols = piece.item.shape[1]
                 grid = torch.tensor([piece.item.shape], dtype=torch.long)
                 features = model.vision(inputs[piece], grid, shard=shard)

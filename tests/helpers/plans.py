@@ -37,7 +37,7 @@ def recipe_for(root: Path, flavor: str = "debug") -> Recipe:
 
 
 class CapturingOptimizers(Optimizers):
-    """Optimizers that keep the full (gathered) gradients they were about to apply."""
+    """Optimizers that keep the full (gathered) gradients they were about to apply (frozen parameters have none)."""
 
     def __init__(self, parts, recipe):
         super().__init__(parts, recipe)
@@ -48,6 +48,8 @@ class CapturingOptimizers(Optimizers):
         for part in self.parts:
             for name, param in part.named_parameters():
                 grad = param.grad
+                if grad is None:
+                    continue
                 self.grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
         super().step()
 

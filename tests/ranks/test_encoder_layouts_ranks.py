@@ -62,10 +62,11 @@ SHARDS = [  # shard 0 holds every image, video and clip of the step, shard 1 onl
 ]
 
 
-def _partial_worker(rank: int, world: int, plan_name: str) -> tuple[float, dict]:
+def _partial_worker(rank: int, world: int, plan_name: str, freeze: tuple[str, ...] = ()) -> tuple[float, dict]:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     plan = ParallelPlan.parse(plan_name)
     recipe = _recipe()
+    recipe.model.freeze = list(freeze)
     recipe.train.grad_accum = len(SHARDS) // plan.dp
     replica = build_replica(recipe, plan, info, torch.float32)
     optimizers = CapturingOptimizers(replica.parts, recipe)
@@ -85,5 +86,20 @@ def test_a_step_where_only_one_shard_holds_images_and_audio(plan):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         merged.update(grads)  # disaggregated: the encoders' gradients are on their own rank
     assert merged.keys() == ref_grads.keys()
+    for name, expected in ref_grads.items():
+        torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("freeze", [("vision", "audio"), ("vision", "audio", "projectors")])
+def test_frozen_encoders_skip_their_backward(freeze):
+    """Frozen encoders get no gradient (autograd stops at the trainable projectors, or, with those frozen
+    too, the handoff has no backward at all); what trains matches one process."""
+    (ref_loss, ref_grads), = run_ranks(_partial_worker, 1, "dp1", freeze)
+    merged: dict[str, torch.Tensor] = {}
+    for loss, grads in run_ranks(_partial_worker, 2, "dp2+omni", freeze):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        merged.update(grads)
+    assert merged.keys() == ref_grads.keys()
+    assert not any(name.startswith(freeze) for name in merged)
     for name, expected in ref_grads.items():
         torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)

@@ -15,7 +15,8 @@ def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
     tmp_path, monkeypatch, mlflow_uri, prefect_harness
 ):
     """a starts alone on both slots; b arrives, a shrinks to one slot at its step-3 checkpoint and resumes
-    from it under the new plan while b trains on the other slot."""
+    from it under the new plan while b trains on the other slot. The jobs hold images: the estimate lays
+    their encoders out in the omni layout (on one slot it runs as coupled would, the plan keeps the name)."""
     from mlflow import MlflowClient
 
     from flows.experiment import experiment_flow
@@ -26,13 +27,13 @@ def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
     result = ScheduleRun.model_validate(summary["schedule"])
     assert "train" not in summary and all(job.finish_s is not None for job in result.jobs)
     a1, a2, b1 = sorted(result.segments, key=lambda s: (s.job, s.segment))
-    assert (a1.num_gpus, a1.plan, a1.resumed_from_step, a1.last_step) == (2, "dp2", 0, 3)
-    assert (a2.num_gpus, a2.plan, a2.first_step, a2.resumed_from_step, a2.last_step) == (1, "dp1", 3, 3, 6)
-    assert (b1.num_gpus, b1.plan, b1.resumed_from_step, b1.last_step) == (1, "dp1", 0, 3)
-    assert [(r.job, r.step, r.from_plan, r.to_plan) for r in result.resizes] == [("a", 3, "dp2", "dp1")]
+    assert (a1.num_gpus, a1.plan, a1.resumed_from_step, a1.last_step) == (2, "dp2+omni", 0, 3)
+    assert (a2.num_gpus, a2.plan, a2.first_step, a2.resumed_from_step, a2.last_step) == (1, "dp1+omni", 3, 3, 6)
+    assert (b1.num_gpus, b1.plan, b1.resumed_from_step, b1.last_step) == (1, "dp1+omni", 0, 3)
+    assert [(r.job, r.step, r.from_plan, r.to_plan) for r in result.resizes] == [("a", 3, "dp2+omni", "dp1+omni")]
     a, b = result.results["a"], result.results["b"]
-    assert (a.steps, a.plan, a.world_size, a.resumed_from_step) == (6, "dp1", 1, 3)
-    assert (b.steps, b.plan, b.resumed_from_step) == (3, "dp1", 0)
+    assert (a.steps, a.plan, a.world_size, a.resumed_from_step) == (6, "dp1+omni", 1, 3)
+    assert (b.steps, b.plan, b.resumed_from_step) == (3, "dp1+omni", 0)
     assert a2.start_s < b1.end_s and b1.start_s < a2.end_s  # they trained side by side
     assert_never_double_booked(result, 2)
 
@@ -49,6 +50,6 @@ def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
     assert schedule.data.metrics["schedule/resizes"] == 1
     launches = children(schedule.info.run_id)
     assert set(launches) == {"train-a-1", "train-a-2", "train-b-1"}
-    assert launches["train-a-2"].data.tags["plan"] == "dp1" and launches["train-a-1"].data.tags["plan"] == "dp2"
+    assert launches["train-a-2"].data.tags["plan"] == "dp1+omni" and launches["train-a-1"].data.tags["plan"] == "dp2+omni"
     losses = client.get_metric_history(launches["train-a-2"].info.run_id, "train/loss")
     assert [m.step for m in losses] == [4, 5, 6]  # the step count continues from the checkpoint

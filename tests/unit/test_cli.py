@@ -82,7 +82,9 @@ def test_recipe_show_prints_the_resolved_yaml_and_hash(recipe_file, capsys):
     assert main(["recipe", "show", str(recipe_file), "--set", "train.steps=7"]) == 0
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["train"]["steps"] == 7
-    assert out.rstrip().endswith(f"# recipe.hash: {recipe_hash(load_recipe(recipe_file, ['train.steps=7']))}")
+    *_, hash_line, plan_line = out.rstrip().splitlines()
+    assert hash_line == f"# recipe.hash: {recipe_hash(load_recipe(recipe_file, ['train.steps=7']))}"
+    assert plan_line.startswith("# parallel plan: ")
 
 
 def test_bad_recipe_is_one_message_and_exit_2(recipe_file, capsys):

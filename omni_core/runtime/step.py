@@ -292,26 +292,31 @@ class StepStats:
     flops: float  # model FLOPs (forward + backward) of the step, counted once per replica
 
 
-def layout_metrics(replica: ModelReplica, llm_s: float) -> dict[str, float]:
-    """Per-rank encoder and LLM seconds as max and mean over the world, the pipeline's bubble (the idle share
-    of the LLM phase, mean over the LLM's ranks), the handoff's bytes and LSSP's items (`omni`,
-    `disaggregated`). The LLM seconds of a coupled step include its encoders (they run inside stage 0)."""
+def layout_values(replica: ModelReplica, llm_s: float) -> torch.Tensor:
+    """This rank's [encoder seconds, LLM seconds, pipeline bubble share, handoff bytes]: summed over the world
+    with the loss statistics (one all-reduce), the seconds also maxed (`layout_metrics`). The pipeline's bubble
+    is the idle share of the LLM phase; the LLM seconds of a coupled step include its encoders (they run
+    inside stage 0)."""
     encoder = replica.encoders.metrics if replica.encoders else {}
-    world = dist.get_world_size() if dist.is_initialized() else 1
     bubble = 0.0
     if replica.pipeline is not None and llm_s > 0:
         bubble = max(0.0, 1.0 - replica.pipeline.busy_s / llm_s)
-    times = torch.tensor([encoder.get("encoder_s", 0.0), llm_s, bubble], dtype=torch.float64)
-    peaks = times.clone()
+    return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, bubble, encoder.get("handoff_bytes", 0.0)],
+                        dtype=torch.float64)
+
+
+def layout_metrics(replica: ModelReplica, mine: torch.Tensor, summed: torch.Tensor) -> dict[str, float]:
+    """Encoder and LLM seconds per rank as max and mean over the world, the bubble's mean over the LLM's
+    ranks, the handoff's bytes and LSSP's items (`omni`, `disaggregated`)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    peaks = mine[:2].clone()
     if world > 1:
-        dist.all_reduce(times)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(times[0]) / world,
-           "llm_s_max": float(peaks[1]), "llm_s_mean": float(times[1]) / world,
-           "bubble_pct": 100 * float(times[2]) / replica.plan.llm_world_size}
+    out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(summed[0]) / world,
+           "llm_s_max": float(peaks[1]), "llm_s_mean": float(summed[1]) / world,
+           "bubble_pct": 100 * float(summed[2]) / replica.plan.llm_world_size}
     if replica.encoders:
-        sent = all_reduce_sum(torch.tensor([encoder["handoff_bytes"]], dtype=torch.float64))
-        out.update(handoff_bytes=float(sent), lssp_items=encoder["lssp_items"])
+        out.update(handoff_bytes=float(summed[3]), lssp_items=replica.encoders.metrics["lssp_items"])
     return out
 
 
@@ -378,11 +383,13 @@ def train_step(
     optimizers.step()
     for part in replica.parts:
         part.clear_aux_losses()
-    reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64)])) / plan.tp
-    metrics = summarize(reduced[:-1])
+    layout = layout_values(replica, llm_s)
+    reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64), layout]))
+    losses, aux_sum, layout_sums = reduced[:STATS_SIZE] / plan.tp, reduced[STATS_SIZE] / plan.tp, reduced[-4:]
+    metrics = summarize(losses)
     if replica.args.llm.moe is not None:
-        metrics["aux_loss"] = float(reduced[-1])
+        metrics["aux_loss"] = float(aux_sum)
     metrics["grad_norm"] = grad_norm
     metrics["lr"] = optimizers.lr
-    metrics.update(layout_metrics(replica, llm_s))
+    metrics.update(layout_metrics(replica, layout, layout_sums))
     return StepStats(metrics=metrics, tokens=int(global_tokens), samples=int(global_samples), flops=global_flops)

@@ -252,8 +252,7 @@ class EncoderStep:
         enabled = compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
             produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
-        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})),
-                        "encoder_items": float(len({p.item for p in pieces}))}
+        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group}))}
         encoded = self._hand_off(pieces, produced, len(batches), compute_dtype)
         self.metrics["encoder_s"] = time.perf_counter() - start
         return encoded

@@ -2,8 +2,9 @@
 one `torch.distributed.pipelining` schedule (1F1B, GPipe or interleaved 1F1B) over a step's micro-batches.
 
 A chunk is a pruned deep copy of the whole model, as torchtitan builds its stages: the first stage keeps the
-encoders, projectors and token embedding, the last the final norm and output head, each stage its own LLM
-layers. Parameter names stay those of the whole model (`llm.layers.5.attention.wq.weight` on every plan), so
+token embedding (and, under the `coupled` encoder layout, the encoders and projectors; under `omni` every pp
+rank's first chunk holds them, run outside the schedule), the last the final norm and output head, each
+stage its own LLM layers. Parameter names stay those of the whole model (`llm.layers.5.attention.wq.weight` on every plan), so
 DCP checkpoints reshard between plans. Stage ids are torch's loop style: rank r holds stages r, r + pp, ...
 
 The loss is the trainer's exact global token mean: the last stage backpropagates each micro-batch's summed

@@ -1,5 +1,6 @@
 """Golden losses: every step's training loss of the quickstart recipe (dp2, 2 ranks) and of the debug model
-under dp2, dp1-tp2 and dp1-pp2, to hold a refactor to bit-for-bit equal numerics on CPU.
+under dp2, dp1-tp2 and dp1-pp2 (all in the quickstart's encoder layout, omni), to hold a refactor to
+bit-for-bit equal numerics on CPU.
 
     python benchmarks/golden_losses.py [--quick] --out golden.json [--compare before.json]
 

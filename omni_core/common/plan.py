@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
-from omni_core.recipe.schema import ENCODER_LAYOUTS, PLAN_DEGREES, encoder_layout_problems
+from omni_core.recipe.schema import PLAN_DEGREES, encoder_layout_problems
 
 if TYPE_CHECKING:
     from omni_core.recipe.schema import ParallelConfig

@@ -39,7 +39,7 @@ class ModelReplica:
     parts: list[OmniModel]
     meshes: ParallelMeshes | None  # None on a single process
     pipeline: object | None = None  # parallel.pipeline.PipelineRunner when plan.pp > 1
-    encoders: object | None = None  # parallel.encoders.EncoderStep under the `omni` layout (several ranks)
+    encoders: object | None = None  # parallel.encoders.EncoderStep under `omni` and `disaggregated` (several ranks)
 
     @property
     def args(self):
@@ -263,8 +263,8 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
         dist.all_reduce(total_sq, group=meshes.group("pp"))
     if replica.plan.encoders.ranks:  # disaggregated: the LLM's ranks and the encoders' each know their half
         first_encoder_rank = replica.plan.llm_world_size
-        halves = torch.stack([total_sq if dist.get_rank() == 0 else torch.zeros_like(total_sq),
-                              squares["encoder"] if dist.get_rank() == first_encoder_rank else total_sq * 0])
+        rank, zero = dist.get_rank(), torch.zeros_like(total_sq)
+        halves = torch.stack([total_sq if rank == 0 else zero, squares["encoder"] if rank == first_encoder_rank else zero])
         dist.all_reduce(halves)
         total_sq, squares["encoder"] = halves[0], halves[1]
     total = float((total_sq + squares["encoder"]).sqrt())

@@ -29,6 +29,8 @@ class PackedBatch:
     video_patches: torch.Tensor  # [P_v, 3*patch*patch] float, frame after frame (row-major), video after video
     video_grids: torch.Tensor  # [N_vid, 3] long, (frames, rows, cols): sampled frames and each frame's patch grid
     num_samples: int  # real samples (documents that are not padding)
+    predicted_flops: tuple[float, float] = (0.0, 0.0)  # (encoder, LLM) training FLOPs the loader's cost model predicts
+    balance_s: float = 0.0  # seconds the loader spent placing it (data.balance)
 
     def to(self, device: torch.device | str) -> PackedBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -10,6 +10,11 @@ uninterrupted one would have.
 Training step and mix schedule: the n-th batch a rank draws is step n (a step is one micro-batch per rank,
 so one optimizer step when train.grad_accum is 1). Consumer w of a rank forms batches w, w + W, w + 2W, ...,
 and asks a scheduled source for samples at the step of the batch it is filling.
+
+Balancing (`data.balance`, see `balance`): under `grouped` and `global` the consumers of a group's members read
+one stream, the group's, and place each window over the members' next `step_batches` batches at once (an
+optimizer step's micro-batches, so that each rank's step is balanced as a whole); a consumer keeps the batches
+placed on its own rank queued, and its state holds them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Any
 import torch
 
 from omni_core.common.batch import PackedBatch
+from omni_core.data.balance import Balance, GroupPacker, make_packer
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
-from omni_core.data.packing import BatchPacker, collate
+from omni_core.data.packing import collate
 from omni_core.data.sources import Record, View
 from omni_core.recipe.schema import DataConfig
 
@@ -31,18 +37,24 @@ MAX_REJECTED = 10_000  # consecutive samples over seq_len after which a stream i
 
 
 class ConsumerStream:
-    """One consumer's batches: records from its stream, packed, decoded."""
+    """One consumer's batches: records from its stream, packed (or placed over its group), decoded."""
 
     def __init__(self, dataset: ManifestDataset, cfg: DataConfig, view: View, step_of: Callable[[int], int],
-                 state: dict[str, Any] | None = None) -> None:
+                 state: dict[str, Any] | None = None, *, balance: Balance | None = None) -> None:
         self.dataset, self.cfg, self.view, self.step_of = dataset, cfg, view, step_of
-        self.packer: BatchPacker[Record] = BatchPacker(cfg.micro_batch, cfg.seq_len, cfg.pack_lookahead)
+        self.balance = balance or Balance()
+        b = self.balance
+        self.packer = make_packer(b.policy, b.members, b.member, cfg.micro_batch * b.placed_batches, cfg.seq_len,
+                                  cfg.pack_lookahead, b.cost)
+        self.queue: list[list[list[Record]]] = []  # batches placed on this rank, not yet drawn
         self.batch, self.stats, self.rejected = 0, {}, 0
         position = None
         if state is not None:
             self.batch, self.stats, position = state["batch"], dict(state["stats"]), state["position"]
             for ref, waited in state["pending"]:
                 self.packer.add(dataset.source.refetch(view, ref), waited)
+            self.queue = [[[dataset.source.refetch(view, ref) for ref in seq] for seq in batch]
+                          for batch in state.get("queued", [])]
         self.stream = dataset.source.stream(view, position, self._count)
 
     def _count(self, reason: str) -> None:
@@ -65,17 +77,27 @@ class ConsumerStream:
 
     def next_sequences(self) -> list[list[Record]] | None:
         """The next batch's records per sequence (None when a one-pass stream is done)."""
-        self._fill(self.step_of(self.batch))
-        if not self.packer.pool:
-            return None
+        if not self.queue:
+            self._fill(self.step_of(self.batch))
+            if not self.packer.pool:
+                return None
+            sequences = self.packer.pack()
+            mb = self.cfg.micro_batch
+            self.queue = [sequences[i:i + mb] for i in range(0, len(sequences), mb)]
         self.batch += 1
-        return self.packer.pack()
+        return self.queue.pop(0)
 
     def next_batch(self) -> PackedBatch | None:
         sequences = self.next_sequences()
         if sequences is None:
             return None
-        return collate([[self._decode(record) for record in seq] for seq in sequences], self.cfg)
+        batch = collate([[self._decode(record) for record in seq] for seq in sequences], self.cfg)
+        if self.balance.cost is not None:
+            costs = self.balance.cost.of_records([record for seq in sequences for record in seq])
+            batch.predicted_flops = (float(costs[:, 0].sum()), float(costs[:, 1].sum()))
+        if isinstance(self.packer, GroupPacker):
+            batch.balance_s = self.packer.balance_s / self.balance.step_batches
+        return batch
 
     def _decode(self, record: Record) -> DecodedSample:
         try:
@@ -87,7 +109,8 @@ class ConsumerStream:
 
     def state(self) -> dict[str, Any]:
         return {"batch": self.batch, "position": self.stream.position(), "stats": dict(self.stats),
-                "pending": [[p.item.ref, p.waited] for p in self.packer.pool]}
+                "pending": [[p.item.ref, p.waited] for p in self.packer.pool],
+                "queued": [[[record.ref for record in seq] for seq in batch] for batch in self.queue]}
 
 
 class _Workers(torch.utils.data.IterableDataset):
@@ -108,25 +131,35 @@ class PackedLoader:
     """Iterable of `PackedBatch`: endless over reshuffled epochs for "train", one pass for "heldout" (each
     iter() a fresh pass). Passes are not equally long on every rank: evaluation runs on one.
 
-    `stats` counts what this rank skipped, by reason (sources.SKIP_REASONS)."""
+    `balance`: how training batches are balanced over data ranks (`balance.Balance`: the policy, this rank's
+    group and the cost model); held-out passes are never rebalanced. `stats` counts what this rank skipped, by
+    reason (sources.SKIP_REASONS)."""
 
     def __init__(self, dataset: ManifestDataset, data_cfg: DataConfig, split: Split = "train", rank: int = 0,
-                 world_size: int = 1, seed: int = 0) -> None:
+                 world_size: int = 1, seed: int = 0, balance: Balance | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.dataset, self.cfg, self.split = dataset, data_cfg, split
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.balance = balance if balance is not None and split == "train" else Balance()
+        if self.balance.policy != "none" and (world_size % self.balance.members
+                                              or self.balance.member != rank % self.balance.members):
+            raise ValueError(f"rank {rank} of {world_size} is not member {self.balance.member} of a balancing "
+                             f"group of {self.balance.members}")
         self.slots = max(1, data_cfg.num_workers)
         self._states: list[dict[str, Any] | None] = [None] * self.slots
         self._batches = 0
 
     def view(self, slot: int) -> View:
-        return View(self.rank * self.slots + slot, self.world_size * self.slots, self.split, self.seed,
-                    one_pass=self.split == "heldout", shuffle=self.split == "train")
+        """The consumer's share of the source: its rank's, or its group's (every member reads the same)."""
+        members = self.balance.members if self.balance.policy != "none" else 1
+        return View(self.rank // members * self.slots + slot, self.world_size // members * self.slots, self.split,
+                    self.seed, one_pass=self.split == "heldout", shuffle=self.split == "train")
 
     def consumer(self, slot: int) -> ConsumerStream:
         slots = self.slots
-        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: b * slots + slot, self._states[slot])
+        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: b * slots + slot, self._states[slot],
+                              balance=self.balance)
 
     def __iter__(self) -> Iterator[PackedBatch]:
         if self.cfg.num_workers:
@@ -158,11 +191,12 @@ class PackedLoader:
         return {
             "split": self.split, "seed": self.seed, "world_size": self.world_size, "num_workers": self.cfg.num_workers,
             "source": self.dataset.source.identity, "batches": self._batches, "consumers": list(self._states),
+            "balance": self.balance.identity,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
-        for key in ("split", "seed", "world_size", "num_workers", "source"):
-            if state[key] != mine[key]:
-                raise ValueError(f"loader state is for {key}={state[key]!r}, this loader has {mine[key]!r}")
+        for key in ("split", "seed", "world_size", "num_workers", "source", "balance"):
+            if state.get(key, "none") != mine[key]:
+                raise ValueError(f"loader state is for {key}={state.get(key, 'none')!r}, this loader has {mine[key]!r}")
         self._batches, self._states = state["batches"], list(state["consumers"])

@@ -156,6 +156,18 @@ class SyntheticConfig(Strict):
         return self
 
 
+class BalanceConfig(Strict):
+    """How training batches are balanced over data ranks (MegaScale-Omni's grouped reordering)."""
+
+    policy: Literal["none", "grouped", "global"] = Field(
+        "grouped", description="none: each rank packs its own stream by tokens; grouped: the loaders of a group "
+        "of data ranks place their shared window by predicted cost (encoders + LLM) onto every member's step; "
+        "global: one group of all data ranks (OrchMLLM-like)",
+    )
+    group_size: int = Field(0, ge=0, description="Data ranks per group under grouped (0: those of one node); "
+                            "must divide the data ranks")
+
+
 class DataConfig(Strict):
     source: Literal["synthetic", "jsonl", "wds", "dynamic"] = Field(
         "synthetic",
@@ -178,6 +190,7 @@ class DataConfig(Strict):
     num_workers: int = Field(
         0, ge=0, description="Decoding processes per rank (0: decode in the training process); changes data order"
     )
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
     patch_size: int = Field(8, ge=1, description="Image patch side in pixels")
     max_image_patches: int = Field(64, ge=1, description="Images with more patches are downscaled")
     min_image_patches: int = Field(1, ge=1, description="Images with fewer patches are upscaled")

@@ -152,10 +152,12 @@ def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:
     return bool(by_tokens or (spec.long_mb and mib > spec.long_mb))
 
 
-def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan) -> list[Piece]:
-    """The same placement on every rank: items by decreasing cost, each onto the least-loaded rank (a long
-    one onto the least-loaded LSSP group, a chunk per member); ties go to the lower rank. Returns the pieces
-    in this canonical order."""
+def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
+           domains: dict[int, tuple[int, ...]] | None = None) -> list[Piece]:
+    """The same placement on every rank: items by decreasing cost, each onto the least-loaded rank of its
+    shard's domain (`domains`: the ranks that may encode a shard's items, by default every encoder rank), a long
+    one onto the least-loaded LSSP group inside that domain (any group when none fits in it), a chunk per
+    member; ties go to the lower rank. Returns the pieces in this canonical order."""
     ranks = list(plan.encoder_ranks)
     load = dict.fromkeys(ranks, 0.0)
     keyed = sorted(items, key=lambda it: (-item_cost(it, args), it.shard, it.micro, it.modality, it.start))
@@ -163,12 +165,14 @@ def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan) -> list[P
     for item in keyed:
         spec = plan.encoders.spec(ENCODER_OF[item.modality])
         cost = item_cost(item, args)
+        domain = domains[item.shard] if domains else ranks
         if not is_long(item, spec, args):
-            rank = min(ranks, key=lambda r: (load[r], r))
+            rank = min(domain, key=lambda r: (load[r], r))
             load[rank] += cost
             pieces.append(Piece(item, rank, (0, output_rows(item, args)), (0, item.input_rows)))
             continue
         groups = [ranks[i:i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
+        groups = [g for g in groups if set(g) <= set(domain)] or groups
         group = min(groups, key=lambda g: (max(load[r] for r in g), g[0]))
         pieces.extend(lssp_pieces(item, tuple(group), args))
         for rank in group:
@@ -213,7 +217,7 @@ class EncoderStep:
     the handoff has a backward), also on LLM ranks that hold no encoder."""
 
     def __init__(self, model: OmniModel, plan: ParallelPlan, tokens_per_microbatch: int, trains: bool,
-                 device: torch.device):
+                 device: torch.device, balance_group: int = 0):
         self.model, self.plan, self.trains, self.device = model, plan, trains, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.total_tokens = tokens_per_microbatch
@@ -223,6 +227,7 @@ class EncoderStep:
         for rank, shard in enumerate(self.shard_of):
             owners.setdefault(shard, rank)
         self.owner_of_shard = owners
+        self.domains = self._domains(balance_group)
         self.lssp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for size in sorted({plan.encoders.spec(e).lssp for e in ENCODER_OF.values()} - {1}):
             ranks = list(plan.encoder_ranks)
@@ -238,6 +243,15 @@ class EncoderStep:
         self._leaf: torch.Tensor | None = None
         self.metrics: dict[str, float] = {}
 
+    def _domains(self, group: int) -> dict[int, tuple[int, ...]] | None:
+        """Under `omni`, the ranks that encode a shard's items: those of the shards of its balancing group (the
+        loaders' `data.balance` group: `group` consecutive data shards; 0: the world). Under `disaggregated`
+        every encoder rank."""
+        if self.plan.encoders.ranks or not group:
+            return None
+        return {shard: tuple(r for r, s in enumerate(self.shard_of) if s // group == shard // group)
+                for shard in self.owner_of_shard}
+
     # --- phase 1 -------------------------------------------------------------------------------------------
 
     def forward(self, batches: list[PackedBatch], compute_dtype: torch.dtype) -> list[torch.Tensor | None]:
@@ -247,7 +261,7 @@ class EncoderStep:
         mine = describe_items(batches, self.shard_of[self.rank], self.model.args) if self._owns_shard() else []
         gathered: list[list[Item]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine)
-        pieces = assign([it for part in gathered for it in part], self.model.args, self.plan)
+        pieces = assign([it for part in gathered for it in part], self.model.args, self.plan, self.domains)
         inputs = self._ship_inputs(pieces, batches)
         enabled = compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):

@@ -10,6 +10,7 @@ tp, cp or pp) count its tokens, samples and FLOPs once: sums over the world are 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from omni_core.common.batch import PackedBatch
 from omni_core.common.loss import STATS_SIZE, local_targets, summarize, token_loss_sums
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.common.tokenizer import PAD_ID
+from omni_core.data.balance import balance_group_size
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni
 from omni_core.recipe.schema import Recipe
@@ -74,6 +76,13 @@ class ModelReplica:
             part.train(mode)
 
 
+def shards_per_node(plan: ParallelPlan, info: DistInfo) -> int:
+    """Data shards whose ranks share this node (torchrun's LOCAL_WORLD_SIZE; one node when it is unset): the
+    default balancing group."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    return max(1, min(plan.dp, local * plan.dp // plan.llm_world_size))
+
+
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
@@ -103,7 +112,9 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     if plan.encoders.layout != "coupled" and meshes is not None:
         from omni_core.parallel.encoders import EncoderStep
 
-        replica.encoders = EncoderStep(parts[0], plan, tokens, encoders_train, info.device)
+        balance = recipe.data.balance
+        group = balance_group_size(balance.policy, balance.group_size, plan.dp, shards_per_node(plan, info))
+        replica.encoders = EncoderStep(parts[0], plan, tokens, encoders_train, info.device, group)
     if plan.pp > 1 and replica.loads_data:
         from omni_core.parallel.pipeline import PipelineRunner
 
@@ -292,31 +303,47 @@ class StepStats:
     flops: float  # model FLOPs (forward + backward) of the step, counted once per replica
 
 
-def layout_values(replica: ModelReplica, llm_s: float) -> torch.Tensor:
-    """This rank's [encoder seconds, LLM seconds, pipeline bubble share, handoff bytes]: summed over the world
-    with the loss statistics (one all-reduce), the seconds also maxed (`layout_metrics`). The pipeline's bubble
-    is the idle share of the LLM phase; the LLM seconds of a coupled step include its encoders (they run
-    inside stage 0)."""
+def layout_values(replica: ModelReplica, batches: list[PackedBatch], llm_s: float) -> torch.Tensor:
+    """This rank's [encoder seconds, LLM seconds, predicted encoder, LLM and total FLOPs, balancing seconds,
+    pipeline bubble share, handoff bytes]: summed over the world with the loss statistics (one all-reduce), the
+    first six also maxed (`layout_metrics`). The pipeline's bubble is the idle share of the
+    LLM phase; the LLM seconds of a coupled step include its encoders (they run inside stage 0). The
+    predictions are the loader's cost model on this rank's batches (`data.balance`)."""
     encoder = replica.encoders.metrics if replica.encoders else {}
     bubble = 0.0
     if replica.pipeline is not None and llm_s > 0:
         bubble = max(0.0, 1.0 - replica.pipeline.busy_s / llm_s)
-    return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, bubble, encoder.get("handoff_bytes", 0.0)],
-                        dtype=torch.float64)
+    predicted = [sum(b.predicted_flops[k] for b in batches) for k in (0, 1)]
+    return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, *predicted, sum(predicted),
+                         sum(b.balance_s for b in batches),
+                         bubble, encoder.get("handoff_bytes", 0.0)], dtype=torch.float64)
+
+
+LAYOUT_VALUES = 8
+PEAKED = 6  # of the layout values, those also maxed over the world
 
 
 def layout_metrics(replica: ModelReplica, mine: torch.Tensor, summed: torch.Tensor) -> dict[str, float]:
-    """Encoder and LLM seconds per rank as max and mean over the world, the bubble's mean over the LLM's
-    ranks, the handoff's bytes and LSSP's items (`omni`, `disaggregated`)."""
+    """Encoder and LLM seconds per rank as max and mean over the world, the predicted imbalance (max / mean
+    over the LLM's ranks, which all hold their shard's batches) of the encoders' and the LLM's work, the
+    slowest rank's balancing seconds, the bubble's mean over the LLM's ranks, the handoff's bytes and LSSP's
+    items (`omni`, `disaggregated`)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    peaks = mine[:2].clone()
+    llm_ranks = replica.plan.llm_world_size
+    peaks = mine[:PEAKED].clone()
     if world > 1:
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+
+    def ratio(k: int) -> float:
+        mean = float(summed[k]) / llm_ranks
+        return float(peaks[k]) / mean if mean > 0 else 1.0
+
     out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(summed[0]) / world,
            "llm_s_max": float(peaks[1]), "llm_s_mean": float(summed[1]) / world,
-           "bubble_pct": 100 * float(summed[2]) / replica.plan.llm_world_size}
+           "imbalance_pred_encoder": ratio(2), "imbalance_pred_llm": ratio(3), "imbalance_pred_total": ratio(4),
+           "balance_s": float(peaks[5]), "bubble_pct": 100 * float(summed[6]) / llm_ranks}
     if replica.encoders:
-        out.update(handoff_bytes=float(summed[3]), lssp_items=replica.encoders.metrics["lssp_items"])
+        out.update(handoff_bytes=float(summed[7]), lssp_items=replica.encoders.metrics["lssp_items"])
     return out
 
 
@@ -383,9 +410,10 @@ def train_step(
     optimizers.step()
     for part in replica.parts:
         part.clear_aux_losses()
-    layout = layout_values(replica, llm_s)
+    layout = layout_values(replica, batches, llm_s)
     reduced = all_reduce_sum(torch.cat([stats, torch.tensor([aux_total], dtype=torch.float64), layout]))
-    losses, aux_sum, layout_sums = reduced[:STATS_SIZE] / plan.tp, reduced[STATS_SIZE] / plan.tp, reduced[-4:]
+    losses, aux_sum = reduced[:STATS_SIZE] / plan.tp, reduced[STATS_SIZE] / plan.tp
+    layout_sums = reduced[-LAYOUT_VALUES:]
     metrics = summarize(losses)
     if replica.args.llm.moe is not None:
         metrics["aux_loss"] = float(aux_sum)

@@ -19,6 +19,7 @@ import torch
 from omni_core.common.batch import PackedBatch
 from omni_core.common.plan import ModelShape, ParallelPlan
 from omni_core.common.results import TrainResult
+from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
@@ -33,7 +34,7 @@ from omni_core.runtime.checkpoint import (
 )
 from omni_core.runtime.dist import DistInfo, barrier
 from omni_core.runtime.perf import device_peak_flops, peak_memory_mb
-from omni_core.runtime.step import Optimizers, StepStats, build_replica, train_step
+from omni_core.runtime.step import Optimizers, StepStats, build_replica, shards_per_node, train_step
 from omni_core.tracking import NullTracker, Tracker
 
 Log = Callable[[str], None]
@@ -75,7 +76,8 @@ def train(
     replica = build_replica(recipe, plan, info, compute_dtype)
     dataset = open_dataset(recipe)
     # the encoders' own ranks (`disaggregated`) read no batches: the LLM ranks' items reach them in the step
-    loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed) \
+    loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed,
+                          balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))) \
         if replica.loads_data else None
     peak_flops = device_peak_flops(info.device, compute_dtype)
     optimizers = Optimizers(replica.parts, recipe)
@@ -94,7 +96,10 @@ def train(
             log(f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); "
                 "data order restarts because loader positions are per rank")
         else:
-            if loader is not None:
+            saved = rank_state["loader"].get("balance", "none") if loader is not None else None
+            if loader is not None and saved != loader.balance.identity:
+                log(f"data order restarts: the loaders' balancing changed ({saved} -> {loader.balance.identity})")
+            elif loader is not None:
                 loader.load_state_dict(rank_state["loader"])
             torch.set_rng_state(rank_state["rng"])
             log(f"resumed from {resume_from} at step {start_step}")

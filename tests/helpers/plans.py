@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from omni_core.common.plan import ParallelPlan
+from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
@@ -54,9 +55,12 @@ class CapturingOptimizers(Optimizers):
         super().step()
 
 
-def loaders_for(recipe: Recipe, shards: list[int], num_shards: int) -> list:
+def loaders_for(recipe: Recipe, shards: list[int], num_shards: int, balanced: bool = False) -> list:
+    """The shards' training loaders: each packing its own stream, or `balanced` as the recipe says (one node:
+    a group of all shards)."""
     dataset = open_dataset(recipe)
-    return [iter(PackedLoader(dataset, recipe.data, "train", r, num_shards, recipe.experiment.seed)) for r in shards]
+    return [iter(PackedLoader(dataset, recipe.data, "train", r, num_shards, recipe.experiment.seed,
+                              balance_for(recipe, r, num_shards, num_shards) if balanced else None)) for r in shards]
 
 
 def steps(replica, optimizers, loaders, count: int, metrics: list | None = None) -> list[float]:
@@ -71,40 +75,42 @@ def steps(replica, optimizers, loaders, count: int, metrics: list | None = None)
     return losses
 
 
-def run_plan(recipe: Recipe, plan: ParallelPlan, info: DistInfo, shards: list[int]
+def run_plan(recipe: Recipe, plan: ParallelPlan, info: DistInfo, shards: list[int], balanced: bool = False
              ) -> tuple[list[float], dict, list[dict]]:
     """Losses of STEPS steps of `plan` on the given data shards, the full gradients of the last step, and
     every step's metrics."""
     replica = build_replica(recipe, plan, info, torch.float32)
     optimizers = CapturingOptimizers(replica.parts, recipe)
     metrics: list[dict] = []
-    loaders = loaders_for(recipe, shards, max(plan.dp, len(shards))) if replica.loads_data else []
+    loaders = loaders_for(recipe, shards, max(plan.dp, len(shards)), balanced) if replica.loads_data else []
     losses = steps(replica, optimizers, loaders, STEPS, metrics)
     return losses, optimizers.grads, metrics
 
 
-def plans_worker(rank: int, world: int, root: str, flavors_and_plans: list[tuple[str, str]]) -> dict:
+def plans_worker(rank: int, world: int, root: str, flavors_and_plans: list[tuple[str, str]], balanced: bool) -> dict:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     results = {}
     for flavor, name in flavors_and_plans:
         plan = ParallelPlan.parse(name)
-        results[flavor, name] = run_plan(recipe_for(Path(root), flavor), plan, info, shards=[plan.data_rank(rank)])
+        results[flavor, name] = run_plan(recipe_for(Path(root), flavor), plan, info, [plan.data_rank(rank)], balanced)
     return results
 
 
-def reference(root: Path, flavor: str, dp: int) -> tuple[list[float], dict, list[dict]]:
+def reference(root: Path, flavor: str, dp: int, balanced: bool = False) -> tuple[list[float], dict, list[dict]]:
     """One process, gradient accumulation over all `dp` data shards' micro-batches."""
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    return run_plan(recipe_for(root, flavor), ParallelPlan(), cpu, shards=list(range(dp)))
+    return run_plan(recipe_for(root, flavor), ParallelPlan(), cpu, list(range(dp)), balanced)
 
 
-def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]]) -> dict[tuple, list[dict]]:
-    """Asserts each plan trains like one process; returns rank 0's step metrics per (flavor, plan)."""
+def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]], balanced: bool = False
+                ) -> dict[tuple, list[dict]]:
+    """Asserts each plan trains like one process; returns rank 0's step metrics per (flavor, plan). `balanced`:
+    the loaders balance as the recipe's `data.balance` says (its default, grouped), else each packs its own."""
     ensure_dataset(recipe_for(root))
-    per_rank = run_ranks(plans_worker, world, str(root), flavors_and_plans)
+    per_rank = run_ranks(plans_worker, world, str(root), flavors_and_plans, balanced)
     for flavor, name in flavors_and_plans:
         plan = ParallelPlan.parse(name)
-        ref_losses, ref_grads, _ = reference(root, flavor, plan.dp)
+        ref_losses, ref_grads, _ = reference(root, flavor, plan.dp, balanced)
         merged: dict[str, torch.Tensor] = {}
         for rank_results in per_rank:
             losses, grads, _ = rank_results[flavor, name]

@@ -48,3 +48,14 @@ def test_a_video_splits_into_whole_frame_groups_and_a_small_one_runs_whole():
     assert [p.rows for p in pieces] == [(0, 16), (16, 48)]  # temporal merge 2: 1 and 2 merged frames
     short = Item("video", 0, 0, (2, 4, 4), 0, 0)  # one frame group: nothing to split
     assert [p.group for p in assign([short], ARGS, ParallelPlan.parse("dp2+omni.v-sp2-t8"))] == [()]
+
+
+def test_a_balancing_domain_keeps_short_items_on_their_shards_ranks():
+    """`data.balance.policy=none` gives each shard a domain of its own ranks: nothing moves, whatever the loads;
+    a long item still splits over an LSSP group (none lies inside a one-rank domain)."""
+    items = [image(0, 8, 8, start=i * 64) for i in range(4)] + [image(1, 2, 2)]
+    own = {0: (0,), 1: (1,)}
+    pieces = assign(items, ARGS, ParallelPlan.parse("dp2+omni"), own)
+    assert all(p.rank == p.item.shard for p in pieces)
+    long_item = assign([image(0, 8, 6)], ARGS, ParallelPlan.parse("dp2+omni.v-sp2-t40"), own)
+    assert [p.rank for p in long_item] == [0, 1]

@@ -25,6 +25,9 @@ def headline_numbers(profile: DatasetProfile) -> dict[str, float]:
         for stat in ("mean", "p50", "p90", "p99", "max"):
             numbers[f"profile/{modality}/tokens_{stat}"] = getattr(m, stat)
     numbers.update({f"profile/skipped/{reason}": n for reason, n in profile.skipped.items()})
+    for policy, b in profile.balance.items():
+        numbers[f"profile/balance/{policy}/imbalance"] = b.imbalance
+        numbers[f"profile/balance/{policy}/fill"] = b.fill
     return numbers
 
 

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from omni_core.common.results import Result
 from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
+from omni_core.data.balance import POLICIES, balance_group_size, simulate
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
 from omni_core.data.sample import KIND_CODE, KINDS, SIZE_FIELDS
@@ -34,6 +35,7 @@ from omni_core.recipe.schema import DataConfig, Recipe
 HIST_BINS = 20
 KS_CRITICAL = 1.949  # c(alpha) of the two-sample Kolmogorov-Smirnov test at alpha = 0.001
 MIN_KS_SAMPLES = 20  # per-modality KS only when both windows hold at least this many of the modality
+BALANCE_STEPS = 50  # steps the balancing policies are simulated over (fewer when the samples run out)
 
 
 class ModalityProfile(Result):
@@ -88,6 +90,15 @@ class DriftWindow(Result):
     drift: bool
 
 
+class BalanceProfile(Result):
+    """The imbalance the data would have over the recipe's data ranks under one `data.balance` policy
+    (`balance.simulate` on the profiled samples, medians over the simulated steps)."""
+
+    imbalance: float  # max / mean of the ranks' predicted cost (encoders + LLM) per step
+    fill: float  # share of sequence tokens filled
+    metadata_bytes_per_rank: float  # per step
+
+
 class DatasetProfile(Result):
     manifest: str  # the dataset's location
     source: str  # jsonl | wds | dynamic
@@ -109,6 +120,8 @@ class DatasetProfile(Result):
     drift_detected: bool
     windows: list[DriftWindow]
     decode_samples_per_s: dict[str, float]  # per modality, when the profile decoded (data.profile_decode)
+    balance_ranks: int = 1  # the data ranks `balance` was simulated over
+    balance: dict[str, BalanceProfile] = {}  # policy -> the imbalance under it
 
 
 MEDIA = ("image", "video", "audio")
@@ -213,6 +226,7 @@ class Profiler:
         self.loads: list[int] = []  # real tokens of the sequences packed since the last window
         self.real, self.docs = Counts(), 0
         self.batches = 0
+        self.costs: list[np.ndarray] = []  # per window, [n, 3]: tokens, encoder and LLM FLOPs of packable samples
 
     def add(self, record: Record, *, packable: bool) -> None:
         """Counts a sample; a packable one (it fits seq_len) also goes through the packer at once (a scheduled
@@ -259,6 +273,8 @@ class Profiler:
         for kind, columns in media_columns(sizes).items():
             self.media[kind] += [int(c.sum()) for c in columns]
         llm = self.flops.llm(tokens)
+        packable = tokens <= self.cfg.seq_len
+        self.costs.append(np.stack([tokens[packable], encoder[packable], llm[packable]], axis=1))
         encoder_tokens = sizes.vision_tokens + sizes.audio_tokens
         for code, m in enumerate(KINDS):
             mine = modality == code
@@ -288,8 +304,23 @@ class Profiler:
             tokens_mean=window.tokens_mean, ks=ks, ks_by_modality=ks_by, mix_distance=mix, drift=drift,
         ))
 
-    def result(self, *, location: str, source: str, skipped: dict[str, int],
-               decode_rates: dict[str, float]) -> DatasetProfile:
+    def balance(self, ranks: int, group_size: int, step_batches: int) -> dict[str, BalanceProfile]:
+        """Each policy's imbalance over `ranks` data ranks, from the profiled samples in stream order."""
+        if not self.costs:
+            return {}
+        columns = np.concatenate(self.costs)
+        tokens, costs = columns[:, 0].astype(np.int64), columns[:, 1:]
+        out = {}
+        for policy in POLICIES:
+            figures = simulate(tokens, costs, policy, ranks, balance_group_size(policy, group_size, ranks, ranks),
+                               self.cfg.micro_batch * step_batches, self.cfg.seq_len, self.cfg.pack_lookahead,
+                               BALANCE_STEPS)
+            if not np.isnan(figures["imbalance"]):
+                out[policy] = BalanceProfile(**figures)
+        return out
+
+    def result(self, *, location: str, source: str, skipped: dict[str, int], decode_rates: dict[str, float],
+               balance_ranks: int = 1, step_batches: int = 1) -> DatasetProfile:
         if self.rows:
             self._take_rows()
         if self.pending_count:  # the last, short window
@@ -323,7 +354,8 @@ class Profiler:
             encoder_flops=float(sum(self.sums[m][1] for m in KINDS)),
             llm_flops=float(sum(self.sums[m][2] for m in KINDS)), flops_formula=FORMULA,
             window=self.window, drift_threshold=self.threshold, drift_detected=any(w.drift for w in self.windows),
-            windows=self.windows, decode_samples_per_s=decode_rates,
+            windows=self.windows, decode_samples_per_s=decode_rates, balance_ranks=balance_ranks,
+            balance=self.balance(balance_ranks, self.cfg.balance.group_size, step_batches),
         )
 
 
@@ -347,7 +379,8 @@ class Profiler:
 
 
 def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: FlopModel,
-                   limit: int | None = None, decode: bool = False, by_record: bool = False) -> DatasetProfile:
+                   limit: int | None = None, decode: bool = False, by_record: bool = False,
+                   balance_ranks: int = 1, step_batches: int = 1) -> DatasetProfile:
     """One pass over (at most `limit` samples of) the dataset's stream. From metadata, a sharded source is
     read as columns, CHUNK records at a time; decoding, a scheduled source (which draws each sample at the
     batch count the packer has reached), or `by_record` (the reference the columns are tested against) go
@@ -363,7 +396,8 @@ def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: 
     else:
         rates = _profile_records(dataset, view, profiler, cfg.seq_len, skipped, limit, decode)
     kind = "dynamic" if dynamic else type(source).__name__.removesuffix("Source").lower()
-    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates)
+    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates,
+                           balance_ranks=balance_ranks, step_batches=step_batches)
 
 
 def _profile_records(dataset: ManifestDataset, view: View, profiler: Profiler, seq_len: int,
@@ -419,6 +453,15 @@ def _profile_columns(chunks: Iterator[tuple[Sizes, list[tuple[int, str]]]], prof
             return
 
 
+def data_ranks(recipe: Recipe) -> int:
+    """The recipe's data-parallel ranks on one node of `parallel.nproc` ranks (what the profile simulates the
+    balancing policies over): its explicit dp, else what the other degrees leave."""
+    par = recipe.parallel
+    if par.dp_shard != -1:
+        return par.dp_shard * par.dp_replicate
+    return max(1, par.nproc // (par.tp * par.pp * par.cp * par.dp_replicate)) * par.dp_replicate
+
+
 def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list[Path]]:
     """Profiles the recipe's dataset (generated first if synthetic) into out_dir/profile.json and figures.
 
@@ -428,7 +471,8 @@ def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list
     dataset = open_dataset(recipe)
     flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
     profile = profile_source(dataset, cfg, recipe.experiment.seed, flops, cfg.profile_max_samples or None,
-                             decode=cfg.profile_decode)
+                             decode=cfg.profile_decode, balance_ranks=data_ranks(recipe),
+                             step_batches=recipe.train.grad_accum)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     profile.save(out_dir / "profile.json")

@@ -96,9 +96,12 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
 
 def coupled_encoder_seconds(terms: PlanTerms, enc: Sums) -> tuple[float, float]:
     """(compute, host) seconds of the encoders per micro-batch on stage 0 (`coupled`): forward + backward
-    (+ recomputation) on the micro-batch's samples, stretched by the unbalanced batches of dp ranks."""
+    (+ recomputation) on the micro-batch's samples, stretched by the unbalanced batches of dp ranks (or by
+    what the balancing loaders leave)."""
     eff, mb, plan = terms.eff, terms.options.micro_batch, terms.plan
     imbalance = unbalanced_factor(terms.workload.encoder_cv, terms.micro_batches * mb, plan.dp)
+    if plan.dp > 1 and terms.workload.loader_imbalance:  # balancing loaders (data.balance)
+        imbalance = terms.workload.loader_imbalance
     per_sample, per_call = device_seconds(enc, terms.gpu, eff, terms.workload.precision)
     compute = (per_sample * mb + per_call) / terms.encoder_split
     host = (enc.ops + enc.sample_ops * mb) * eff.op_overhead_s + enc.attn_calls * mb * eff.attn_call_s

@@ -9,6 +9,7 @@ model at its own batch (micro_batch x grad_accum x nproc packed sequences). The 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,12 +31,18 @@ if TYPE_CHECKING:
 def flavor_workload(recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None,
                     name: str = "", precision: str = "") -> Workload:
     """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences,
-    in `precision` (default: the estimate's, `estimate.precision`)."""
+    in `precision` (default: the estimate's, `estimate.precision`). Balancing loaders (`data.balance`) leave
+    the imbalance the profile simulated for the recipe's policy (none when there is no profile to read)."""
     from omni_core.models.flavors import get_flavor
 
     args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
-    return omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile, name=name or flavor,
-                         precision=precision or recipe.estimate.precision)
+    workload = omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile,
+                             name=name or flavor, precision=precision or recipe.estimate.precision)
+    policy = recipe.data.balance.policy
+    if policy == "none":
+        return workload
+    balanced = profile.balance.get(policy) if profile is not None else None
+    return replace(workload, loader_imbalance=balanced.imbalance if balanced else 1.0)
 
 
 def recipe_batch(recipe: Recipe) -> int:

@@ -9,7 +9,8 @@ Full runs add `omni_lssp`: omni with the images over LSSP_TOKENS patches split o
 
 Model `debug-enc` (debug's LLM with encoders as wide and as deep), packed micro-batches of
 SEQ_LEN tokens drawn on the fly (data.source=dynamic) with images of IMAGE_SIDE_PX, the same global batch of
-GLOBAL_MICRO micro-batches for every plan. One launch per (plan, layout) trains every mix in turn, `steps`
+GLOBAL_MICRO micro-batches for every plan, balanced over the data ranks by the default `data.balance` (grouped:
+benchmarks/balance_bench.py compares the policies). One launch per (plan, layout) trains every mix in turn, `steps`
 warm-up then timed steps each; rounds interleave the launches, and each figure is the median over rounds
 (`spread_pct` = (max - min) / median of samples/s). A step lasts as long as its slowest rank. `encoder_s` /
 `llm_s` are the median over timed steps of the slowest rank's encoder phases (omni: metadata, input and
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from omni_core.common.plan import EncoderPlan, ParallelPlan
+from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import profile_dataset
@@ -45,7 +47,7 @@ from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.ranks import preimport, run_ranks
-from omni_core.runtime.step import Optimizers, build_replica, train_step
+from omni_core.runtime.step import Optimizers, build_replica, shards_per_node, train_step
 from omni_core.runtime.trainer import resolve_dtype, resolve_plan
 
 FLAVOR = "debug-enc"
@@ -112,8 +114,9 @@ def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int]) -
         dtype = resolve_dtype(recipe.train.dtype, device)
         replica = build_replica(recipe, plan, info, dtype)
         optimizers = Optimizers(replica.parts, recipe)
+        balance = balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))
         batches = iter(PackedLoader(open_dataset(recipe), recipe.data, "train", replica.data_rank, plan.dp,
-                                    recipe.experiment.seed)) if replica.loads_data else None
+                                    recipe.experiment.seed, balance)) if replica.loads_data else None
         records = []
         for step in range(sum(steps)):
             start = time.perf_counter()

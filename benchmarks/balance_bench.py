@@ -17,7 +17,9 @@ loaders place by cost, the encoders balance within the group, the embeddings are
 ranks); one launch per (world, policy) trains every mix, rounds interleave the launches and each figure is the
 median over rounds. `imbalance` is the predicted one of the batches the ranks trained (max / mean over ranks
 of the loader's cost model, encoders + LLM, median over steps); `llm_s_ratio` the measured slowest over mean
-LLM seconds (collectives make ranks wait for each other, so measured seconds even out). `overhead_pct`: the
+LLM seconds (collectives make ranks wait for each other, so measured seconds even out); `step_s` and
+`samples_per_step` split samples/s into its two factors (every sequence is full, so a step's tokens are the
+same under both policies; the samples a step holds are not). `overhead_pct`: the
 slowest rank's placement seconds over the step's, median over grouped steps. Run it alone; the report records
 the load average.
 """
@@ -161,6 +163,8 @@ def launch(root: Path, world: int, policy: str, steps: tuple[int, int]) -> dict:
         predicted = [(r["imbalance_pred_encoder"], r["imbalance_pred_llm"]) for r in first]
         result[mix] = {
             "samples_per_s": sum(r["samples"] for r in first) / sum(step_s),
+            "step_s": statistics.median(step_s),
+            "samples_per_step": statistics.median(r["samples"] for r in first),
             "imbalance": statistics.median(r["imbalance_pred_total"] for r in first),
             "imbalance_encoder": statistics.median(p[0] for p in predicted),
             "imbalance_llm": statistics.median(p[1] for p in predicted),
@@ -201,7 +205,7 @@ def main() -> None:
     if args.quick:
         worlds, groups, sim_steps, ranks, rounds, steps = [8, 64], [8, 64], 2, [2], 1, (1, 2)
     else:
-        worlds, groups, sim_steps, ranks, rounds, steps = [8, 64, 512, 4096], [8, 16, 64], 3, [2, 4], 3, (1, 4)
+        worlds, groups, sim_steps, ranks, rounds, steps = [8, 64, 512, 4096], [8, 16, 64], 3, [2, 4], 3, (3, 4)
     started = time.perf_counter()
     report: dict = {"load_average": {"start": os.getloadavg()},
                     "workload": {"simulated": {"recipe": str(SIM_RECIPE.relative_to(ROOT)), "flavor": SIM_FLAVOR,

@@ -82,6 +82,11 @@ class Balance:
         return 1 if self.policy == "none" else self.step_batches
 
     @property
+    def readers(self) -> int:
+        """Data ranks that read one stream: the group's members when balancing, else each rank its own."""
+        return 1 if self.policy == "none" else self.members
+
+    @property
     def identity(self) -> str:
         """What a saved loader position must match."""
         return "none" if self.policy == "none" else f"{self.policy}/{self.members}/{self.step_batches}"

@@ -142,18 +142,18 @@ class PackedLoader:
         self.dataset, self.cfg, self.split = dataset, data_cfg, split
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.balance = balance if balance is not None and split == "train" else Balance()
-        if self.balance.policy != "none" and (world_size % self.balance.members
-                                              or self.balance.member != rank % self.balance.members):
+        readers = self.balance.readers
+        if world_size % readers or (readers > 1 and self.balance.member != rank % readers):
             raise ValueError(f"rank {rank} of {world_size} is not member {self.balance.member} of a balancing "
-                             f"group of {self.balance.members}")
+                             f"group of {readers}")
         self.slots = max(1, data_cfg.num_workers)
         self._states: list[dict[str, Any] | None] = [None] * self.slots
         self._batches = 0
 
     def view(self, slot: int) -> View:
         """The consumer's share of the source: its rank's, or its group's (every member reads the same)."""
-        members = self.balance.members if self.balance.policy != "none" else 1
-        return View(self.rank // members * self.slots + slot, self.world_size // members * self.slots, self.split,
+        readers = self.balance.readers
+        return View(self.rank // readers * self.slots + slot, self.world_size // readers * self.slots, self.split,
                     self.seed, one_pass=self.split == "heldout", shuffle=self.split == "train")
 
     def consumer(self, slot: int) -> ConsumerStream:

@@ -7,9 +7,10 @@ A step runs in three phases (the design's reference schedule; the encoders do no
 pipeline's bubbles):
 
 1. `EncoderStep.forward`: each data shard's owner publishes its items' metadata (modality, grid or frames,
-   placeholder position; never sample bytes), every rank computes the same assignment (`assign`: longest
-   processing time first on the models' FLOPs of each item, a*L + b*L^2; items over their encoder's
-   threshold go to an LSSP group whose members each run a chunk), inputs travel to their encoder ranks
+   placeholder position; never sample bytes), every rank computes the same assignment (`assign`: on the
+   models' FLOPs of each item, a*L + b*L^2, items over their encoder's threshold go to an LSSP group whose
+   members each run a chunk; the others start on their own shard's ranks and move, within the shard's
+   balancing group, while that lowers the busiest rank's load), inputs travel to their encoder ranks
    (one all-to-all per modality), the encoders run, and the projected rows are handed to their consumers,
    every stage-0 rank of the item's data shard, each getting the rows of its own context-parallel share,
    by one variable-split all-to-all (`AllToAll`) whose backward is the mirrored exchange of their gradients;
@@ -154,30 +155,65 @@ def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:
 
 def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
            domains: dict[int, tuple[int, ...]] | None = None) -> list[Piece]:
-    """The same placement on every rank: items by decreasing cost, each onto the least-loaded rank of its
-    shard's domain (`domains`: the ranks that may encode a shard's items, by default every encoder rank), a long
-    one onto the least-loaded LSSP group inside that domain (any group when none fits in it), a chunk per
-    member; ties go to the lower rank. Returns the pieces in this canonical order."""
+    """The same placement on every rank, in a canonical order (items by decreasing cost; ties by shard,
+    micro-batch, modality, position). `domains`: the ranks that may encode a shard's items (default: every
+    encoder rank).
+
+    Long items first, each onto the least-loaded LSSP group inside its domain (any group when none fits in
+    it), a chunk per member. Then short items by longest processing time onto the least-loaded of their own
+    shard's ranks, which hold their inputs already (the domain's ranks when none does: `disaggregated`), and
+    `_rebalance` moves them to other ranks of their domain only while that lowers the busiest rank's load: a
+    batch the loaders balanced (`data.balance`) ships few inputs."""
     ranks = list(plan.encoder_ranks)
     load = dict.fromkeys(ranks, 0.0)
     keyed = sorted(items, key=lambda it: (-item_cost(it, args), it.shard, it.micro, it.modality, it.start))
-    pieces = []
+    cost = {item: item_cost(item, args) for item in keyed}
+    split: dict[Item, list[Piece]] = {}
     for item in keyed:
         spec = plan.encoders.spec(ENCODER_OF[item.modality])
-        cost = item_cost(item, args)
-        domain = domains[item.shard] if domains else ranks
         if not is_long(item, spec, args):
-            rank = min(domain, key=lambda r: (load[r], r))
-            load[rank] += cost
-            pieces.append(Piece(item, rank, (0, output_rows(item, args)), (0, item.input_rows)))
             continue
+        domain = set(domains[item.shard]) if domains else set(ranks)
         groups = [ranks[i:i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
-        groups = [g for g in groups if set(g) <= set(domain)] or groups
+        groups = [g for g in groups if set(g) <= domain] or groups
         group = min(groups, key=lambda g: (max(load[r] for r in g), g[0]))
-        pieces.extend(lssp_pieces(item, tuple(group), args))
+        split[item] = lssp_pieces(item, tuple(group), args)
         for rank in group:
-            load[rank] += cost / len(group)
+            load[rank] += cost[item] / len(group)
+    short = [item for item in keyed if item not in split]
+    domain_of = {item: domains[item.shard] if domains else tuple(ranks) for item in short}
+    home = {shard: [r for r in ranks if r < plan.llm_world_size and plan.data_rank(r) == shard]
+            for shard in {item.shard for item in short}}
+    placed = {}
+    for item in short:
+        rank = min(home[item.shard] or domain_of[item], key=lambda r: (load[r], r))
+        load[rank] += cost[item]
+        placed[item] = rank
+    _rebalance(short, placed, load, cost, domain_of)
+    pieces = []
+    for item in keyed:
+        pieces += split.get(item) or [Piece(item, placed[item], (0, output_rows(item, args)), (0, item.input_rows))]
     return pieces
+
+
+def _rebalance(items: list[Item], placed: dict[Item, int], load: dict[int, float], cost: dict[Item, float],
+               domain_of: dict[Item, tuple[int, ...]]) -> None:
+    """Moves from the busiest rank, one item at a time: the move that lowers the larger of its two ranks'
+    loads the most, onto the least-loaded rank of the item's domain; stops when no move helps."""
+    for _ in range(len(items)):
+        busiest = max(load, key=lambda r: (load[r], -r))
+        best, best_peak = None, load[busiest]
+        for item in (it for it in items if placed[it] == busiest):
+            target = min(domain_of[item], key=lambda r: (load[r], r))
+            peak = max(load[busiest] - cost[item], load[target] + cost[item])
+            if peak < best_peak:
+                best, best_peak = (item, target), peak
+        if best is None:
+            return
+        item, target = best
+        load[busiest] -= cost[item]
+        load[target] += cost[item]
+        placed[item] = target
 
 
 def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list[Piece]:

@@ -46,7 +46,7 @@ from omni_core.data.loader import PackedLoader
 from omni_core.data.sample import SIZE_FIELDS, measure
 from omni_core.data.synthetic import TRAIN
 from omni_core.data.workload import MODALITY_FIELD, MixSchedule, draw_modalities, draw_specs, segments_of, uniforms
-from omni_core.recipe.loader import load_recipe
+from omni_core.recipe.loader import load_recipe, override_recipe
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import preimport, run_ranks
@@ -54,7 +54,8 @@ from omni_core.runtime.step import Optimizers, build_replica, shards_per_node, t
 from omni_core.runtime.trainer import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
-from layout_bench import FLAVOR, GLOBAL_MICRO, IMAGE_SIDE_PX, MIXES, SEQ_LEN  # noqa: E402 - the same workload
+from layout_bench import FLAVOR, GLOBAL_MICRO, MIXES, SEQ_LEN  # noqa: E402 - the same workload
+from layout_bench import bench_recipe as layout_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM_RECIPE = ROOT / "recipes" / "dynamic_mix.yaml"
@@ -62,6 +63,7 @@ SIM_FLAVOR = "vit-1b+llama-12b"
 SIM_STEPS = {"text-heavy": 0, "audio-burst": 550, "image-heavy": 2000}
 STEP_BATCHES = 8
 LAYOUT = "omni"
+SEED = 11
 
 
 def draw(recipe: Recipe, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,16 +115,9 @@ def simulated(worlds: list[int], groups: list[int], steps: int) -> tuple[dict, d
 
 
 def bench_recipe(root: Path, mix: dict[str, float], plan: ParallelPlan, policy: str) -> Recipe:
-    return Recipe.model_validate({
-        "experiment": {"name": "balance-bench", "output_dir": str(root / "out"), "seed": 11},
-        "data": {"source": "dynamic", "seq_len": SEQ_LEN, "max_image_patches": 400, "balance": {"policy": policy},
-                 "synthetic": {"num_samples": 200, "mix": mix,
-                               "image_side_px": {"min": IMAGE_SIDE_PX[0], "max": IMAGE_SIDE_PX[1]}}},
-        "model": {"flavor": FLAVOR},
-        "parallel": plan.recipe_fields(),
-        "train": {"steps": 1000, "warmup_steps": 1, "grad_accum": GLOBAL_MICRO // plan.dp, "ckpt_every": 0,
-                  "dtype": "auto"},
-    })
+    """The layout bench's recipe under a balancing policy (with a seed of its own)."""
+    overrides = ["experiment.name=balance-bench", f"experiment.seed={SEED}", f"data.balance.policy={policy}"]
+    return override_recipe(layout_recipe(root, mix, plan), overrides)
 
 
 def _rank(rank: int, world: int, root: str, policy: str, steps: tuple[int, int]) -> dict:

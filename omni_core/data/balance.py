@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from types import SimpleNamespace
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from omni_core.data.flops import FlopModel
-from omni_core.data.packing import OVERDUE, BatchPacker, Pending
+from omni_core.data.packing import OVERDUE, BatchPacker
 from omni_core.recipe.schema import Recipe
 
 POLICIES = ("none", "grouped", "global")
@@ -187,50 +187,27 @@ def _polish(out: list[tuple[int, int] | None], tokens: Sequence[int], total: np.
         a[x], b[y] = j, i
 
 
-class GroupPacker(Generic[S]):
-    """A group member's packer (the interface of `BatchPacker`): the window is the group's pool of samples, a
-    batch places it over every member's `bins` sequences (`place`) and returns this member's.
+class GroupPacker(BatchPacker[S]):
+    """A group member's packer: its pool is the group's window (a `BatchPacker` pool of `members` x
+    `sequences` sequences' worth), a batch places it over every member's `sequences` sequences (`place`) and
+    returns this member's.
 
     After a pack, `costs` and `filled` are every member's predicted (encoder, LLM) cost and tokens of what it
     placed, `balance_s` the seconds the placement took."""
 
-    def __init__(self, members: int, member: int, bins: int, capacity: int, lookahead: float,
-                 cost_of: Callable[[S], np.ndarray], size: Callable[[S], int] = attrgetter("tokens")) -> None:
-        self.members, self.member, self.bins, self.capacity = members, member, bins, capacity
-        self.cost_of, self.size = cost_of, size
-        self.target = lookahead * members * bins * capacity
-        self.items: list[S] = []
-        self.waits: list[int] = []
-        self.sizes: list[int] = []
-        self.item_costs: list[np.ndarray] = []
-        self.pool_tokens = 0
+    def __init__(self, members: int, member: int, sequences: int, capacity: int, lookahead: float,
+                 costs_of: Callable[[list[S]], np.ndarray], size: Callable[[S], int] = attrgetter("tokens")) -> None:
+        super().__init__(members * sequences, capacity, lookahead, size)
+        self.members, self.member, self.sequences, self.costs_of = members, member, sequences, costs_of
         self.costs, self.filled = np.zeros((members, 2)), np.zeros(members)
         self.balance_s = 0.0
 
-    @property
-    def pool(self) -> list[Pending[S]]:
-        return [Pending(item, waited) for item, waited in zip(self.items, self.waits)]
-
-    @property
-    def ready(self) -> bool:
-        return self.pool_tokens >= self.target
-
-    def add(self, item: S, waited: int = 0) -> None:
-        tokens = self.size(item)
-        if tokens > self.capacity:
-            raise ValueError(f"a sample of {tokens} tokens cannot fit sequences of {self.capacity}")
-        self.items.append(item)
-        self.sizes.append(tokens)
-        self.waits.append(waited)
-        self.item_costs.append(self.cost_of(item))
-        self.pool_tokens += tokens
-
     def pack(self) -> list[list[S]]:
         start = time.perf_counter()
-        costs = np.array(self.item_costs).reshape(-1, 2)
-        where = place(self.sizes, costs, self.waits, self.members, self.bins, self.capacity)
+        costs = np.asarray(self.costs_of(self.items), dtype=np.float64).reshape(-1, 2)
+        where = place(self.sizes, costs, self.waits, self.members, self.sequences, self.capacity)
         self.costs, self.filled = np.zeros((self.members, 2)), np.zeros(self.members)
-        mine: list[list[S]] = [[] for _ in range(self.bins)]
+        mine: list[list[S]] = [[] for _ in range(self.sequences)]
         keep = []
         for i, spot in enumerate(where):
             if spot is None:
@@ -242,7 +219,6 @@ class GroupPacker(Generic[S]):
                 mine[spot[1]].append(self.items[i])
         self.items = [self.items[i] for i in keep]
         self.sizes = [self.sizes[i] for i in keep]
-        self.item_costs = [self.item_costs[i] for i in keep]
         self.waits = [self.waits[i] + 1 for i in keep]
         self.pool_tokens = sum(self.sizes)
         self.balance_s = time.perf_counter() - start
@@ -261,7 +237,7 @@ def make_packer(policy: str, members: int, member: int, bins: int, capacity: int
         return BatchPacker(bins, capacity, lookahead)
     if cost is None:
         raise ValueError(f"data.balance.policy={policy} needs the model's per-sample cost (SampleCost)")
-    return GroupPacker(members, member, bins, capacity, lookahead, lambda record: cost.of_records([record])[0])
+    return GroupPacker(members, member, bins, capacity, lookahead, cost.of_records)
 
 
 def simulate(tokens: np.ndarray, costs: np.ndarray, policy: str, ranks: int, group: int, bins: int,
@@ -273,9 +249,13 @@ def simulate(tokens: np.ndarray, costs: np.ndarray, policy: str, ranks: int, gro
     every ranks-th (groups-th) sample, as the loaders' views do; fewer steps when the samples run out."""
     members = balance_group_size(policy, group, ranks, ranks)
     streams = ranks // members
-    size, cost_of = np.asarray(tokens).tolist().__getitem__, costs.__getitem__  # Python ints: packing's bitsets
+    size = np.asarray(tokens).tolist().__getitem__  # Python ints: packing's bitsets
+
+    def costs_of(items: list[int]) -> np.ndarray:
+        return costs[np.asarray(items, dtype=np.int64)]
+
     packers = [BatchPacker(bins, capacity, lookahead, size=size) if members == 1 and policy == "none" else
-               GroupPacker(members, 0, bins, capacity, lookahead, cost_of, size=size) for _ in range(streams)]
+               GroupPacker(members, 0, bins, capacity, lookahead, costs_of, size=size) for _ in range(streams)]
     cursors = [iter(range(k, len(tokens), streams)) for k in range(streams)]
     per_step: dict[str, list[float]] = {"imbalance": [], "fill": [], "metadata_bytes_per_rank": []}
     for _ in range(steps):

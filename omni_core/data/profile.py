@@ -36,6 +36,7 @@ HIST_BINS = 20
 KS_CRITICAL = 1.949  # c(alpha) of the two-sample Kolmogorov-Smirnov test at alpha = 0.001
 MIN_KS_SAMPLES = 20  # per-modality KS only when both windows hold at least this many of the modality
 BALANCE_STEPS = 50  # steps the balancing policies are simulated over (fewer when the samples run out)
+BALANCE_SAMPLES = 200_000  # the first samples the simulation reads (what the profile keeps for it)
 
 
 class ModalityProfile(Result):
@@ -120,7 +121,8 @@ class DatasetProfile(Result):
     drift_detected: bool
     windows: list[DriftWindow]
     decode_samples_per_s: dict[str, float]  # per modality, when the profile decoded (data.profile_decode)
-    balance_ranks: int = 1  # the data ranks `balance` was simulated over
+    balance_ranks: int = 1  # the data ranks `balance` was simulated over (one node's)
+    balance_group: int = 1  # and the group size of `grouped` there
     balance: dict[str, BalanceProfile] = {}  # policy -> the imbalance under it
 
 
@@ -273,8 +275,9 @@ class Profiler:
         for kind, columns in media_columns(sizes).items():
             self.media[kind] += [int(c.sum()) for c in columns]
         llm = self.flops.llm(tokens)
-        packable = tokens <= self.cfg.seq_len
-        self.costs.append(np.stack([tokens[packable], encoder[packable], llm[packable]], axis=1))
+        if self.seen < BALANCE_SAMPLES:
+            packable = tokens <= self.cfg.seq_len
+            self.costs.append(np.stack([tokens[packable], encoder[packable], llm[packable]], axis=1))
         encoder_tokens = sizes.vision_tokens + sizes.audio_tokens
         for code, m in enumerate(KINDS):
             mine = modality == code
@@ -304,15 +307,16 @@ class Profiler:
             tokens_mean=window.tokens_mean, ks=ks, ks_by_modality=ks_by, mix_distance=mix, drift=drift,
         ))
 
-    def balance(self, ranks: int, group_size: int, step_batches: int) -> dict[str, BalanceProfile]:
-        """Each policy's imbalance over `ranks` data ranks, from the profiled samples in stream order."""
+    def balance(self, ranks: int, group: int, step_batches: int) -> dict[str, BalanceProfile]:
+        """Each policy's imbalance over `ranks` data ranks in groups of `group`, from the first profiled samples
+        in stream order."""
         if not self.costs:
             return {}
         columns = np.concatenate(self.costs)
         tokens, costs = columns[:, 0].astype(np.int64), columns[:, 1:]
         out = {}
         for policy in POLICIES:
-            figures = simulate(tokens, costs, policy, ranks, balance_group_size(policy, group_size, ranks, ranks),
+            figures = simulate(tokens, costs, policy, ranks, balance_group_size(policy, group, ranks, ranks),
                                self.cfg.micro_batch * step_batches, self.cfg.seq_len, self.cfg.pack_lookahead,
                                BALANCE_STEPS)
             if not np.isnan(figures["imbalance"]):
@@ -345,6 +349,8 @@ class Profiler:
                 encoder_flops_mean=enc_flops / n, llm_flops_mean=llm_flops / n,
             )
         sequences = self._sequence_profile()
+        group = self.cfg.balance.group_size  # a group that does not divide one node's data ranks: the node's
+        group = group if group and balance_ranks % group == 0 else balance_ranks
         return DatasetProfile(
             manifest=location, source=source, manifest_samples=total + sum(v for k, v in skipped.items()
                                                                             if k != "too_long"),
@@ -355,7 +361,7 @@ class Profiler:
             llm_flops=float(sum(self.sums[m][2] for m in KINDS)), flops_formula=FORMULA,
             window=self.window, drift_threshold=self.threshold, drift_detected=any(w.drift for w in self.windows),
             windows=self.windows, decode_samples_per_s=decode_rates, balance_ranks=balance_ranks,
-            balance=self.balance(balance_ranks, self.cfg.balance.group_size, step_batches),
+            balance_group=group, balance=self.balance(balance_ranks, group, step_batches),
         )
 
 

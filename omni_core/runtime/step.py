@@ -306,17 +306,17 @@ class StepStats:
 def layout_values(replica: ModelReplica, batches: list[PackedBatch], llm_s: float) -> torch.Tensor:
     """This rank's [encoder seconds, LLM seconds, predicted encoder, LLM and total FLOPs, balancing seconds,
     pipeline bubble share, handoff bytes]: summed over the world with the loss statistics (one all-reduce), the
-    first six also maxed (`layout_metrics`). The pipeline's bubble is the idle share of the
-    LLM phase; the LLM seconds of a coupled step include its encoders (they run inside stage 0). The
-    predictions are the loader's cost model on this rank's batches (`data.balance`)."""
+    first six also maxed (`layout_metrics`). The pipeline's bubble is the idle share of the LLM phase; the LLM
+    seconds of a coupled step include its encoders (they run inside stage 0). The predictions are the loader's
+    cost model on this rank's batches (`data.balance`)."""
     encoder = replica.encoders.metrics if replica.encoders else {}
     bubble = 0.0
     if replica.pipeline is not None and llm_s > 0:
         bubble = max(0.0, 1.0 - replica.pipeline.busy_s / llm_s)
     predicted = [sum(b.predicted_flops[k] for b in batches) for k in (0, 1)]
     return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, *predicted, sum(predicted),
-                         sum(b.balance_s for b in batches),
-                         bubble, encoder.get("handoff_bytes", 0.0)], dtype=torch.float64)
+                         sum(b.balance_s for b in batches), bubble, encoder.get("handoff_bytes", 0.0)],
+                        dtype=torch.float64)
 
 
 LAYOUT_VALUES = 8

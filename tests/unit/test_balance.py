@@ -13,7 +13,10 @@ from omni_core.data.balance import Balance, SampleCost, balance_group_size, imba
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.packing import collate
+from omni_core.data.profile import profile_dataset
+from omni_core.estimator.recipe_cells import flavor_workload
 from omni_core.models.omni import build_model
+from omni_core.recipe.loader import override_recipe
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.step import ModelReplica, train_step
 from tests.helpers.plans import CapturingOptimizers
@@ -125,3 +128,14 @@ def test_the_group_size_must_divide_the_data_ranks():
     assert balance_group_size("grouped", 0, 8, 4) == 4
     with pytest.raises(ValueError, match="data.balance.group_size=3"):
         balance_group_size("grouped", 3, 8, 8)
+
+
+def test_the_profile_simulates_each_policy_and_the_estimator_reads_the_recipes(tmp_path):
+    r = recipe(tmp_path, {"text": 0.5, "image": 0.5})
+    r = override_recipe(r, ["parallel.nproc=2", "data.synthetic.num_samples=400"])
+    profile, _ = profile_dataset(r, tmp_path / "profile")
+    assert profile.balance_ranks == 2 and set(profile.balance) == {"none", "grouped", "global"}
+    assert 1.0 <= profile.balance["grouped"].imbalance <= profile.balance["none"].imbalance
+    grouped = flavor_workload(r, FLAVOR, 4, profile)
+    assert grouped.loader_imbalance == profile.balance["grouped"].imbalance
+    assert flavor_workload(override_recipe(r, ["data.balance.policy=none"]), FLAVOR, 4, profile).loader_imbalance == 0

@@ -98,6 +98,11 @@ class EncoderPlan:
         return getattr(self, encoder)
 
     @property
+    def sharded(self) -> list[str]:
+        """The encoders whose weights this plan FSDP-shards: priced by the estimator, refused by the runtime."""
+        return [key for key in ENCODER_KEYS if self.spec(key).fsdp]
+
+    @property
     def name(self) -> str:
         """`coupled`, `omni`, `disagg2`, then `.v-...` / `.a-...` for each encoder whose spec is not the default."""
         head = f"disagg{self.ranks}" if self.layout == "disaggregated" else self.layout

@@ -87,7 +87,7 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
     `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM."""
-    sharded = [key for key in ("vision", "audio") if plan.encoders.spec(key).fsdp]
+    sharded = plan.encoders.sharded
     if sharded:
         raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp is priced by the estimator but the runtime "
                         "replicates the encoders' weights over their group (sharding them is not built)")

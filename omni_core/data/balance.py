@@ -68,13 +68,15 @@ class SampleCost:
 @dataclass(frozen=True)
 class Balance:
     """A loader's balancing: its policy, the group it is `member` of (`members` data ranks), the batches one
-    placement fills per member (an optimizer step's micro-batches), and the cost model."""
+    placement fills per member (an optimizer step's micro-batches) of `micro_batch` sequences, and the cost
+    model."""
 
     policy: str = "none"
     members: int = 1
     member: int = 0
     step_batches: int = 1
     cost: SampleCost | None = None
+    micro_batch: int = 1
 
     @property
     def placed_batches(self) -> int:
@@ -88,8 +90,12 @@ class Balance:
 
     @property
     def identity(self) -> str:
-        """What a saved loader position must match."""
-        return "none" if self.policy == "none" else f"{self.policy}/{self.members}/{self.step_batches}"
+        """What a saved loader position must match: the group, and the sequences one placement fills per member,
+        however they split into micro-batches (a position saved at a step's end has nothing queued), so a
+        re-plan from 2 micro-batches of 1 to 1 of 2 keeps the data order."""
+        if self.policy == "none":
+            return "none"
+        return f"{self.policy}/{self.members}/{self.step_batches * self.micro_batch}seq"
 
 
 def balance_for(recipe: Recipe, data_rank: int, dp: int, shards_per_node: int) -> Balance:
@@ -97,7 +103,7 @@ def balance_for(recipe: Recipe, data_rank: int, dp: int, shards_per_node: int) -
     cfg = recipe.data
     members = balance_group_size(cfg.balance.policy, cfg.balance.group_size, dp, shards_per_node)
     cost = SampleCost.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
-    return Balance(cfg.balance.policy, members, data_rank % members, recipe.train.grad_accum, cost)
+    return Balance(cfg.balance.policy, members, data_rank % members, recipe.train.grad_accum, cost, cfg.micro_batch)
 
 
 def balance_group_size(policy: str, group_size: int, dp: int, shards_per_node: int) -> int:

@@ -158,8 +158,9 @@ class PackedLoader:
 
     def consumer(self, slot: int) -> ConsumerStream:
         slots = self.slots
-        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: b * slots + slot, self._states[slot],
-                              balance=self.balance)
+        per_step = self.balance.step_batches  # a scheduled source follows the optimizer step, whatever the plan
+        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: (b * slots + slot) // per_step,
+                              self._states[slot], balance=self.balance)
 
     def __iter__(self) -> Iterator[PackedBatch]:
         if self.cfg.num_workers:

@@ -194,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(validate)
 
+    watch = sub.add_parser(
+        "watch",
+        formatter_class=raw,
+        help="look once at the recipe's running re-planned job, and re-plan it if its data drifted",
+        description="Profile the newest window of the data the running job of RECIPE's experiment reads (a job "
+        "started with replan.enabled), compare it with the window its plan was chosen on, and when the drift "
+        "passes replan.drift_threshold re-estimate its Cell; if the best plan is predicted to save more than a "
+        "re-plan costs over the remaining steps, the job stops at its next checkpoint and its train stage "
+        "relaunches it under that plan. The look is an MLflow run `replan-<step>` beside the job's train run; "
+        "prints the decision as JSON. Exits 2 when no such job is running.",
+        epilog=OVERRIDES_EPILOG,
+    )
+    _add_recipe_args(watch)
+
     data = sub.add_parser("data", help="write the recipe's synthetic dataset to disk")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     generate = data_sub.add_parser(
@@ -265,6 +279,7 @@ FLOWS = {
     "evaluate": ("flows.evaluate", "evaluate_flow"),
     "schedule": ("flows.schedule", "schedule_flow"),
     "validate": ("flows.validate", "validate_flow"),
+    "watch": ("flows.watch", "watch_flow"),
 }
 
 
@@ -328,6 +343,11 @@ def _flow_command(args: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"omni: {args.command} failed: {e}", file=sys.stderr)
         return RUN_FAILED
+    except ValueError as e:
+        if args.command != "watch":
+            raise
+        print(f"omni: watch: {e}", file=sys.stderr)  # no job to look at
+        return USAGE_ERROR
     if args.command == "run":
         if args.json:
             print(json.dumps(result))

@@ -27,7 +27,8 @@ def schedule_flow(recipe: Recipe | str, overrides: list[str] | None = None, prof
     with stage_run("schedule", r, flow_run_id=flow_run.id) as run, children_of(run.run_id):
 
         def train(launch: JobRun) -> TrainResult:
-            return train_flow.with_options(flow_run_name=launch.name)(r, list(launch.overrides), run_name=launch.name)
+            return train_flow.with_options(flow_run_name=launch.name)(r, list(launch.overrides), run_name=launch.name,
+                                                                      profile=profile)
 
         result = run_schedule(r, train, profile=profile, cells=cells)
         run.log_metrics(result.metrics(), step=0)

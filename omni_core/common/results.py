@@ -48,6 +48,18 @@ class TrainResult(Result):
     peak_mem_mb: float  # rank 0: peak allocated GPU memory, or peak resident memory on CPU
     checkpoint: str  # directory of the newest complete checkpoint ("" when the run saved none)
     resumed_from_step: int = 0
+    launch_step_s: float = 0.0  # seconds in this launch's steps (steps - resumed_from_step of them)
+    launch_samples: int = 0  # samples this launch trained on
+
+    @property
+    def step_s(self) -> float:
+        """Mean seconds per step of this launch (nan when it trained none)."""
+        trained = self.steps - self.resumed_from_step
+        return self.launch_step_s / trained if trained > 0 else float("nan")
+
+    @property
+    def launch_samples_per_s(self) -> float:
+        return self.launch_samples / self.launch_step_s if self.launch_step_s > 0 else 0.0
 
     @property
     def loss_ratio(self) -> float:

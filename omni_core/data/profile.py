@@ -386,38 +386,45 @@ class Profiler:
 
 def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: FlopModel,
                    limit: int | None = None, decode: bool = False, by_record: bool = False,
-                   balance_ranks: int = 1, step_batches: int = 1) -> DatasetProfile:
+                   balance_ranks: int = 1, step_batches: int = 1, at_step: int = 0, skip: int = 0) -> DatasetProfile:
     """One pass over (at most `limit` samples of) the dataset's stream. From metadata, a sharded source is
     read as columns, CHUNK records at a time; decoding, a scheduled source (which draws each sample at the
-    batch count the packer has reached), or `by_record` (the reference the columns are tested against) go
-    record by record."""
+    training step the packer has reached, `step_batches` micro-batches a step, counted from `at_step`), or
+    `by_record` (the reference the columns are tested against) go record by record. `skip` samples are
+    passed over first (what a job already read: a watcher profiles the data a running job reads next)."""
     source = dataset.source
     dynamic = isinstance(source, DynamicSource)
     view = View(0, 1, "train" if dynamic else "all", seed, one_pass=True, shuffle=False)
     skipped: dict[str, int] = {}
     profiler = Profiler(cfg, flops)
-    if isinstance(source, ShardedSource) and not (decode or by_record):
+    if isinstance(source, ShardedSource) and not (decode or by_record or skip):
         _profile_columns(source.measured(view), profiler, cfg.seq_len, skipped, limit)
         rates = {}
     else:
-        rates = _profile_records(dataset, view, profiler, cfg.seq_len, skipped, limit, decode)
+        rates = _profile_records(dataset, view, profiler, cfg.seq_len, skipped, limit, decode, at_step, skip,
+                                 step_batches)
     kind = "dynamic" if dynamic else type(source).__name__.removesuffix("Source").lower()
     return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates,
                            balance_ranks=balance_ranks, step_batches=step_batches)
 
 
 def _profile_records(dataset: ManifestDataset, view: View, profiler: Profiler, seq_len: int,
-                     skipped: dict[str, int], limit: int | None, decode: bool) -> dict[str, float]:
+                     skipped: dict[str, int], limit: int | None, decode: bool, at_step: int = 0,
+                     skip: int = 0, step_batches: int = 1) -> dict[str, float]:
     """Record by record; returns the decode rates per modality."""
 
     def count(reason: str) -> None:
         skipped[reason] = skipped.get(reason, 0) + 1
 
     stream = dataset.source.stream(view, None, count)
+    for _ in range(skip):
+        if stream.next(at_step) is None:
+            break
+    skipped.clear()  # the skips of what a job already read are not the window's
     decode_s = {m: [0.0, 0] for m in KINDS}
     met = 0
     while limit is None or met < limit:
-        record = stream.next(profiler.batches)  # a scheduled source is drawn at the simulated training step
+        record = stream.next(at_step + profiler.batches // step_batches)  # a scheduled source: the simulated step
         if record is None:
             break
         met += 1

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.estimator.calibration import calibrated, runtime_efficiency
-from omni_core.estimator.cost import Options, estimate_step
+from omni_core.estimator.cost import Estimate, Options, estimate_step
 from omni_core.estimator.search import CellTable, build_cell_table
 from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
 from omni_core.recipe.loader import RecipeError, override_recipe
@@ -24,6 +24,7 @@ from omni_core.recipe.schema import ClusterConfig, NodeGroup
 
 if TYPE_CHECKING:
     from omni_core.common.plan import ParallelPlan
+    from omni_core.common.results import TrainResult
     from omni_core.data.profile import DatasetProfile
     from omni_core.recipe.schema import Recipe
 
@@ -140,28 +141,43 @@ def runtime_precision(recipe: Recipe, gpu: GpuSpec) -> str:
     return {"float32": "fp32", "bfloat16": "bf16"}[recipe.train.dtype]
 
 
-def predicted_step_times(recipe: Recipe, plans: Sequence[ParallelPlan], profile: DatasetProfile, *,
-                         gpu_type: str = "cpu") -> dict[str, float]:
-    """Each plan's predicted step seconds (by plan name) for `recipe` as the runtime trains it on one node of
-    `gpu_type` (this machine by default: its stored calibration, $OMNI_CALIBRATION_DIR, with what the runtime
-    does on top of it, `calibration.runtime_efficiency`): the recipe's model on the profiled data, in the
-    runtime's precision, `data.micro_batch` sequences per micro-batch and `train.grad_accum` micro-batches per
-    data shard (a global batch of micro_batch x grad_accum x plan.dp), checkpointing as `train` sets it. What
-    the layout benchmark divides (omni / coupled, disaggregated / coupled, plans of one world). A plan the
-    estimate refuses (memory, the batch split, an LSSP group) raises ValueError with its reason."""
+def predict_plan(recipe: Recipe, plan: ParallelPlan, profile: DatasetProfile | None, *,
+                 gpu_type: str = "cpu") -> Estimate:
+    """`plan`'s predicted step (time, memory) for `recipe` as the runtime trains it on one node of `gpu_type`
+    (this machine by default: its stored calibration, $OMNI_CALIBRATION_DIR, with what the runtime does on top
+    of it, `calibration.runtime_efficiency`): the recipe's model on the profiled data (defaults without a
+    profile), in the runtime's precision, `data.micro_batch` sequences per micro-batch and `train.grad_accum`
+    micro-batches per data shard (a global batch of micro_batch x grad_accum x plan.dp), checkpointing as
+    `train` sets it. A plan the estimate refuses (memory, the batch split, an LSSP group) raises ValueError
+    with its reason."""
     gpu, eff = calibrated(GpuCatalog().with_overrides(recipe.estimate.gpus)[gpu_type])
     eff, precision = runtime_efficiency(eff), runtime_precision(recipe, gpu)
     micro_batch, accum = recipe.data.micro_batch, recipe.train.grad_accum
-    options = Options(micro_batch, recipe.train.activation_checkpointing)
-    times = {}
-    for plan in plans:
-        workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile,
-                                   precision=precision)
-        est = estimate_step(workload, gpu, plan, options, gpus_per_node=plan.world_size, eff=eff)
-        if not est.fits:
-            raise ValueError(f"plan {plan.name}: {est.reason}")
-        times[plan.name] = est.step_time_s
-    return times
+    workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile,
+                               precision=precision)
+    est = estimate_step(workload, gpu, plan, Options(micro_batch, recipe.train.activation_checkpointing),
+                        gpus_per_node=plan.world_size, eff=eff)
+    if not est.fits:
+        raise ValueError(f"plan {plan.name}: {est.reason}")
+    return est
+
+
+def predicted_step_times(recipe: Recipe, plans: Sequence[ParallelPlan], profile: DatasetProfile | None, *,
+                         gpu_type: str = "cpu") -> dict[str, float]:
+    """Each plan's predicted step seconds (by plan name), as `predict_plan` prices it: what the layout
+    benchmark divides (omni / coupled, disaggregated / coupled, plans of one world) and the watcher compares."""
+    return {plan.name: predict_plan(recipe, plan, profile, gpu_type=gpu_type).step_time_s for plan in plans}
+
+
+def prediction_error(predicted: Estimate, result: TrainResult) -> dict[str, float]:
+    """A run's measured step beside the estimator's prediction for its plan. Measured memory is rank 0's peak
+    (on CPU the process's resident set, which holds the runtime too, not only the model's step)."""
+    return {
+        "perf/predicted_step_s": predicted.step_time_s, "perf/measured_step_s": result.step_s,
+        "estimate/error_pct": 100 * (predicted.step_time_s / result.step_s - 1),
+        "perf/predicted_peak_mem_mb": predicted.peak_mem_bytes / 2**20, "perf/measured_peak_mem_mb": result.peak_mem_mb,
+        "estimate/mem_error_pct": 100 * (predicted.peak_mem_bytes / 2**20 / result.peak_mem_mb - 1),
+    }
 
 
 def format_table(table: CellTable, top: int = 10) -> str:

@@ -66,7 +66,7 @@ class LengthDist(Range):
 
 
 class MixPoint(Strict):
-    step: int = Field(ge=0, description="Training step: micro-batches a rank has drawn (= optimizer steps at 1 accum)")
+    step: int = Field(ge=0, description="Training (optimizer) step, whatever the plan's micro-batches")
     mix: dict[Modality, float]
 
     @model_validator(mode="after")
@@ -445,6 +445,27 @@ class TrackingConfig(Strict):
         return self
 
 
+class ReplanConfig(Strict):
+    """The watcher that re-plans a running job when its data drifts (scheduler/replan.py)."""
+
+    enabled: bool = Field(False, description="The train stage watches its own job and re-plans it")
+    drift_threshold: float = Field(
+        0.15, gt=0, description="Re-estimate when the newest window has drifted this far from the profile the "
+        "running plan was chosen on: the total-variation distance of the modality mix, or the relative change "
+        "of the mean training FLOPs per sample, whichever is larger"
+    )
+    window: int = Field(200, ge=10, description="Samples of the job's newest data profiled at each look")
+    every_steps: int = Field(0, ge=0, description="Steps between the watcher's looks; 0: train.ckpt_every")
+    cost_s: float = Field(
+        0.0, ge=0, description="Seconds one re-plan costs (checkpoint, restart, first steps); 0: measured on "
+        "the running launch (from its launch to its first step, plus its last checkpoint's save)"
+    )
+    max_replans: int = Field(4, ge=0, description="Re-plans per job at most")
+    layouts: list[Literal["coupled", "omni"]] = Field(
+        ["coupled", "omni"], min_length=1, description="Encoder layouts the watcher chooses among"
+    )
+
+
 class Recipe(Strict):
     experiment: ExperimentConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -457,6 +478,15 @@ class Recipe(Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    replan: ReplanConfig = Field(default_factory=ReplanConfig)
+
+    @model_validator(mode="after")
+    def _replan_has_stops(self) -> Recipe:
+        if self.replan.enabled and not self.train.ckpt_every:
+            raise ValueError("replan.enabled needs train.ckpt_every > 0: a re-planned job stops at a checkpoint")
+        if self.replan.enabled and self.jobs:
+            raise ValueError("replan.enabled is for one job; a recipe with `jobs` is re-planned by its scheduler")
+        return self
 
     def data_dir(self) -> str:
         return self.data.path or f"{self.experiment.output_dir}/data/{self.experiment.name}"

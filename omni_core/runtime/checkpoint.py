@@ -137,11 +137,13 @@ def load_checkpoint(
     optimizers: Optimizers | None,
     info: DistInfo,
     plan: str | None = None,
+    data_shard: list[int] | None = None,
 ) -> tuple[Manifest, dict[str, Any] | None]:
     """Restore the model parts (+ optimizers and LR schedule when given) in place from a complete checkpoint.
 
-    Returns the manifest and this rank's private state, or None for the latter when the checkpoint was
-    written under a different plan (rank-private state such as the data position does not carry over).
+    Returns the manifest and this rank's private state (data position, RNG). Under another plan on the same
+    world that is the state of a rank that read the same `data_shard` ([data rank, dp]), so a re-planned job
+    keeps its data order; None when no rank did (the data order restarts).
     """
     root, step = split_location(location)
     store = open_store(root, cache)
@@ -163,6 +165,14 @@ def load_checkpoint(
     if optimizers is not None:
         optimizers.load_scheduler_state(manifest.scheduler)
     rank_file = ckpt / f"rank{info.rank}.pt"
-    if manifest.world_size != info.world_size or (plan is not None and manifest.plan != plan) or not rank_file.is_file():
+    if manifest.world_size != info.world_size or not rank_file.is_file():
         return manifest, None
-    return manifest, torch.load(rank_file, weights_only=False)
+    if plan is None or manifest.plan == plan:
+        return manifest, torch.load(rank_file, weights_only=False)
+    if data_shard is None:
+        return manifest, None
+    for rank in range(info.world_size):
+        state = torch.load(ckpt / f"rank{rank}.pt", weights_only=False)
+        if state.get("data_shard") == data_shard:
+            return manifest, state
+    return manifest, None

@@ -13,10 +13,12 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from omni_core.common.batch import PackedBatch
+from omni_core.common.control import PROGRESS_FILE, TrainProgress, control_dir, launched_unix, read_stop
 from omni_core.common.plan import ModelShape, ParallelPlan
 from omni_core.common.results import TrainResult
 from omni_core.data.balance import balance_for
@@ -32,7 +34,7 @@ from omni_core.runtime.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from omni_core.runtime.dist import DistInfo, barrier
+from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
 from omni_core.runtime.perf import device_peak_flops, peak_memory_mb
 from omni_core.runtime.step import Optimizers, StepStats, build_replica, shards_per_node, train_step
 from omni_core.tracking import NullTracker, Tracker
@@ -63,7 +65,10 @@ def train(
 ) -> TrainResult:
     """Train to `recipe.train.steps`, or stop early at `train.stop_at_step` (a scheduler's segment end) or
     after `stop_after` steps of this call; an early stop checkpoints where it stops. `save=False` writes no
-    checkpoint at all (runs that only measure steps: the estimator's validation)."""
+    checkpoint at all (runs that only measure steps: the estimator's validation). With a control folder
+    (`common.control`), rank 0 reports progress there at every log step, and the run stops at the first
+    checkpoint after a watcher asked it to (a re-plan)."""
+    started = launched_unix() or time.time()  # by the launcher, or this process
     tracker = tracker or NullTracker()
     cfg = recipe.train
     plan = resolve_plan(recipe, info.world_size)
@@ -76,6 +81,7 @@ def train(
     replica = build_replica(recipe, plan, info, compute_dtype)
     dataset = open_dataset(recipe)
     # the encoders' own ranks (`disaggregated`) read no batches: the LLM ranks' items reach them in the step
+    data_shard = [replica.data_rank, plan.dp]
     loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed,
                           balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))) \
         if replica.loads_data else None
@@ -89,20 +95,23 @@ def train(
     if resume_from is not None:
         manifest, rank_state = load_checkpoint(
             resume_from, cache=checkpoint_cache(recipe), parts=replica.parts, optimizers=optimizers, info=info,
-            plan=plan.name,
+            plan=plan.name, data_shard=data_shard,
         )
         start_step, history = manifest.step, RunHistory(**manifest.history)
         if rank_state is None:
-            log(f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); "
-                "data order restarts because loader positions are per rank")
+            log(f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); data order restarts: "
+                f"no rank of the checkpoint read data shard {replica.data_rank} of {plan.dp}")
         else:
             saved = rank_state["loader"].get("balance", "none") if loader is not None else None
+            order = "data order kept"
             if loader is not None and saved != loader.balance.identity:
-                log(f"data order restarts: the loaders' balancing changed ({saved} -> {loader.balance.identity})")
+                order = f"data order restarts: the loaders' balancing changed ({saved} -> {loader.balance.identity})"
             elif loader is not None:
                 loader.load_state_dict(rank_state["loader"])
             torch.set_rng_state(rank_state["rng"])
-            log(f"resumed from {resume_from} at step {start_step}")
+            log(f"resumed from {resume_from} at step {start_step}"
+                + (f" (plan {manifest.plan} -> {plan.name}); {order}" if manifest.plan != plan.name else
+                   "" if order == "data order kept" else f"; {order}"))
         if start_step >= cfg.steps:
             log(f"already trained to step {start_step}: nothing to do (train.resume=false retrains)")
 
@@ -116,7 +125,8 @@ def train(
     def checkpoint(step: int) -> str:
         return save_checkpoint(
             store, step=step, parts=replica.parts, optimizers=optimizers,
-            rank_state={"loader": loader.state_dict() if loader else {}, "rng": torch.get_rng_state()},
+            rank_state={"loader": loader.state_dict() if loader else {}, "rng": torch.get_rng_state(),
+                        "data_shard": data_shard if loader else None},
             history=asdict(history), info=info, plan=plan.name, recipe_hash=rhash, keep_last=cfg.keep_last,
         )
 
@@ -125,12 +135,16 @@ def train(
     window = Window(cluster_peak)
     last_ckpt, saved_step = resume_from, start_step
     step = start_step
+    control = Control(control_dir() if info.is_main else None, cfg.steps, plan.name, start_step)
     logging_s_before = tracker.logging_s
+    step_s_before, samples_before = history.step_s, history.samples
     replica.train()
     last_step = min(cfg.steps, cfg.stop_at_step or cfg.steps)
     while step < last_step and (stop_after is None or step - start_step < stop_after):
         step += 1
         step_start = time.perf_counter()
+        if step == start_step + 1:
+            control.startup_s = time.time() - started
         micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)] if batches else []
         result = train_step(replica, optimizers, micro, grad_clip=cfg.grad_clip, compute_dtype=compute_dtype)
         window.add(result)
@@ -139,14 +153,21 @@ def train(
             metrics.update(window.rates())
             metrics.update({f"data/skipped_{reason}": n for reason, n in (loader.stats if loader else {}).items()})
             metrics["perf/peak_mem_mb"] = peak_memory_mb(info.device)
+            metrics["perf/step_s"] = window.seconds() / window.steps
             tracker.log_metrics(metrics, step=step)
+            control.report(step, history.samples + window.samples, metrics["perf/step_s"])
             log(f"step {step}/{cfg.steps} loss {result.metrics['loss']:.4f} "
                 f"tokens/s {metrics['perf/tokens_per_s']:.0f} lr {result.metrics['lr']:.2e}")
             window = Window(cluster_peak)
         history.record(result, time.perf_counter() - step_start, tracker.logging_s - logging_s_before)
         logging_s_before = tracker.logging_s
         if save and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps):
+            saving = time.perf_counter()
             last_ckpt, saved_step = checkpoint(step), step
+            control.ckpt_s = time.perf_counter() - saving
+            if step < last_step and control.stop_requested():
+                log(f"stopping at step {step} as the watcher asked (re-plan); checkpoint {last_ckpt}")
+                break
     if save and (last_ckpt is None or saved_step != step):
         last_ckpt = checkpoint(step)  # stopped early (or nothing saved yet): keep what was trained
     if replica.meshes:  # a failed run skips this: its process is about to exit, and a peer may be gone
@@ -154,6 +175,7 @@ def train(
     return history.result(
         cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt or ""),
         resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device),
+        launch_step_s=history.step_s - step_s_before, launch_samples=history.samples - samples_before,
     )
 
 
@@ -165,22 +187,53 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
+class Control:
+    """Rank 0's side of the control folder (`common.control`); inert without one, and on other ranks, which
+    only join the stop decision's all-reduce."""
+
+    folder: Path | None
+    steps: int
+    plan: str
+    resumed_from_step: int
+    startup_s: float = 0.0
+    ckpt_s: float = 0.0
+
+    def report(self, step: int, samples: int, step_s: float) -> None:
+        if self.folder is not None:
+            TrainProgress(step=step, steps=self.steps, plan=self.plan, samples=samples, step_s=step_s,
+                          startup_s=self.startup_s, ckpt_s=self.ckpt_s, resumed_from_step=self.resumed_from_step,
+                          updated_unix=time.time()).save(self.folder / PROGRESS_FILE)
+
+    def stop_requested(self) -> bool:
+        """Whether a watcher asked rank 0 to stop; every rank gets rank 0's answer (all ranks call this)."""
+        if control_dir() is None:
+            return False
+        asked = torch.tensor([float(self.folder is not None and read_stop(self.folder) is not None)])
+        return bool(all_reduce_sum(asked).item())
+
+
+@dataclass
 class Window:
     """Throughput since the last log line; MFU against the peak of all ranks' devices when it is known."""
 
     peak_flops: float | None
     started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
     tokens: int = 0
     samples: int = 0
     flops: float = 0.0
 
     def add(self, stats: StepStats) -> None:
+        self.steps += 1
         self.tokens += stats.tokens
         self.samples += stats.samples
         self.flops += stats.flops
 
+    def seconds(self) -> float:
+        return max(time.perf_counter() - self.started, 1e-9)
+
     def rates(self) -> dict[str, float]:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        elapsed = self.seconds()
         rates = {"perf/tokens_per_s": self.tokens / elapsed, "perf/samples_per_s": self.samples / elapsed}
         if self.peak_flops:
             rates["perf/mfu_pct"] = 100.0 * self.flops / elapsed / self.peak_flops

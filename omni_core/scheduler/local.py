@@ -159,6 +159,7 @@ class JobRun:
     first_step: int  # steps trained before: the checkpoint this launch resumes from
     last_step: int  # train.stop_at_step of this launch
     overrides: tuple[str, ...]
+    expected_samples_per_s: float  # what the policy decided on: the oracle's throughput of its plan
 
     @property
     def name(self) -> str:
@@ -173,6 +174,8 @@ class JobSegment(Segment):
     first_step: int
     last_step: int  # the trainer's TrainResult.steps
     resumed_from_step: int  # the trainer's own report: first_step when it found the job's checkpoint
+    expected_samples_per_s: float
+    measured_samples_per_s: float  # of this launch's steps
 
 
 class Resize(Result):
@@ -212,6 +215,9 @@ class ScheduleRun(Result):
         out = {"schedule/wall_s": self.wall_s, "schedule/segments": len(self.segments),
                "schedule/resizes": len(self.resizes),
                "schedule/jobs_finished": sum(job.finish_s is not None for job in self.jobs)}
+        for s in self.segments:  # what each launch's policy expected, and what it got
+            out[f"schedule/{s.job}/{s.segment}/expected_samples_per_s"] = s.expected_samples_per_s
+            out[f"schedule/{s.job}/{s.segment}/measured_samples_per_s"] = s.measured_samples_per_s
         for job in self.jobs:
             out[f"schedule/{job.id}/reschedules"] = job.reschedules
             if job.finish_s is not None:
@@ -226,11 +232,13 @@ def format_run(run: ScheduleRun) -> str:
     slots = ", ".join(f"{nodes * per_node} {t}" for t, (nodes, per_node) in run.cluster.items())
     lines = [(f"{run.policy} on {slots} slots: {finished}/{len(run.jobs)} jobs finished in {run.wall_s:.0f} s, "
               f"{len(run.resizes)} resize(s)"),
-             f"  {'job':<14}{'seg':>4}{'slots':>6}  {'plan':<14}{'steps':>11}{'start s':>9}{'end s':>8}"]
+             f"  {'job':<14}{'seg':>4}{'slots':>6}  {'plan':<14}{'steps':>11}{'start s':>9}{'end s':>8}"
+             f"{'expected/s':>11}{'got/s':>8}"]
     for s in sorted(run.segments, key=lambda s: (s.start_s, s.job)):
         steps = f"{s.first_step + 1}..{s.last_step}"
         lines.append(f"  {s.job:<14}{s.segment:>4}{s.num_gpus:>6}  {s.plan:<14}{steps:>11}"
-                     f"{s.start_s:>9.1f}{s.end_s:>8.1f}")
+                     f"{s.start_s:>9.1f}{s.end_s:>8.1f}"
+                     f"{s.expected_samples_per_s:>11.2f}{s.measured_samples_per_s:>8.2f}")
     lines += [f"  {job.id}: not finished" for job in run.jobs if job.finish_s is None]
     return "\n".join(lines)
 
@@ -298,7 +306,8 @@ class LocalScheduler:
         last = min(first + self.recipe.schedule.segment_steps, job.iterations)
         before = [s for s in self.segments if s.job == job_id]
         run = JobRun(job_id, len(before) + 1, len(nodes), best.plan.name, first, last,
-                     tuple(job_overrides(self.recipe, job, best, last, resume=self.recipe.train.resume or first > 0)))
+                     tuple(job_overrides(self.recipe, job, best, last, resume=self.recipe.train.resume or first > 0)),
+                     best.samples_per_s)
         if before and before[-1].num_gpus != run.slots:
             self.resizes.append(Resize(job=job_id, t_s=now, step=first, from_slots=before[-1].num_gpus,
                                        to_slots=run.slots, from_plan=before[-1].plan, to_plan=run.plan))
@@ -315,7 +324,8 @@ class LocalScheduler:
         self.segments.append(JobSegment(
             job=run.job, gpu_type=gpu_type, num_gpus=run.slots, nodes=sorted(set(nodes)), plan=run.plan,
             start_s=since, end_s=now, segment=run.segment, first_step=run.first_step, last_step=result.steps,
-            resumed_from_step=result.resumed_from_step,
+            resumed_from_step=result.resumed_from_step, expected_samples_per_s=run.expected_samples_per_s,
+            measured_samples_per_s=result.launch_samples_per_s,
         ))
         self.trained[run.job] = result.steps
         self.results[run.job] = result

@@ -3,7 +3,7 @@ package stays cheap): tracking URI and health check, trackers (async batched met
 elsewhere), and the parent/stage run tree of a flow run."""
 
 from omni_core.tracking.models import log_checkpoint, register_checkpoint
-from omni_core.tracking.runs import children_of, current_parent_run_id, git_sha, parent_run, stage_run
+from omni_core.tracking.runs import children_of, current_parent_run_id, git_sha, log_to_run, parent_run, stage_run
 from omni_core.tracking.store import (
     DEFAULT_TRACKING_URI,
     TrackingError,
@@ -27,6 +27,7 @@ __all__ = [
     "disable_telemetry",
     "git_sha",
     "log_checkpoint",
+    "log_to_run",
     "parent_run",
     "register_checkpoint",
     "resolve_tracking_uri",

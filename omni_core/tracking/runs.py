@@ -133,3 +133,12 @@ def stage_run(name: str, recipe: Recipe, *, flow_run_id: str) -> Iterator[Mlflow
     """A run named `name`: a child of the current parent run, or a top-level run when there is none."""
     with _run(recipe, name, flow_run_id, parent_id=current_parent_run_id()) as tracker:
         yield tracker
+
+
+def log_to_run(run_id: str, uri: str, metrics: dict[str, float], *, step: int) -> None:
+    """Metrics into a run opened elsewhere (the parent, a finished look), sent before this returns."""
+    tracker = MlflowTracker(run_id, uri)
+    try:
+        tracker.log_metrics(metrics, step=step)
+    finally:
+        tracker.close()

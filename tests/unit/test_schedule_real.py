@@ -23,6 +23,7 @@ def finished(run: JobRun, resumed_from: int | None = None) -> TrainResult:
         steps=run.last_step, world_size=run.slots, plan=run.plan, initial_loss=5.0, final_loss=4.0, tokens_per_s=1.0,
         samples_per_s=1.0, wall_s=1.0, logging_overhead_pct=0.0, mfu_pct=None, peak_mem_mb=1.0, checkpoint="ckpt",
         resumed_from_step=run.first_step if resumed_from is None else resumed_from,
+        launch_step_s=2.0 * (run.last_step - run.first_step), launch_samples=run.last_step - run.first_step,
     )
 
 
@@ -85,6 +86,9 @@ def test_the_loop_runs_placed_jobs_concurrently_and_never_double_books(tmp_path)
     assert {j: r.steps for j, r in result.results.items()} == {"a": 6, "b": 3}
     assert_never_double_booked(result, 2)
     assert ScheduleRun.from_json(result.to_json()) == result
+    for s in result.segments:  # what the policy expected of each launch, beside what it got
+        assert s.expected_samples_per_s > 0 and s.measured_samples_per_s == 0.5
+        assert result.metrics()[f"schedule/{s.job}/{s.segment}/expected_samples_per_s"] == s.expected_samples_per_s
 
 
 def test_a_failed_launch_stops_new_ones_and_is_raised_after_the_running_ones_end(tmp_path):

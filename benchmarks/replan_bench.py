@@ -1,0 +1,149 @@
+"""Re-planning a drifting job: the same workload and steps three ways, side by side in one invocation.
+
+    python benchmarks/replan_bench.py [--quick] --out replan.json
+
+The workload is recipes/drifting_mix.yaml (text only at the start, image-heavy later) on this machine's
+2 ranks, each way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
+- `initial`: the best static plan for the data at the start (`replan.best_overrides` on the first window);
+- `oracle`: the best static plan for the whole run's data (a profile of as many samples as the run reads);
+- `replanned`: starts as `initial`, and the watcher re-plans it when the drift pays (`replan.enabled`), its
+  re-plan cost measured on the running launch.
+Rounds interleave the three ways; figures are medians over rounds with their spread. `total_s` is the wall
+time of the stage (restarts included), `tokens_per_s` the tokens trained over it, `replan_cost_s` what the
+way spent outside steps beyond `initial` (the re-plans' restarts and saves), `prediction_error_pct` the
+estimator's step time against the measured one, per launch (median). Run it alone; the report records the
+load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from omni_core.data.dataset import open_dataset  # noqa: E402
+from omni_core.data.flops import FlopModel  # noqa: E402
+from omni_core.data.profile import data_ranks, profile_source  # noqa: E402
+from omni_core.recipe.loader import load_recipe, override_recipe  # noqa: E402
+from omni_core.recipe.schema import Recipe  # noqa: E402
+from omni_core.scheduler.replan import best_overrides, plan_of, window_profile  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "drifting_mix.yaml"
+WAYS = ("initial", "oracle", "replanned")
+GPU = "cpu"
+
+
+def workload(root: Path, quick: bool) -> list[str]:
+    """The bench's overrides of the recipe: its own folders and MLflow store; `--quick` a shorter run whose
+    mix moves as early in it."""
+    base = [f"tracking.uri=sqlite:///{root}/mlflow.db", "parallel.plan=explicit", "train.timeout_s=1200"]
+    if quick:
+        base += ["train.steps=16", "train.ckpt_every=4", "train.log_every=2", "replan.window=20",
+                 'data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 8, mix: {text: 0.05, image: 0.95}}]']
+    return base
+
+
+def whole_run_profile(recipe: Recipe):
+    """The data of the whole run: the samples one rank reads over train.steps steps (documents per sequence
+    taken as the mean of the first and last windows'), profiled in stream order along the schedule."""
+    first = window_profile(recipe, 0, 0)
+    last = window_profile(recipe, recipe.train.steps, 0)
+    per_sequence = (first.sequences.documents_mean + last.sequences.documents_mean) / 2
+    samples = round(recipe.train.steps * recipe.train.grad_accum * recipe.data.micro_batch * per_sequence)
+    cfg = recipe.data
+    flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    return profile_source(open_dataset(recipe), cfg, recipe.experiment.seed, flops, samples, by_record=True,
+                          balance_ranks=data_ranks(recipe), step_batches=recipe.train.grad_accum)
+
+
+def run_way(root: Path, overrides: list[str], name: str) -> dict:
+    from mlflow import MlflowClient
+
+    from flows.train import train_flow
+
+    out = root / name
+    tic = time.perf_counter()
+    result = train_flow(str(RECIPE), [*overrides, f"experiment.output_dir={out}", f"experiment.name={name}"])
+    total = time.perf_counter() - tic
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name(name).experiment_id], "attributes.run_name = 'train'")
+    errors = [m.value for m in client.get_metric_history(run.info.run_id, "estimate/error_pct")]
+    tokens = result.tokens_per_s * result.wall_s
+    return {"total_s": total, "tokens_per_s": tokens / total, "step_s_total": result.wall_s,
+            "outside_steps_s": total - result.wall_s, "replans": run.data.metrics.get("replan/replans", 0.0),
+            "prediction_error_pct": statistics.median(errors) if errors else float("nan"),
+            "final_plan": result.plan, "final_loss": result.final_loss}
+
+
+def warm_up() -> None:
+    """Start Prefect's temporary server before the first timed way, which would pay for it otherwise."""
+    import flows  # noqa: F401 - Prefect's settings and telemetry off, before Prefect is imported
+    from prefect import flow
+
+    flow(name="warm-up")(lambda: None)()
+
+
+def summary(runs: list[dict], initial: list[dict]) -> dict:
+    total = [r["total_s"] for r in runs]
+    return {
+        "total_s": statistics.median(total),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "replans": statistics.median(r["replans"] for r in runs),
+        "replan_cost_s": statistics.median(r["outside_steps_s"] - i["outside_steps_s"] for r, i in zip(runs, initial)),
+        "prediction_error_pct": statistics.median(r["prediction_error_pct"] for r in runs),
+        "spread_pct": 100 * (max(total) - min(total)) / statistics.median(total),
+        "final_plan": runs[-1]["final_plan"], "final_loss": statistics.median(r["final_loss"] for r in runs),
+        "rounds": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 16-step run, one round (<= 2 minutes)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 1 quick, 2 full)")
+    parser.add_argument("--out", required=True, help="JSON report")
+    parser.add_argument("--workdir", default=None, help="folder for the runs (default: a fresh one under /tmp)")
+    args = parser.parse_args()
+    rounds = args.rounds or (1 if args.quick else 2)
+    import tempfile
+
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="replan-bench-")).resolve()
+    base = workload(root, args.quick)
+    recipe = load_recipe(RECIPE, base)
+    initial = best_overrides(recipe, window_profile(recipe, 0, 0), GPU)
+    oracle = best_overrides(recipe, whole_run_profile(recipe), GPU)
+    ways = {"initial": [*base, *initial, "replan.enabled=false"],
+            "oracle": [*base, *oracle, "replan.enabled=false"],
+            "replanned": [*base, *initial, "replan.enabled=true"]}
+    report: dict = {"load_average": {"start": os.getloadavg()}, "quick": args.quick, "rounds": rounds,
+                    "steps": recipe.train.steps, "workdir": str(root),
+                    "plans": {way: plan_of(override_recipe(recipe, o)).name for way, o in ways.items()}}
+    print(f"plans: {report['plans']}", flush=True)
+    warm_up()
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    for k in range(rounds):
+        for way in WAYS:
+            runs[way].append(run_way(root, ways[way], f"{way}-{k}"))
+            r = runs[way][-1]
+            print(f"round {k} {way:<10} {r['total_s']:7.1f} s  {r['tokens_per_s']:7.0f} tokens/s  "
+                  f"replans {r['replans']:.0f}  prediction error {r['prediction_error_pct']:+.1f}%", flush=True)
+    report.update({way: summary(runs[way], runs["initial"]) for way in WAYS})
+    report["speedup_vs_initial"] = {way: statistics.median(i["total_s"] / r["total_s"]
+                                                           for i, r in zip(runs["initial"], runs[way])) for way in WAYS}
+    report["replanned_vs_oracle"] = statistics.median(o["total_s"] / r["total_s"]
+                                                      for o, r in zip(runs["oracle"], runs["replanned"]))
+    report["load_average"]["end"] = os.getloadavg()
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("plans", "speedup_vs_initial", "replanned_vs_oracle")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The watcher's decisions (scheduler/replan.py) on synthetic drift, with the real estimator and profiler: no
+re-plan below the threshold, a re-plan above it, none when the predicted gain does not pay for the switch;
+the stop request and the relaunch's recipe; which plan changes keep the data order."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_core.common.control import TrainProgress, read_stop
+from omni_core.recipe import load_recipe, override_recipe
+from omni_core.scheduler.replan import Replanner, drift, look, plan_of, same_data_order, window_profile
+
+pytestmark = pytest.mark.usefixtures("uncalibrated")
+
+RECIPE = """\
+experiment: {{name: replan-test, output_dir: {out}, seed: 0}}
+data:
+  source: dynamic
+  seq_len: 512
+  max_image_patches: 256
+  synthetic:
+    num_samples: 400
+    mix: {{text: 0.5, image: 0.5}}
+    schedule:
+      - {{step: 0, mix: {{text: 1.0}}}}
+      - {{step: 20, mix: {{text: 0.05, image: 0.95}}}}
+    image_side_px: {{min: 160, max: 224}}
+model: {{flavor: debug-enc}}
+parallel: {{nproc: 2, dp_replicate: 2, dp_shard: 1}}
+train: {{steps: 400, grad_accum: 2, ckpt_every: 10}}
+replan: {{enabled: true, window: 60}}
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE.format(out=tmp_path / "out"))
+    return load_recipe(path)
+
+
+def progress(step: int, steps: int = 400, startup_s: float = 5.0) -> TrainProgress:
+    return TrainProgress(step=step, steps=steps, plan="dp2x1", samples=0, step_s=1.0, startup_s=startup_s,
+                         ckpt_s=0.5, resumed_from_step=0, updated_unix=0.0)
+
+
+def test_drift_is_the_mix_distance_or_the_change_of_cost_per_sample(recipe):
+    text = window_profile(recipe, 0, 0)
+    images = window_profile(recipe, 30, 0)
+    assert drift(text, text) == (0.0, 0.0, 0.0)
+    distance, mix, flops = drift(text, images)
+    a, b = ({m: q.share for m, q in p.modalities.items()} for p in (text, images))
+    assert mix == pytest.approx(0.5 * sum(abs(a.get(m, 0) - b.get(m, 0)) for m in a.keys() | b.keys()))
+    assert 0.8 < mix < 1 and flops > 1 and distance == max(mix, flops)
+
+
+def test_no_replan_below_the_threshold(recipe):
+    decision, _ = look(recipe, progress(5), window_profile(recipe, 5, 0), "cpu")
+    assert not decision.replan and decision.drift < recipe.replan.drift_threshold
+    assert "below replan.drift_threshold" in decision.reason
+
+
+def test_a_drift_whose_gain_pays_replans_and_asks_the_job_to_stop(recipe):
+    """Text at the start, images at step 30: the encoders' layout moves, and 370 steps pay for a cheap switch."""
+    cheap = override_recipe(recipe, ["replan.cost_s=0.01"])
+    decision, window = look(cheap, progress(30), window_profile(cheap, 0, 0), "cpu")
+    assert decision.replan, decision.reason
+    assert decision.best_plan != decision.running_plan == "dp2x1"
+    assert decision.predicted_best_s < decision.predicted_running_s
+    assert decision.gain_s == pytest.approx(decision.remaining_steps * 1.0 * (  # the measured 1 s per step
+        1 - decision.predicted_best_s / decision.predicted_running_s))
+    assert decision.stop_step == 40 and decision.remaining_steps == 360
+    assert plan_of(override_recipe(cheap, decision.overrides)).name == decision.best_plan
+    assert window.modalities["image"].share > 0.8
+
+
+def test_no_replan_when_the_gain_does_not_pay_for_the_switch(recipe):
+    costly = override_recipe(recipe, ["replan.cost_s=1e6"])
+    decision, _ = look(costly, progress(30), window_profile(costly, 0, 0), "cpu")
+    assert not decision.replan and decision.drift > costly.replan.drift_threshold
+    assert decision.best_plan != decision.running_plan and "less than a re-plan's 1000000.0 s" in decision.reason
+    measured = look(recipe, progress(30, steps=45, startup_s=60.0), window_profile(recipe, 0, 0), "cpu")[0]
+    assert measured.cost_s == 60.5 and not measured.replan  # the running launch's own startup and save
+
+
+def test_the_replanner_looks_every_checkpoint_then_relaunches_under_the_request(recipe, tmp_path):
+    folder = tmp_path / "control"
+    folder.mkdir()
+    replanner = Replanner(override_recipe(recipe, ["replan.cost_s=0.01"]), "cpu", folder)
+    first = replanner.launching()
+    assert first.train.ckpt_dir == recipe.checkpoint_dir()  # pinned: the relaunch resumes the same directory
+    assert replanner.on_progress(progress(5)) is None  # the reference window is taken; no look before step 10
+    assert (folder / "reference.json").is_file() and (folder / "recipe.yaml").is_file()
+    decision, _ = replanner.on_progress(progress(30))
+    assert decision.replan and read_stop(folder).plan == decision.best_plan
+    assert replanner.on_progress(progress(35)) is None  # stopping: no more looks in this launch
+
+    from omni_core.common.results import TrainResult
+
+    stopped = TrainResult(steps=40, world_size=2, plan="dp2x1", initial_loss=5.0, final_loss=4.0, tokens_per_s=1.0,
+                          samples_per_s=1.0, wall_s=40.0, logging_overhead_pct=0.0, mfu_pct=None, peak_mem_mb=1.0,
+                          checkpoint="ckpt", launch_step_s=40.0)
+    assert replanner.launch_ended(stopped)
+    assert plan_of(replanner.recipe).name == decision.best_plan and replanner.recipe.train.resume
+    assert replanner.recipe.train.ckpt_dir == recipe.checkpoint_dir()
+    assert replanner.launching() and read_stop(folder) is None  # the next launch starts with no request
+    assert replanner.segments[0].measured_step_s == 1.0 and replanner.replans == 1
+
+
+def test_same_data_order_needs_the_same_shards_and_sequences_per_step(recipe):
+    assert same_data_order(recipe, override_recipe(recipe, ["parallel.encoders.layout=omni"]))
+    regrouped = ["data.micro_batch=2", "train.grad_accum=1"]
+    assert same_data_order(recipe, override_recipe(recipe, regrouped))  # balancing places per step
+    assert not same_data_order(recipe, override_recipe(recipe, [*regrouped, "data.balance.policy=none"]))
+    assert not same_data_order(recipe, override_recipe(recipe, ["parallel.dp_replicate=1", "parallel.tp=2"]))
+
+
+def test_the_window_of_a_file_source_is_what_the_job_reads_next(tmp_path):
+    """Past the samples read: the window's counts are the stream's from there on."""
+    from collections import Counter
+
+    from omni_core.data.dataset import open_dataset
+    from omni_core.data.synthetic import ensure_dataset
+    from tests.helpers.data_sources import make_recipe, records
+
+    recipe = make_recipe(tmp_path, num_samples=60, fmt="jsonl", profile_window=10)
+    ensure_dataset(recipe)
+    recipe = override_recipe(recipe, ["replan.window=20"])
+    expected = Counter(r.modality for r in records(open_dataset(recipe))[25:45])
+    window = window_profile(recipe, step=3, samples=25)
+    assert window.total_samples == 20
+    assert {m: p.count for m, p in window.modalities.items()} == dict(expected)

@@ -150,14 +150,25 @@ def document_labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
+PAD_DOC = 128  # tokens per padding document at most
+
+
+def _split_padding(tokens: int) -> list[DecodedSample]:
+    return [DecodedSample.padding(min(PAD_DOC, tokens - start)) for start in range(0, tokens, PAD_DOC)]
+
+
 def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatch:
-    """Lays sequences end to end, each filled to exactly cfg.seq_len by a trailing padding document."""
+    """Lays sequences end to end, each filled to exactly cfg.seq_len by trailing padding documents of at most
+    PAD_DOC tokens: attention runs within each document, so padding costs attention linear in its length
+    (PAD_DOC x padding), not its square, and no real token ever sees it."""
     docs: list[DecodedSample] = []
     for seq in sequences:
         used = sum(len(d.input_ids) for d in seq)
         if used > cfg.seq_len:
             raise ValueError(f"sequence holds {used} tokens, more than seq_len={cfg.seq_len}")
-        docs.extend(seq + ([DecodedSample.padding(cfg.seq_len - used)] if used < cfg.seq_len else []))
+        filled = seq + [DecodedSample.padding(cfg.seq_len - used)] if used < cfg.seq_len else seq
+        for doc in filled:  # a sample that failed to decode is padding too
+            docs.extend(_split_padding(len(doc.input_ids)) if doc.is_padding else [doc])
     ids = [torch.tensor(d.input_ids, dtype=torch.long) for d in docs]
     lengths = torch.tensor([len(d.input_ids) for d in docs], dtype=torch.int32)
     patch_dim = 3 * cfg.patch_size**2

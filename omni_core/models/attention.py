@@ -46,10 +46,11 @@ def varlen_attention(
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     outputs = [
-        # SDPA wants [heads, seq, head_dim].
+        # SDPA wants [batch, heads, seq, head_dim]: given 3-D tensors, CPU SDPA takes its math path and
+        # materialises the [H, T, T] scores (+2.5 GB at T = 8,192), 4-D takes the fused kernel
         F.scaled_dot_product_attention(
-            q_doc.transpose(0, 1), k_doc.transpose(0, 1), v_doc.transpose(0, 1), is_causal=causal
-        ).transpose(0, 1)
+            q_doc.transpose(0, 1)[None], k_doc.transpose(0, 1)[None], v_doc.transpose(0, 1)[None], is_causal=causal
+        )[0].transpose(0, 1)
         for q_doc, k_doc, v_doc in zip(q.split(lengths), k.split(lengths), v.split(lengths))
     ]
     return torch.cat(outputs)

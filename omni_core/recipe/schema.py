@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Modality = Literal["text", "image", "audio", "video"]
 MODALITIES: tuple[str, ...] = ("text", "image", "audio", "video")
+MAX_SEQ_LEN = 1 << 20  # tokens per packed sequence at most: past any context the flavors are built for
 
 
 class Strict(BaseModel):
@@ -182,7 +183,7 @@ class DataConfig(Strict):
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     heldout_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
-    seq_len: int = Field(512, ge=16, description="Token budget of one packed sequence")
+    seq_len: int = Field(512, ge=16, le=MAX_SEQ_LEN, description="Token budget of one packed sequence")
     micro_batch: int = Field(1, ge=1, description="Packed sequences per rank per micro-step")
     pack_lookahead: float = Field(
         1.5, ge=1, le=8, description="Pending samples the packer picks from, in batches' worth of tokens"

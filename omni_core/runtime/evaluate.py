@@ -58,7 +58,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
             for doc in documents(batch, tokens_per_image, tokens_per_video):
                 done = captions.setdefault(doc.modality, [])
                 if len(done) < recipe.eval.generate_samples:
-                    pair = greedy_caption(model, doc, recipe.eval.max_new_tokens)
+                    pair = greedy_caption(model, doc, recipe.eval.max_new_tokens, recipe.data.seq_len)
                     if pair is not None:
                         done.append(pair)
     if stats is None:

@@ -81,8 +81,9 @@ def documents(batch: PackedBatch, tokens_per_image: Callable[[int, int], int],
 
 
 @torch.no_grad()
-def greedy_caption(model: OmniModel, doc: Document, max_new: int) -> tuple[str, str] | None:
-    """(decoded, reference) for a document whose caption follows its media; None for text-only ones."""
+def greedy_caption(model: OmniModel, doc: Document, max_new: int, max_len: int | None = None) -> tuple[str, str] | None:
+    """(decoded, reference) for a document whose caption follows its media; None for text-only ones. The
+    prompt and what is generated stay within `max_len` tokens (training's sequence length)."""
     media = ((doc.input_ids == IMAGE_ID) | (doc.input_ids == AUDIO_ID) | (doc.input_ids == VIDEO_ID)).nonzero()
     if len(media) == 0:
         return None
@@ -91,7 +92,7 @@ def greedy_caption(model: OmniModel, doc: Document, max_new: int) -> tuple[str, 
     reference = tokenizer.decode([t for t in doc.input_ids[prompt:].tolist() if t < NUM_BYTES])
     generated: list[int] = []
     ids = doc.input_ids[:prompt]
-    for _ in range(max_new):
+    for _ in range(max_new if max_len is None else min(max_new, max_len - prompt)):
         token = int(model(doc.with_tokens(ids))[-1].argmax())
         if token == EOS_ID or token >= NUM_BYTES:
             break

@@ -278,6 +278,20 @@ def test_collate_labels_positions_and_boundaries_by_hand():
         collate([[long_text, long_text]], cfg)
 
 
+def test_collate_splits_padding_so_attention_over_it_stays_linear():
+    """A long sequence's padding is documents of at most PAD_DOC tokens; real documents are untouched."""
+    from omni_core.data.packing import PAD_DOC
+
+    cfg = DataConfig(seq_len=1000, micro_batch=1, patch_size=2, n_mels=4)
+    text = DecodedSample([BOS_ID, 104, 105, EOS_ID])
+    failed = DecodedSample.padding(300)  # a sample that did not decode
+    batch = collate([[text, failed]], cfg)
+    lengths = batch.cu_seqlens.diff().tolist()
+    assert lengths[0] == 4 and sum(lengths) == 1000 and max(lengths[1:]) == PAD_DOC == 128
+    assert lengths[1:] == [128, 128, 44] + [128] * 5 + [56]  # the failed sample's 300, then the 696 left
+    assert batch.num_samples == 1 and (batch.input_ids[4:] == PAD_ID).all() and (batch.labels[3:] == -100).all()
+
+
 class Item:
     def __init__(self, ordinal: int, tokens: int) -> None:
         self.ordinal, self.tokens = ordinal, tokens

@@ -62,13 +62,16 @@ def test_llm_flops_by_hand() -> None:
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
 def test_train_flops_match_torch_flop_counter(flavor: str) -> None:
-    """torch counts every matmul and convolution of the real forward, attention included (SDPA's CPU path is
-    two bmm per document), but that path also computes the masked half of each causal document: our count,
-    over the batch's own documents, images, clips and videos, is the counter's minus that half."""
+    """torch counts every matmul and convolution of the real forward, attention included when SDPA takes its
+    math path (two bmm per document; its fused CPU kernel, which the model gets, is not counted), but that
+    path also computes the masked half of each causal document: our count, over the batch's own documents,
+    images, clips and videos, is the counter's minus that half."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     args = get_flavor(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS)
     model = OmniModel(args)
     batch = make_batch(MIXED_DOCS + VIDEO_DOCS)  # every modality: no encoder runs a dummy input
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(batch)
     docs = batch.cu_seqlens.diff().tolist()
     masked_half = attention_pairs(docs, causal=False) - attention_pairs(docs, causal=True)

@@ -134,3 +134,5 @@ def test_evaluation_splits_a_batch_into_documents_with_their_own_videos():
     assert [d.video_grids.tolist() for d in docs] == [[], [[3, 2, 3]], [[2, 3, 2]]]
     assert torch.equal(torch.cat([d.video_patches for d in docs]), batch.video_patches)
     assert greedy_caption(model, docs[2], max_new=2) is not None  # a media document: prompted to its last VIDEO_ID
+    prompt = int((docs[2].input_ids == VIDEO_ID).nonzero()[-1]) + 1
+    assert greedy_caption(model, docs[2], max_new=8, max_len=prompt)[0] == ""  # never past training's seq_len

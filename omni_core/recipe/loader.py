@@ -198,11 +198,13 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, A
 
 
 def _deep_merge(base: dict, child: dict, path: str, replaced: list[str]) -> dict:
-    """Mappings merge key by key; anything else in `child` replaces. Replaced paths go to `replaced`."""
+    """The one merge rule, of `extends:` and `--set` alike: a section of the schema (a mapping of named fields,
+    `_is_section`) merges key by key; anything else in `child` replaces, a mapping of free keys (a mix, GPU
+    overrides) included, so a child can drop a modality. Replaced paths go to `replaced`."""
     merged = dict(base)
     for key, value in child.items():
         key_path = _join(path, key)
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and _is_section(key_path):
             merged[key] = _deep_merge(merged[key], value, key_path, replaced)
         else:
             if key in merged:
@@ -270,7 +272,9 @@ def _step_into(container: Any, part: str, walked: str, locations: Locations, lab
 
 def _assign(container: Any, part: str, walked: str, value: Any) -> None:
     if isinstance(container, dict):
-        container[part] = value
+        path, old = _join(walked, part), container.get(part)
+        merge = isinstance(value, dict) and isinstance(old, dict) and _is_section(path)
+        container[part] = _deep_merge(old, value, path, []) if merge else value
     else:
         container[_list_index(container, part, walked)] = value
 
@@ -338,6 +342,11 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
             return None
     annotation = _without_none(annotation)
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _is_section(path: str) -> bool:
+    """Whether the schema field at dotted `path` is a section of named fields (a model), not a value."""
+    return _model_at(tuple(path.split("."))) is not None
 
 
 def _without_none(annotation: Any) -> Any:

@@ -98,6 +98,24 @@ def test_extends_merges_mappings_and_replaces_lists_through_a_chain(tmp_path):
     assert recipe.train.lr == 0.5
 
 
+def test_one_merge_rule_for_extends_and_set_sections_merge_free_keyed_maps_replace(tmp_path):
+    """A child can drop a modality from its parent's mix, as --set can; both merge a section's fields."""
+    base = write(tmp_path, "base.yaml", """\
+        experiment: {name: x}
+        data: {seq_len: 256, synthetic: {num_samples: 10, mix: {text: 0.5, image: 0.5}}}
+        estimate: {gpus: {cpu: {memory_gb: 8}}}
+        """)
+    child = write(tmp_path, "child.yaml", "extends: base.yaml\ndata: {synthetic: {mix: {text: 1.0}}}\n")
+    by_extends = load_recipe(child)
+    by_set = load_recipe(base, ["data={synthetic: {mix: {text: 1.0}}}"])
+    for recipe in (by_extends, by_set):
+        assert recipe.data.synthetic.mix == {"text": 1.0}  # the map replaced: image dropped
+        assert recipe.data.seq_len == 256 and recipe.data.synthetic.num_samples == 10  # the sections merged
+    assert load_recipe(base, ["data.synthetic.mix={audio: 1.0}"]).data.synthetic.mix == {"audio": 1.0}
+    gpus = load_recipe(base, ["estimate.gpus={a100: {memory_gb: 40}}"]).estimate.gpus
+    assert set(gpus) == {"a100"}
+
+
 def test_errors_point_at_the_file_that_defined_the_value(tmp_path):
     write(tmp_path, "base.yaml", "experiment: {name: x}\ntrain:\n  steps: abc\n  lr: 0.1\n")
     child = write(tmp_path, "child.yaml", "extends: base.yaml\ntrain:\n  lr: fast\n")

@@ -10,6 +10,7 @@ import functools
 import re
 import resource
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,7 +65,14 @@ def local_device_type() -> str:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated GPU memory, or the process's peak resident set on CPU."""
+    """Peak allocated GPU memory, or the process's peak resident set on CPU: Linux's VmHWM, the high-water
+    mark of this program's own memory (getrusage's ru_maxrss survives exec, so a process started by a large
+    one would report its parent's size)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux and BSD report KiB
+    [kib] = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")]
+    return int(kib) / 1024

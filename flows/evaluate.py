@@ -49,12 +49,14 @@ def eval_chart(report: EvalReport, path: Path) -> Path:
 
 
 @flow(name="evaluate")
-def evaluate_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> EvalReport:
-    """Evaluate the newest complete checkpoint; log eval_report.json, eval/* metrics (loss, perplexity and
-    word accuracy of greedy captions per modality) and a chart of both."""
+def evaluate_flow(recipe: Recipe | str, overrides: list[str] | None = None,
+                  checkpoint: str | None = None) -> EvalReport:
+    """Evaluate `checkpoint` (the train stage's: its plan may have its own micro-batches, hence its own
+    checkpoint directory), else the recipe's newest complete one; log eval_report.json, eval/* metrics (loss,
+    perplexity and word accuracy of greedy captions per modality) and a chart of both."""
     r = resolve(recipe, overrides)
     with stage_run("evaluate", r, flow_run_id=flow_run.id) as run:
-        report = evaluate_checkpoint(r)
+        report = evaluate_checkpoint(r, checkpoint)
         run.log_dict(report.model_dump(mode="json"), "eval_report.json")
         run.log_metrics(eval_metrics(report), step=report.step)
         run.log_artifact(eval_chart(report, stage_dir(r, run.run_id) / "eval_by_modality.png"))

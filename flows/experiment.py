@@ -33,7 +33,8 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
         if r.jobs:
             results = {"schedule": schedule_flow(r, profile=profile, cells=cells)}
         else:
-            results = {"train": train_flow(r, cells=cells, profile=profile), "evaluate": evaluate_flow(r)}
+            trained = train_flow(r, cells=cells, profile=profile)
+            results = {"train": trained, "evaluate": evaluate_flow(r, checkpoint=trained.checkpoint)}
     return {
         "parent_run_id": run.run_id,
         "run_name": name,

@@ -89,6 +89,7 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     assert registered.run_id == train.info.run_id and registered.source.endswith("checkpoint")
 
     evaluate = stages["evaluate"]
+    assert summary["evaluate"]["checkpoint"] == summary["train"]["checkpoint"]  # handed over, not looked up
     files = artifact_paths(client, evaluate.info.run_id)
     assert "eval_report.json" in files and any(f.endswith(".png") for f in files)
     metrics = evaluate.data.metrics

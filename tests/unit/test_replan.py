@@ -130,3 +130,21 @@ def test_the_window_of_a_file_source_is_what_the_job_reads_next(tmp_path):
     window = window_profile(recipe, step=3, samples=25)
     assert window.total_samples == 20
     assert {m: p.count for m, p in window.modalities.items()} == dict(expected)
+
+
+def test_omni_watch_looks_from_the_control_folder_and_leaves_its_stop_request_there(recipe):
+    from omni_core.scheduler.replan import control_folder, look_from_outside
+
+    cheap = override_recipe(recipe, ["replan.cost_s=0.01"])
+    with pytest.raises(ValueError, match="no re-planned job of experiment 'replan-test' is running"):
+        look_from_outside(cheap, "cpu")
+    folder = control_folder(cheap)
+    folder.mkdir(parents=True)
+    replanner = Replanner(cheap, "cpu", folder)
+    replanner.launching()
+    replanner.on_progress(progress(5))  # the job's first report: the reference window
+    progress(30).save(folder / "progress.json")
+    decision, _ = look_from_outside(cheap, "cpu")
+    assert decision.replan and read_stop(folder).plan == decision.best_plan
+    with pytest.raises(ValueError, match="already stopping"):
+        look_from_outside(cheap, "cpu")

@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,8 +114,6 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="folder for the runs (default: a fresh one under /tmp)")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
-    import tempfile
-
     root = Path(args.workdir or tempfile.mkdtemp(prefix="replan-bench-")).resolve()
     base = workload(root, args.quick)
     recipe = load_recipe(RECIPE, base)

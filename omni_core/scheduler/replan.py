@@ -2,11 +2,12 @@
 
 A look (`look`) profiles the newest window of the job's data stream (the samples it reads next: a dynamic
 source drawn at the job's step, a file source past what the job has read), compares it with the window the
-running plan was chosen on, and when the drift passes `replan.drift_threshold` re-estimates the job's Cell on
-the new window. The best plan over `replan.layouts` (LLM degrees, encoder layout and LSSP, micro-batch,
-checkpointing) replaces the running one only if what it is predicted to save over the remaining steps pays for
-the re-plan: its measured cost (the running launch's startup, restore included, plus its last checkpoint's
-save) unless `replan.cost_s` says otherwise. Both plans are priced by the same function on the same window
+running plan was chosen on, and re-estimates the job's Cell on the new window (milliseconds: every look logs
+both predictions). Only when the drift passes `replan.drift_threshold` may the best plan over
+`replan.layouts` (LLM degrees, encoder layout and LSSP, micro-batch, checkpointing) replace the running one,
+and only if what it is predicted to save over the remaining steps pays for the re-plan: its measured cost
+(from the launcher's start to the first step, restore included, plus the last checkpoint's save) unless
+`replan.cost_s` says otherwise. Both plans are priced by the same function on the same window
 (`recipe_cells.predicted_step_times`), and their ratio is applied to the running launch's measured step
 seconds, so gain and cost are both measured seconds whatever the estimator's absolute error. A look that does
 not re-plan says why.
@@ -89,10 +90,11 @@ def window_profile(recipe: Recipe, step: int, samples: int) -> DatasetProfile:
 
 def drift(reference: DatasetProfile, window: DatasetProfile) -> tuple[float, float, float]:
     """(drift, mix distance, FLOPs change) of `window` against `reference`; drift is the larger of the two."""
-    kinds = set(reference.modalities) | set(window.modalities)
-    share = {name: {k: p.modalities[k].share if k in p.modalities else 0.0 for k in kinds}
-             for name, p in (("ref", reference), ("new", window))}
-    mix = 0.5 * sum(abs(share["ref"][k] - share["new"][k]) for k in kinds)
+    def share(p: DatasetProfile, kind: str) -> float:
+        return p.modalities[kind].share if kind in p.modalities else 0.0
+
+    kinds = reference.modalities.keys() | window.modalities.keys()
+    mix = 0.5 * sum(abs(share(reference, k) - share(window, k)) for k in kinds)
 
     def per_sample(p: DatasetProfile) -> float:
         return (p.encoder_flops + p.llm_flops) / max(p.total_samples, 1)

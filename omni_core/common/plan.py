@@ -142,6 +142,8 @@ class ModelShape:
     n_kv_heads: int
     num_experts: int = 0  # 0: dense
     seq_len: int | None = None  # tokens of one packed micro-batch
+    tied_embeddings: bool = False  # one parameter for the token embedding and the output head
+    sliding_window: bool = False  # some layers attend within a window (built for whole sequences on a rank)
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,12 @@ class ParallelPlan:
             if shape.seq_len % chunks:
                 degrees = f"cp={self.cp} ({self.cp_kind}) x tp={self.tp}" if self.cp > 1 else f"tp={self.tp}"
                 problems.append(f"{degrees} needs seq_len={shape.seq_len} divisible by {chunks}")
+        if shape.tied_embeddings and self.pp > 1:
+            problems.append(f"pp={self.pp} would put the tied embedding and output head on different stages")
+        if shape.tied_embeddings and self.tp > 1:
+            problems.append(f"tp={self.tp} shards the embedding and the output head apart, but they are tied")
+        if shape.sliding_window and self.cp > 1:
+            problems.append(f"cp={self.cp}: context-parallel attention has no sliding window")
         if problems:
             raise PlanError(f"plan {self.name} does not fit the model: " + "; ".join(problems))
 

@@ -409,8 +409,7 @@ def omni_workload(
     dummy_calls = {"vision.block": not images, "audio.block": not clips}
     encoder = [replace(layer, ops=layer.ops + ATTENTION_CALL_OPS) if dummy_calls.get(layer.name) else layer
                for layer in encoder]
-    shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
-                       num_experts=moe.num_experts if moe else 0, seq_len=seq_len)
+    shape = llm.shape(seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)
     max_item, described = 0.0, EncoderItems()
     if items:  # the longest item, r times the mean length: linear work x r, attention's x r^2
@@ -466,7 +465,7 @@ def paper_workload(key: str, image_share: float) -> Workload:
     encoder = (*vit("vision", n_layers=v.n_layers, dim=v.dim, heads=v.n_heads, patches=patches,
                     sum_sq=images * PATCHES_PER_IMAGE**2, images=images, patch_dim=v.patch_dim, mlp_ratio=v.mlp_ratio),
                projector("projector.image", v.dim * MERGE, llm.dim, llm.dim, patches / MERGE))
-    shape = ModelShape(n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads, seq_len=seq_len)
+    shape = llm.shape(seq_len)
     cv = images**-0.5 if images else 0.0  # images per sequence are a count: spread ~ 1 / sqrt(mean)
     items = EncoderItems("vision", images, PATCHES_PER_IMAGE, v.n_heads, quadratic_share(encoder), 1 / images,
                          4.0 * patches * v.patch_dim) if images else EncoderItems()

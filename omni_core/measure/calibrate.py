@@ -248,7 +248,7 @@ def _tiny_block():
 
     args = LLMArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=8)
     block, x = TransformerBlock(args), torch.randn(4, 32, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(4), 16, args.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(4), args)
 
     def tiny() -> None:
         block(x, cos, sin, [0, 4]).sum().backward()

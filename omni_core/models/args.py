@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from omni_core.common.plan import ModelShape
 from omni_core.common.tokenizer import VOCAB_SIZE
 
 
@@ -23,11 +24,49 @@ class MoEArgs:
     num_experts: int = 4
     top_k: int = 2
     shared_expert: bool = False  # an always-on dense expert next to the routed ones (DeepSeek/Qwen-MoE style)
+    shared_hidden: int | None = None  # the shared expert's width (None: the routed experts' ffn_hidden)
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(w x), one weight row
+    renormalize: bool = True  # the k chosen probabilities rescaled to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
     aux_loss_coef: float = 0.01  # Switch-Transformer load-balancing loss weight
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoEArgs: top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+RopeKind = Literal["linear", "llama3", "yarn"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for long contexts, by the rules transformers names `rope_type` (its
+    `modeling_rope_utils`): `linear` divides every frequency by `factor`; `llama3` divides the low ones by
+    `factor`, keeps the high ones and blends between `low_freq_factor` and `high_freq_factor`; `yarn` blends
+    interpolated and extrapolated frequencies over a ramp set by `beta_fast` / `beta_slow` and scales cos/sin
+    by `attention_factor` (derived from `factor` when None). `original_max_positions` is the pre-training
+    context the last two measure against."""
+
+    kind: RopeKind
+    factor: float
+    original_max_positions: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling: factor {self.factor} must be > 0")
+        if self.kind in ("llama3", "yarn") and not self.original_max_positions:
+            raise ValueError(f"RopeScaling: {self.kind} needs original_max_positions")
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("RopeScaling: llama3 needs high_freq_factor > low_freq_factor")
+
+
+# The FFN's gate activation (SwiGLU is silu); names as torch's, transformers' `gelu_pytorch_tanh` is gelu_tanh.
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +80,13 @@ class LLMArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections; Llama: none
+    rope_scaling: RopeScaling | None = None
+    activation: Activation = "silu"
+    tied_embeddings: bool = False  # the output head is the token embedding (Qwen2-0.5B, Llama-3.2-1B)
+    # Mistral / Qwen2: a query sees at most the `sliding_window` latest keys of its document, in the layers from
+    # `full_attention_layers` on (Qwen2's max_window_layers; the layers below it attend to the whole document)
+    sliding_window: int | None = None
+    full_attention_layers: int = 0
     # sdpa: one SDPA call per packed document. flex: flex_attention with a block-sparse document mask, for GPUs
     # (benchmarks/attention_timings.py compares them); it has no backward on CPU.
     attention: Literal["sdpa", "flex"] = "sdpa"
@@ -50,6 +96,23 @@ class LLMArgs:
         _check_heads("LLMArgs", self.dim, self.n_heads, self.n_kv_heads)
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"LLMArgs: head_dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"LLMArgs: sliding_window {self.sliding_window} must be >= 1 (None: no window)")
+        if self.sliding_window is not None and self.attention == "flex":
+            raise ValueError("LLMArgs: sliding_window is built for attention='sdpa' only")
+
+    def shape(self, seq_len: int | None = None) -> ModelShape:
+        """What a parallel plan must divide or keep together (`ParallelPlan.check_model`)."""
+        return ModelShape(
+            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            num_experts=self.moe.num_experts if self.moe else 0, seq_len=seq_len,
+            tied_embeddings=self.tied_embeddings,
+            sliding_window=self.sliding_window is not None and self.full_attention_layers < self.n_layers,
+        )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None where it attends to whole documents."""
+        return self.sliding_window if layer >= self.full_attention_layers else None
 
 
 @dataclass(frozen=True)
@@ -63,7 +126,7 @@ class VisionArgs:
     # absolute: one learned table for a max_grid x max_grid grid (SigLIP/CLIP), resampled to other grids.
     pos_embed: Literal["factorized", "absolute"] = "factorized"
     max_grid: int = 64
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # SigLIP uses the tanh approximation
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"  # SigLIP uses the tanh approximation
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
@@ -79,6 +142,7 @@ class AudioArgs:
     mlp_ratio: float = 4.0
     max_frames: int = 3000  # longest clip accepted (log-mel frames, before the 2x subsampling)
     norm_eps: float = 1e-5
+    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
 
     def __post_init__(self) -> None:
         _check_heads("AudioArgs", self.dim, self.n_heads)

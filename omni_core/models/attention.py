@@ -33,26 +33,52 @@ def varlen_attention(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor | Sequence[int],
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
 
     `cu_seqlens` holds the [D+1] document offsets. Models pass them as a Python list, read from the device
     once per forward, because reading a device tensor on the host is a sync that should not happen in every
-    layer. Grouped-query attention repeats each KV head for H // Hkv consecutive query heads.
+    layer. Grouped-query attention repeats each KV head for H // Hkv consecutive query heads. `window`
+    (causal only): a query attends to its `window` latest keys, itself included (Mistral's sliding window).
     """
     lengths = _document_lengths(cu_seqlens, q.shape[0])
+    if window is not None and not causal:
+        raise ValueError("a sliding window is defined for causal attention only")
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
+    # SDPA wants [batch, heads, seq, head_dim]: given 3-D tensors, CPU SDPA takes its math path and
+    # materialises the [H, T, T] scores (+2.5 GB at T = 8,192), 4-D takes the fused kernel
     outputs = [
-        # SDPA wants [batch, heads, seq, head_dim]: given 3-D tensors, CPU SDPA takes its math path and
-        # materialises the [H, T, T] scores (+2.5 GB at T = 8,192), 4-D takes the fused kernel
-        F.scaled_dot_product_attention(
-            q_doc.transpose(0, 1)[None], k_doc.transpose(0, 1)[None], v_doc.transpose(0, 1)[None], is_causal=causal
-        )[0].transpose(0, 1)
+        _sdpa(q_doc, k_doc, v_doc, causal) if window is None or len(q_doc) <= window
+        else _windowed(q_doc, k_doc, v_doc, window)
         for q_doc, k_doc, v_doc in zip(q.split(lengths), k.split(lengths), v.split(lengths))
     ]
+    return torch.cat(outputs)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None):
+    """SDPA over [T, H, D] tensors, viewed 4-D."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        is_causal=causal and mask is None,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal sliding-window attention of one document, in query blocks of `window`: each block sees the
+    keys from `window - 1` before its first query to its last, so memory is O(T x window), never T x T."""
+    outputs = []
+    for start in range(0, len(q), window):
+        end = min(start + window, len(q))
+        first = max(0, start - window + 1)
+        query = torch.arange(start, end)[:, None]
+        key = torch.arange(first, end)[None, :]
+        visible = (key <= query) & (key > query - window)
+        outputs.append(_sdpa(q[start:end], k[first:end], v[first:end], causal=False, mask=visible.to(q.device)))
     return torch.cat(outputs)
 
 
@@ -187,8 +213,8 @@ class EncoderBlock(nn.Module):
         self.attention_norm = nn.LayerNorm(dim, eps=norm_eps)
         self.attention = EncoderAttention(dim, n_heads)
         self.mlp_norm = nn.LayerNorm(dim, eps=norm_eps)
-        approximate = {"gelu": "none", "gelu_tanh": "tanh"}[activation]
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate=approximate), nn.Linear(hidden, dim))
+        act = nn.ReLU() if activation == "relu" else nn.GELU(approximate={"gelu": "none", "gelu_tanh": "tanh"}[activation])
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), act, nn.Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], shard: EncoderShard | None = None) -> torch.Tensor:
         """Only attention mixes tokens, so under a `shard` (see EncoderAttention) the rest runs on the chunk as is."""

@@ -34,7 +34,8 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(args.n_mels, args.dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(args.dim, args.dim, kernel_size=3, stride=2, padding=1)
         self.layers = nn.ModuleList(
-            EncoderBlock(args.dim, args.n_heads, args.mlp_ratio, args.norm_eps) for _ in range(args.n_layers)
+            EncoderBlock(args.dim, args.n_heads, args.mlp_ratio, args.norm_eps, args.activation)
+            for _ in range(args.n_layers)
         )
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
 

@@ -43,17 +43,20 @@ def llm_block_matmul_params(args: LLMArgs, active: bool) -> int:
     head_dim = args.dim // args.n_heads
     attention = 2 * args.dim * args.n_heads * head_dim + 2 * args.dim * args.n_kv_heads * head_dim
     expert = 3 * args.dim * args.ffn_hidden
-    if args.moe is None:
+    moe = args.moe
+    if moe is None:
         return attention + expert
-    routed = args.moe.top_k if active else args.moe.num_experts
-    return attention + args.dim * args.moe.num_experts + (routed + int(args.moe.shared_expert)) * expert
+    routed = moe.top_k if active else moe.num_experts
+    shared = 3 * args.dim * (moe.shared_hidden or args.ffn_hidden) + args.dim * moe.shared_gate if moe.shared_expert else 0
+    return attention + args.dim * moe.num_experts + routed * expert + shared
 
 
 def llm_params(args: LLMArgs) -> int:
     head_dim = args.dim // args.n_heads
     qkv_bias = (args.n_heads + 2 * args.n_kv_heads) * head_dim if args.qkv_bias else 0
     block = llm_block_matmul_params(args, active=False) + qkv_bias + 2 * args.dim
-    return 2 * args.vocab_size * args.dim + args.n_layers * block + args.dim
+    embeddings = (1 if args.tied_embeddings else 2) * args.vocab_size * args.dim
+    return embeddings + args.n_layers * block + args.dim
 
 
 def vision_params(args: VisionArgs) -> int:

@@ -1,15 +1,19 @@
-"""Hugging Face safetensors <-> our modules, for the LLM (Llama, Qwen2 layouts), a SigLIP/CLIP-style ViT and a
-Whisper-style audio encoder. Local files only.
+"""Hugging Face checkpoints <-> our modules: the LLM (Llama/Mistral, Qwen2, Mixtral and Qwen2-MoE layouts), a
+SigLIP ViT and the Whisper encoder. Local files only.
 
-Our parameter names stay torchtitan-style; each layout is a name table plus the few tensors HF stores and
-we derive: SigLIP's key bias (softmax cancels it, so it is dropped on import and exported as zeros) and
-Whisper's sinusoidal position table (computed by our encoder; checked on import, written on export).
-A file is accepted only if it holds exactly the layout's tensors with the expected shapes; the error names
-every missing, extra and mis-shaped tensor and the file.
+`load_pretrained` reads a checkpoint directory: its config.json into the part's args (`hf_config`, which refuses
+by name what we cannot honour) and its safetensors into the module built from them; `save_pretrained` writes
+both back. Our parameter names stay torchtitan-style; each layout is a name table plus the few tensors HF
+stores and we derive: SigLIP's key bias (softmax cancels it, so it is dropped on import and exported as zeros)
+and Whisper's sinusoidal position table (computed by our encoder; checked on import, written on export); a
+tied output head is the embedding, so it is neither read nor written. A file is accepted only if it holds
+exactly the layout's tensors with the expected shapes; the error names every missing, extra and mis-shaped
+tensor and the file.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,11 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from omni_core.models import hf_config
 from omni_core.models.audio import AudioEncoder, sinusoids
 from omni_core.models.llm import LLM
 from omni_core.models.vision import VisionEncoder
 
-# Name tables: our name -> HF name, "{i}" a layer index, "{p}" weight or bias. Every parameter must match one.
+# Name tables: our name -> HF name, "{i}" a layer, "{e}" an expert index, "{p}" weight or bias. Every parameter
+# must match one.
 _LLM_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
@@ -39,6 +45,26 @@ _LLM_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_DENSE_FFN = {f"layers.{{i}}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")}
+_ATTENTION_AND_NORMS = {ours: hf for ours, hf in _LLM_NAMES.items() if ours not in _DENSE_FFN}
+_MIXTRAL_NAMES = {
+    **_ATTENTION_AND_NORMS,
+    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    **{f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight"
+       for w in ("w1", "w2", "w3")},
+}
+_SWIGLU_HF = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_QWEN2_MOE_NAMES = {
+    **_ATTENTION_AND_NORMS,
+    "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
+    **{f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight"
+       for w, hf in _SWIGLU_HF.items()},
+    **{f"layers.{{i}}.moe.shared_expert.{w}.weight": f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight"
+       for w, hf in _SWIGLU_HF.items()},
+    "layers.{i}.moe.shared_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+# rotary tables some files carry: transformers recomputes them from the config, and so do we
+_ROTARY_BUFFERS = r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$"
 
 
 def _encoder_block_names(hf_layer: str, norm1: str, norm2: str, mlp: str) -> dict[str, str]:
@@ -67,7 +93,8 @@ class Layout:
 
     def hf_name(self, name: str) -> str:
         for ours, hf in self.names.items():
-            pattern = re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+            pattern = (re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+                       .replace(r"\{p\}", r"(?P<p>weight|bias)"))
             match = re.fullmatch(pattern, name)
             if match:
                 return hf.format(**match.groupdict())
@@ -93,8 +120,10 @@ def _whisper_positions(encoder: nn.Module) -> dict[str, tuple[torch.Tensor, bool
 
 
 LAYOUTS: dict[str, Layout] = {
-    "llama": Layout(LLM, _LLM_NAMES),
-    "qwen2": Layout(LLM, _LLM_NAMES),  # the same names; Qwen2's q/k/v biases follow LLMArgs.qkv_bias
+    "llama": Layout(LLM, _LLM_NAMES, ignored=_ROTARY_BUFFERS),  # also Mistral's
+    "qwen2": Layout(LLM, _LLM_NAMES, ignored=_ROTARY_BUFFERS),  # the same names; q/k/v biases: LLMArgs.qkv_bias
+    "mixtral": Layout(LLM, _MIXTRAL_NAMES, ignored=_ROTARY_BUFFERS),
+    "qwen2_moe": Layout(LLM, _QWEN2_MOE_NAMES, ignored=_ROTARY_BUFFERS),
     "siglip": Layout(  # SiglipVisionModel (in a full SiglipModel file: prefix="vision_model.")
         VisionEncoder,
         {
@@ -129,10 +158,18 @@ def _layout(module: nn.Module, layout: str) -> Layout:
     return spec
 
 
+def _stored(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state as a file stores it: a tied output head is the embedding, stored once."""
+    state = module.state_dict()
+    if isinstance(module, LLM) and module.args.tied_embeddings:
+        del state["output.weight"]
+    return state
+
+
 def hf_state_dict(module: nn.Module, layout: str) -> dict[str, torch.Tensor]:
     """The module's weights under the layout's names and shapes, derived tensors included."""
     spec = _layout(module, layout)
-    tensors = {spec.hf_name(name): spec.to_hf(name, t.detach()) for name, t in module.state_dict().items()}
+    tensors = {spec.hf_name(name): spec.to_hf(name, t.detach()) for name, t in _stored(module).items()}
     tensors.update({name: tensor for name, (tensor, _) in spec.derived(module).items()})
     return tensors
 
@@ -168,10 +205,11 @@ def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: s
             names = f.keys()
             located.update({key[len(prefix):]: file for key in names if key.startswith(prefix)})
     problems = [f"missing tensor {prefix + name!r}" for name in expected if name not in located]
+    tied = isinstance(module, LLM) and module.args.tied_embeddings
     problems += [
         f"unexpected tensor {prefix + name!r}"
         for name in located
-        if name not in expected and not re.match(spec.ignored, name)
+        if name not in expected and not re.match(spec.ignored, name) and not (tied and name == "lm_head.weight")
     ]
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(located.values())):
@@ -187,5 +225,48 @@ def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: s
             problems.append(f"tensor {prefix + name!r} differs from the table this model computes")
     if problems:
         raise ValueError(f"{path} does not fit the {layout} layout: " + "; ".join(problems))
-    for name, target in module.state_dict().items():
+    for name, target in _stored(module).items():
         target.copy_(tensors[spec.hf_name(name)].reshape(target.shape))
+
+
+PARTS = ("llm", "vision", "audio")
+
+
+def load_pretrained(directory: str | Path, part: str) -> tuple[nn.Module, str]:
+    """The model part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, built from its
+    config.json and filled from its safetensors; with the layout it was read in. Raises `ConfigRefused`
+    naming the key for a setting omni cannot honour, ValueError naming the tensor for weights that do not fit."""
+    config, source = hf_config.read_config(directory)
+    if part == "llm":
+        args, layout = hf_config.llm_args_from_config(config, source)
+        module, prefix = LLM(args), ""
+    elif part == "vision":
+        args, prefix = hf_config.vision_args_from_config(config, source)
+        module, layout = VisionEncoder(args), "siglip"
+    elif part == "audio":
+        args, prefix = hf_config.audio_args_from_config(config, source)
+        module, layout = AudioEncoder(args), "whisper"
+    else:
+        raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")
+    load_safetensors(module, directory, layout, prefix)
+    return module, layout
+
+
+def save_pretrained(module: nn.Module, directory: str | Path, model_type: str | None = None) -> None:
+    """Write the part as a transformers checkpoint directory (config.json and model.safetensors) that the
+    matching transformers class loads with `from_pretrained`. `model_type`: the decoder family of an LLM
+    (llama, mistral, qwen2, mixtral, qwen2_moe)."""
+    if isinstance(module, LLM):
+        if model_type is None:
+            raise ValueError("save_pretrained of an LLM needs its model_type (llama, mistral, qwen2, ...)")
+        config, layout = hf_config.llm_config(module.args, model_type), hf_config.DECODERS[model_type][0]
+    elif isinstance(module, VisionEncoder):
+        config, layout = hf_config.vision_config(module.args), "siglip"
+    elif isinstance(module, AudioEncoder):
+        config, layout = hf_config.audio_config(module.args), "whisper"
+    else:
+        raise TypeError(f"no transformers checkpoint for a {type(module).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    export_safetensors(module, directory / "model.safetensors", layout)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

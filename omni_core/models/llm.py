@@ -3,24 +3,64 @@ a mixture of SwiGLU experts."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_core.models.args import LLMArgs, MoEArgs
+from omni_core.models.args import LLMArgs, MoEArgs, RopeScaling
 from omni_core.models.attention import flex_document_attention, varlen_attention
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, float]:
+    """The [head_dim / 2] rotary inverse frequencies and the factor cos/sin are scaled by (1 but for yarn)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = theta ** -exponents
+    if scaling is None:
+        return inv_freq, 1.0
+    factor = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling.original_max_positions
+    if scaling.kind == "llama3":
+        # wavelengths longer than original / low_freq_factor are stretched by factor, shorter than
+        # original / high_freq_factor kept, those between blended by where they fall
+        wavelength = 2 * math.pi / inv_freq
+        blend = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        stretched = torch.where(wavelength > original / scaling.low_freq_factor, inv_freq / factor, inv_freq)
+        medium = (wavelength <= original / scaling.low_freq_factor) & (wavelength >= original / scaling.high_freq_factor)
+        return torch.where(medium, blended, stretched), 1.0
+    # yarn: dimensions that turn fewer than beta_slow times over the original context are interpolated, those
+    # that turn more than beta_fast times kept, with a linear ramp between
+    def dimension_turning(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(scaling.beta_fast), dimension_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention
+
+
+def rope_cos_sin(position_ids: torch.Tensor, args: LLMArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, 1, head_dim] for each token's position inside its document.
 
     Computed per forward rather than cached in a buffer: it is cheap, and a model built on the meta device
     then has no state that initialisation must remember to recompute.
     """
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
-    angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    inv_freq, scale = rope_frequencies(args.dim // args.n_heads, args.rope_theta, args.rope_scaling)
+    angles = position_ids.to(torch.float32)[:, None] * inv_freq.to(position_ids.device)[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-    return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,15 +73,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query self-attention inside each packed document."""
 
-    def __init__(self, args: LLMArgs):
+    def __init__(self, args: LLMArgs, window: int | None = None):
         super().__init__()
-        self.n_heads = args.n_heads
+        self.window = window  # sliding window (keys per query), None: the whole document
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # replaced by context parallelism's attention (which ParallelPlan.check_model refuses under a window)
         self.attend = flex_document_attention if args.attention == "flex" else varlen_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -51,20 +92,28 @@ class Attention(nn.Module):
         k = self.wk(x).view(tokens, -1, self.head_dim)
         v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.wo(self.attend(q, k, v, cu_seqlens, causal=True).flatten(1))
+        if self.window is None:
+            out = self.attend(q, k, v, cu_seqlens, causal=True)
+        else:
+            out = varlen_attention(q, k, v, cu_seqlens, causal=True, window=self.window)
+        return self.wo(out.flatten(1))
+
+
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """Gated FFN: w2(act(w1 x) * w3 x), SwiGLU with the default silu."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.act = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, sequence_group=None) -> torch.Tensor:
@@ -95,26 +144,35 @@ class MoE(nn.Module):
     experts while every parameter keeps its global name (`experts.<e>.w1.weight`): checkpoints then reshard
     between plans. The forward runs the experts present."""
 
-    def __init__(self, dim: int, hidden: int, args: MoEArgs):
+    def __init__(self, dim: int, hidden: int, args: MoEArgs, activation: str = "silu"):
         super().__init__()
         self.args = args
         self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden) for e in range(args.num_experts)})
-        self.shared_expert = FeedForward(dim, hidden) if args.shared_expert else None
+        self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden, activation) for e in range(args.num_experts)})
+        shared_hidden = args.shared_hidden or hidden
+        self.shared_expert = FeedForward(dim, shared_hidden, activation) if args.shared_expert else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert and args.shared_gate else None
         self.aux_loss: torch.Tensor | None = None
         self.sequence_group = None  # set under context parallelism, see load_balancing_loss
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> router probabilities [T, E], chosen experts [T, k], their weights [T, k] (renormalised to sum 1,
-        i.e. a softmax over the k chosen logits, as Mixtral)."""
+        """-> router probabilities [T, E], chosen experts [T, k], their weights [T, k]: the chosen probabilities,
+        renormalised to sum 1 (a softmax over the k chosen logits, as Mixtral) unless `args.renormalize` is off."""
         probs = self.router(x).float().softmax(dim=-1)
         weights, experts = probs.topk(self.args.top_k, dim=-1)
-        return probs, experts, weights / weights.sum(dim=-1, keepdim=True)
+        return probs, experts, weights / weights.sum(dim=-1, keepdim=True) if self.args.renormalize else weights
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output (gated under `shared_gate`), zeros without one: what routing adds to."""
+        if self.shared_expert is None:
+            return torch.zeros_like(x)
+        out = self.shared_expert(x)
+        return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs, experts, weights = self.route(x)
         self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts, self.sequence_group)
-        out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
+        out = self.shared(x)
         for e, expert in self.experts.items():
             token, slot = torch.where(experts == int(e))
             # Every expert runs, even on no tokens, so all of them are in the autograd graph on every rank.
@@ -124,16 +182,16 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LLMArgs):
+    def __init__(self, args: LLMArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, args.window(layer))
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.moe is not None
         if self.moe_enabled:
-            self.moe = MoE(args.dim, args.ffn_hidden, args.moe)
+            self.moe = MoE(args.dim, args.ffn_hidden, args.moe, args.activation)
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
@@ -157,9 +215,11 @@ class LLM(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # Keyed by layer index so that pipeline stages can drop layers and keep the other names unchanged.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tied_embeddings:  # one parameter (ParallelPlan.check_model refuses plans that would split it)
+            self.output.weight = self.tok_embeddings.weight
         self.aux_loss: torch.Tensor | None = None  # set by forward; not state, so a meta-device build is fine
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -169,7 +229,7 @@ class LLM(nn.Module):
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
         """[T, dim] embeddings, [T] positions inside each document, [D+1] document offsets -> logits [T, vocab]."""
-        cos, sin = rope_cos_sin(position_ids, self.args.dim // self.args.n_heads, self.args.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.args)
         offsets = cu_seqlens.tolist()
         h = inputs_embeds
         for layer in self.layers.values():

@@ -32,7 +32,7 @@ class ExpertParallelMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs, experts, weights = self.route(x)
         self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts, self.sequence_group)
-        out = self.shared_expert(x) if self.shared_expert is not None else torch.zeros_like(x)
+        out = self.shared(x)
         ep = dist.get_world_size(self.ep_group)
         mine = local_experts(self.args.num_experts, ep, dist.get_rank(self.ep_group))
         # (token, slot) assignments sorted by expert, hence grouped by owner rank in rank order.

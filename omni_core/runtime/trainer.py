@@ -19,7 +19,7 @@ import torch
 
 from omni_core.common.batch import PackedBatch
 from omni_core.common.control import PROGRESS_FILE, TrainProgress, control_dir, launched_unix, read_stop
-from omni_core.common.plan import ModelShape, ParallelPlan
+from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import TrainResult
 from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
@@ -46,10 +46,7 @@ def resolve_plan(recipe: Recipe, world_size: int) -> ParallelPlan:
     """The recipe's plan on this world, checked against the model and the packed sequence length."""
     plan = ParallelPlan.from_config(recipe.parallel, world_size)
     llm = get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels).llm
-    plan.check_model(ModelShape(
-        n_layers=llm.n_layers, n_heads=llm.n_heads, n_kv_heads=llm.n_kv_heads,
-        num_experts=llm.moe.num_experts if llm.moe else 0, seq_len=recipe.data.seq_len * recipe.data.micro_batch,
-    ))
+    plan.check_model(llm.shape(seq_len=recipe.data.seq_len * recipe.data.micro_batch))
     plan.check_microbatches(recipe.train.grad_accum)
     return plan
 

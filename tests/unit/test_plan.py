@@ -69,6 +69,19 @@ def test_model_fit_names_every_degree_that_does_not_divide():
         ParallelPlan(dp_shard=4, ep=4).check_model(ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, num_experts=6))
 
 
+def test_plans_that_would_split_a_tied_head_or_a_window_are_refused():
+    tied = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, tied_embeddings=True)
+    ParallelPlan(dp_shard=4).check_model(tied)
+    with pytest.raises(PlanError) as err:
+        ParallelPlan(tp=2, pp=2).check_model(tied)
+    assert "pp=2 would put the tied embedding and output head on different stages" in str(err.value)
+    assert "tp=2 shards the embedding and the output head apart" in str(err.value)
+    windowed = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, sliding_window=True)
+    ParallelPlan(tp=2, pp=2).check_model(windowed)
+    with pytest.raises(PlanError, match="cp=2: context-parallel attention has no sliding window"):
+        ParallelPlan(cp=2).check_model(windowed)
+
+
 def test_mesh_has_one_named_dimension_per_degree():
     import torch.distributed as dist
 

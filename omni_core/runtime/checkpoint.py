@@ -123,10 +123,17 @@ def save_checkpoint(
         manifest = Manifest(step, info.world_size, plan, recipe_hash, optimizers.scheduler_state(), history,
                             time.time())
         store.write_manifest(step, asdict(manifest))
-        for old in store.steps()[:-keep_last]:
+        for old in _superseded(store.steps(), step, keep_last):
             store.delete(old)
     barrier()
     return store.location(step)
+
+
+def _superseded(steps: list[int], saved: int, keep_last: int) -> list[int]:
+    """Steps to delete after saving `saved`: past the newest `keep_last` up to it, and every later one, which
+    an earlier run left (this run restarted with `train.resume=false`) and a resume must never take for its own."""
+    own = [s for s in steps if s <= saved]
+    return own[:-keep_last] + [s for s in steps if s > saved]
 
 
 def load_checkpoint(
@@ -141,7 +148,8 @@ def load_checkpoint(
 ) -> tuple[Manifest, dict[str, Any] | None]:
     """Restore the model parts (+ optimizers and LR schedule when given) in place from a complete checkpoint.
 
-    Returns the manifest and this rank's private state (data position, RNG). Under another plan on the same
+    Returns the manifest and this rank's private state (data position, RNG), read as plain tensors and
+    containers only (`weights_only`: a planted rank file cannot run code). Under another plan on the same
     world that is the state of a rank that read the same `data_shard` ([data rank, dp]), so a re-planned job
     keeps its data order; None when no rank did (the data order restarts).
     """
@@ -168,11 +176,11 @@ def load_checkpoint(
     if manifest.world_size != info.world_size or not rank_file.is_file():
         return manifest, None
     if plan is None or manifest.plan == plan:
-        return manifest, torch.load(rank_file, weights_only=False)
+        return manifest, torch.load(rank_file, weights_only=True)
     if data_shard is None:
         return manifest, None
     for rank in range(info.world_size):
-        state = torch.load(ckpt / f"rank{rank}.pt", weights_only=False)
+        state = torch.load(ckpt / f"rank{rank}.pt", weights_only=True)
         if state.get("data_shard") == data_shard:
             return manifest, state
     return manifest, None

@@ -89,6 +89,9 @@ def train(
     history = RunHistory()
     start_step = 0
     resume_from = latest_checkpoint(store) if cfg.resume else None
+    if not cfg.resume and (earlier := store.steps()):
+        log(f"train.resume=false: the checkpoints of steps {earlier} in {store.location(earlier[-1]).rsplit('/', 1)[0]} "
+            "belong to an earlier run; this run's saves replace them")
     if resume_from is not None:
         manifest, rank_state = load_checkpoint(
             resume_from, cache=checkpoint_cache(recipe), parts=replica.parts, optimizers=optimizers, info=info,

@@ -143,6 +143,37 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert TrainResult.from_json(again.to_json()) == again
 
 
+class _Planted:
+    """A pickle that would run code when unpickled: it touches `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_rank_file_cannot_run_code_on_resume(tmp_path):
+    recipe = tiny_recipe(tmp_path, steps=4, ckpt_every=2)
+    train(recipe, CPU, log=lambda _: None, stop_after=2)
+    marker = tmp_path / "ran"
+    torch.save({"loader": _Planted(marker)}, Path(recipe.checkpoint_dir()) / step_name(2) / "rank0.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        train(recipe, CPU, log=lambda _: None)
+    assert not marker.exists()
+
+
+def test_retraining_with_resume_false_replaces_a_longer_runs_checkpoints(tmp_path):
+    train(tiny_recipe(tmp_path, steps=6, ckpt_every=2), CPU, log=lambda _: None)  # keeps steps 4 and 6
+    restart = tiny_recipe(tmp_path, steps=6, ckpt_every=2, resume=False)
+    messages = []
+    train(restart, CPU, log=messages.append, stop_after=2)
+    assert any("steps [4, 6]" in m and "belong to an earlier run" in m for m in messages)
+    store = checkpoint_store(restart)
+    assert store.steps() == [2]  # its own save kept; the earlier run's later steps are not taken for its own
+    assert train(tiny_recipe(tmp_path, steps=6, ckpt_every=2), CPU, log=lambda _: None).resumed_from_step == 2
+
+
 def test_a_run_that_only_measures_saves_nothing(tmp_path):
     recipe = tiny_recipe(tmp_path, steps=2, ckpt_every=1)
     result = train(recipe, CPU, log=lambda _: None, save=False)

@@ -130,8 +130,14 @@ class S3Store:
         keys = self._objects(prefix)
         if prefix + MANIFEST not in keys:
             raise CheckpointError(f"{self.location(step)} has no {MANIFEST}: an incomplete save, refusing to load it")
+        names = {key: key[len(prefix):] for key in keys}
+        strays = [key for key, name in names.items() if "/" in name or name in ("", ".", "..")]
+        if strays:  # a checkpoint is a flat folder: such a key would be written elsewhere than the cache
+            shutil.rmtree(target, ignore_errors=True)
+            raise CheckpointError(f"{self.location(step)} holds objects that are not plain file names: "
+                                  f"{', '.join(sorted(strays))}; refusing to load it")
         for key in sorted(keys, key=lambda k: k.endswith(MANIFEST)):  # manifest last: the cache is complete or absent
-            client.download_file(self.bucket, key, str(target / key[len(prefix):]))
+            client.download_file(self.bucket, key, str(target / names[key]))
         return target
 
     def delete(self, step: int) -> None:

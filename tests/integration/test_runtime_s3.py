@@ -36,6 +36,14 @@ def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3
     for step in (3, 4):
         assert resumed.metrics[step]["train/loss"] == pytest.approx(straight.metrics[step]["train/loss"], abs=1e-6)
 
+    planted = "runs/tiny/step_000004/../../../escaped.txt"  # a key that would write outside the cache
+    boto3.client("s3").put_object(Bucket="ckpt", Key=planted, Body=b"x")
+    shutil.rmtree(store.cache)
+    with pytest.raises(CheckpointError, match=r"not plain file names: runs/tiny/step_000004/\.\./"):
+        evaluate_checkpoint(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")
+    assert not any(tmp_path.rglob("escaped.txt"))
+    boto3.client("s3").delete_object(Bucket="ckpt", Key=planted)
+
     boto3.client("s3").delete_object(Bucket="ckpt", Key="runs/tiny/step_000004/manifest.json")
     shutil.rmtree(store.cache)
     assert store.steps() == [2]

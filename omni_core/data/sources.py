@@ -20,6 +20,7 @@ import tarfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -45,6 +46,7 @@ SKIP_REASONS = {
     "oversized_image": "an image over data.max_image_pixels",
     "truncated_shard": "a tar that ends mid-member: the rest of the shard is lost",
     "too_long": "a sample longer than data.seq_len",
+    "unsafe_path": "a media path that is absolute or climbs out of the manifest's folder (never read)",
 }
 CHUNK = 1024  # records parsed before one vectorized `measure`
 LOGGED_PER_SHARD = 5  # bad records logged in full per shard; the rest are counted
@@ -436,6 +438,8 @@ class JsonlSource(ShardedSource):
         for kind, _, path, *_ in fields:
             if path and kind == "text":
                 raise ValueError("text segments of a JSONL manifest are inline ('text'), not files")
+            if path and _leaves_folder(path):
+                raise CorruptSample(sample_id, path, "unsafe_path", "media paths are relative to the manifest")
         return sample_id, modality, fields, (Sample.of_fields(sample_id, modality, fields), shard) if build else None
 
     def media(self, record: Record, seg: Segment) -> Any:
@@ -447,6 +451,12 @@ class JsonlSource(ShardedSource):
 
     def where(self, record: Record, seg: Segment) -> str:
         return join(parent(record.payload[1]), seg.path)
+
+
+def _leaves_folder(path: str) -> bool:
+    """Whether a manifest's media path could name a file outside the manifest's folder."""
+    parts = PurePosixPath(path.replace("\\", "/"))
+    return parts.is_absolute() or ".." in parts.parts or "://" in path
 
 
 # --- WebDataset ------------------------------------------------------------------------------------------

@@ -249,6 +249,23 @@ def test_jsonl_source_decodes_foreign_formats(tmp_path):
     assert text.input_ids == [BOS_ID, *"héllo".encode(), EOS_ID] and by_id["c"].tokens == 8
 
 
+def test_jsonl_media_paths_outside_the_manifests_folder_are_skipped_unread(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (16, 16)).save(data / "inside.png")
+    Image.new("RGB", (16, 16)).save(tmp_path / "secret.png")
+    image = {"type": "image", "width": 16, "height": 16}
+    lines = [{"id": name, "segments": [{**image, "path": path}]}
+             for name, path in [("ok", "inside.png"), ("up", "../secret.png"), ("abs", str(tmp_path / "secret.png")),
+                                ("url", "s3://other/secret.png")]]
+    (data / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    recipe = make_recipe(data, source="jsonl", path=str(data))
+    from omni_core.data.profile import profile_dataset
+
+    profile, _ = profile_dataset(recipe, tmp_path / "profile")
+    assert profile.total_samples == 1 and profile.skipped == {"unsafe_path": 3}
+
+
 # --- packing ---------------------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from omni_core.common.results import TrainResult
 from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
+from omni_core.data.sources import SKIP_REASONS
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe.schema import Recipe, recipe_hash
@@ -40,6 +41,18 @@ from omni_core.runtime.step import Optimizers, StepStats, build_replica, shards_
 from omni_core.tracking import NullTracker, Tracker
 
 Log = Callable[[str], None]
+
+
+def skipped_over_shards(loader: PackedLoader | None, plan: ParallelPlan, info: DistInfo) -> dict[str, int]:
+    """What every data shard's loader skipped so far, by reason, each shard counted once (by its first rank:
+    the ranks of one shard read the same samples). A collective: every rank calls it at every log step."""
+    first = loader is not None and min(
+        r for r in range(plan.llm_world_size) if plan.data_rank(r) == plan.data_rank(info.rank)) == info.rank
+    stats = loader.stats if first else {}
+    counts = torch.tensor([float(stats.get(reason, 0)) for reason in SKIP_REASONS], dtype=torch.float64,
+                          device=info.device)
+    all_reduce_sum(counts)
+    return {reason: int(n) for reason, n in zip(SKIP_REASONS, counts.tolist(), strict=True) if n}
 
 
 def resolve_plan(recipe: Recipe, world_size: int) -> ParallelPlan:
@@ -151,7 +164,7 @@ def train(
         if step % cfg.log_every == 0 or step == last_step:
             metrics = {f"train/{k}": v for k, v in result.metrics.items()}
             metrics.update(window.rates())
-            metrics.update({f"data/skipped_{reason}": n for reason, n in (loader.stats if loader else {}).items()})
+            metrics.update({f"data/skipped_{reason}": n for reason, n in skipped_over_shards(loader, plan, info).items()})
             metrics["perf/peak_mem_mb"] = peak_memory_mb(info.device)
             metrics["perf/step_s"] = window.seconds() / window.steps
             tracker.log_metrics(metrics, step=step)

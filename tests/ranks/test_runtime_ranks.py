@@ -37,3 +37,24 @@ train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
     assert manifest["world_size"] == 2 and manifest["step"] == 4
     assert (Path(result.checkpoint) / "rank1.pt").is_file()
     assert "step 4/4" in proc.stdout
+
+
+def _skips_worker(rank: int, world: int, plan_name: str) -> dict[str, int]:
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_core.common.plan import ParallelPlan
+    from omni_core.runtime.dist import DistInfo
+    from omni_core.runtime.trainer import skipped_over_shards
+
+    loader = SimpleNamespace(stats={"missing_file": rank + 1, "too_long": 2})
+    info = DistInfo(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"))
+    return skipped_over_shards(loader, ParallelPlan.parse(plan_name), info)
+
+
+def test_skip_counts_are_summed_over_data_shards_once_each():
+    from omni_core.runtime.ranks import run_ranks
+
+    assert run_ranks(_skips_worker, 2, "dp2") == [{"missing_file": 3, "too_long": 4}] * 2  # two shards
+    assert run_ranks(_skips_worker, 2, "dp1-tp2") == [{"missing_file": 1, "too_long": 2}] * 2  # one shard, read twice

@@ -21,11 +21,13 @@ from omni_core.estimator.search import CellTable
 from omni_core.recipe import Recipe, dump_recipe
 from omni_core.runtime.checkpoint import local_manifest
 from omni_core.tracking import (
+    SPOOL_FILE,
     MlflowTracker,
     current_parent_run_id,
     log_checkpoint,
     log_to_run,
     register_checkpoint,
+    replay_spool,
     stage_run,
 )
 
@@ -84,7 +86,12 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
     env = {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri}
     if control is not None:
         env.update({CONTROL_ENV: str(control), LAUNCHED_ENV: str(time.time())})
-    result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s)
+    try:
+        result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s)
+    finally:  # what rank 0 could not send while the server was away, now that this process reaches it
+        replayed = replay_spool(run, run_dir / SPOOL_FILE)
+        if replayed:
+            get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
     run.log_artifact(result_path)
     return result
 

@@ -12,10 +12,19 @@ from omni_core.tracking.store import (
     disable_telemetry,
     resolve_tracking_uri,
 )
-from omni_core.tracking.tracker import MlflowTracker, NullTracker, Tracker, sanitize_metric_name, tracker_for_rank
+from omni_core.tracking.tracker import (
+    SPOOL_FILE,
+    MlflowTracker,
+    NullTracker,
+    Tracker,
+    replay_spool,
+    sanitize_metric_name,
+    tracker_for_rank,
+)
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
+    "SPOOL_FILE",
     "MlflowTracker",
     "NullTracker",
     "Tracker",
@@ -33,5 +42,6 @@ __all__ = [
     "resolve_tracking_uri",
     "sanitize_metric_name",
     "stage_run",
+    "replay_spool",
     "tracker_for_rank",
 ]

@@ -5,6 +5,7 @@ non-zero ranks and offline runs run the exact same code."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -24,6 +25,8 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
 MAX_KEY_LENGTH = 250
+SPOOL_FILE = "unsent_metrics.jsonl"  # beside a launch's result: what rank 0 could not send
+MAX_BUFFERED = 100_000  # metrics queued while the server is away (~20 MB); the oldest dropped past it
 TRUNCATED = "...[truncated]"
 
 T = TypeVar("T")
@@ -123,20 +126,28 @@ class MlflowTracker:
     """Logs into one existing MLflow run.
 
     Metrics: queued by `log_metrics` (microseconds), sent by a daemon thread at most every `flush_every_s`
-    and on `close()`, `log_batch` of <= 1000 each, in call order. A failed batch is counted and warned
-    about at once, and `close()` raises TrackingError, so lost metrics are never silent.
+    and on `close()`, `log_batch` of <= 1000 each, in call order. A server that cannot be reached (or answers
+    5xx) delays nothing: its metrics stay queued, up to `MAX_BUFFERED`, and go out once it answers again (one
+    warning per outage, retries backing off to 30 s). `close()` waits at most `close_timeout_s` for the queue
+    to drain; what is still queued then is written to `spool` (JSON lines a later process replays with
+    `replay_spool`) or, without one, counted as lost. A batch the server refuses (4xx) is lost at once. Loss
+    is warned about and counted in `lost_metrics`, never raised: a finished training must not fail for it.
     Params and tags: sent at once, <= 100 per call, values cut to MLflow's limits with a marker.
     """
 
-    def __init__(self, run_id: str, uri: str | None = None, flush_every_s: float = 2.0):
+    def __init__(self, run_id: str, uri: str | None = None, flush_every_s: float = 2.0, *,
+                 close_timeout_s: float = 60.0, spool: Path | None = None):
         self.run_id = run_id
         self.uri = uri or resolve_tracking_uri()
         self.flush_every_s = flush_every_s
+        self.close_timeout_s = close_timeout_s
+        self.spool = spool
         self.logging_s = 0.0
         self.logging_calls = 0
         self.failed_batches = 0
         self.lost_metrics = 0
-        self._last_error: BaseException | None = None
+        self.spooled_metrics = 0
+        self._unreachable_since: float | None = None
         self._client = mlflow_client(self.uri)
         from mlflow.entities import Metric, Param, RunTag
 
@@ -187,17 +198,27 @@ class MlflowTracker:
 
     @_timed
     def close(self) -> None:
-        """Send what is queued, stop the thread; raise if any metric batch was lost."""
+        """Send what is queued (waiting at most `close_timeout_s` for a server that is away), stop the thread,
+        spool or count what could not be sent."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
         self._sender.join()
-        if self.failed_batches:
-            raise TrackingError(
-                f"{self.failed_batches} metric batch(es), {self.lost_metrics} metrics, could not be logged to "
-                f"MLflow run {self.run_id} at {self.uri}; last error: {self._last_error}"
-            )
+        with self._lock:
+            unsent, self._pending = self._pending, []
+        if unsent and self.spool is not None:
+            with open(self.spool, "a") as out:
+                out.writelines(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                           "step": m.step}) + "\n" for m in unsent)
+            self.spooled_metrics += len(unsent)
+            log.warning("MLflow run %s: %d metrics not sent to %s (unreachable); kept in %s", self.run_id,
+                        len(unsent), self.uri, self.spool)
+        elif unsent:
+            self.lost_metrics += len(unsent)
+        if self.lost_metrics:
+            log.warning("MLflow run %s: %d metrics lost (%d batches refused by %s)", self.run_id, self.lost_metrics,
+                        self.failed_batches, self.uri)
 
     def __enter__(self) -> MlflowTracker:
         return self
@@ -206,29 +227,85 @@ class MlflowTracker:
         self.close()
 
     def _send_loop(self) -> None:
+        """Flush every `flush_every_s`, backing off while the server is away; once close() asks, keep trying
+        until the queue is empty or `close_timeout_s` has passed."""
+        wait, deadline = self.flush_every_s, None
         while True:
-            stopping = self._stop.wait(self.flush_every_s)
-            self._flush()
-            if stopping:
+            if deadline is None:
+                if self._stop.wait(wait):
+                    deadline = time.monotonic() + self.close_timeout_s
+            else:
+                time.sleep(min(wait, max(deadline - time.monotonic(), 0.0)))
+            sent = self._flush()
+            if deadline is not None and (sent or time.monotonic() >= deadline):
                 return
+            wait = self.flush_every_s if sent else min(max(2 * wait, 0.5), 30.0)
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Send the queue; True when nothing is left queued (sent, or refused and counted)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for chunk in _chunks(pending, MAX_METRICS_PER_BATCH):
+        for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
+            chunk = pending[start:start + MAX_METRICS_PER_BATCH]
             try:
                 self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
-            except Exception as e:  # counted, warned and re-raised at close(): a thread must not die quietly
-                self.failed_batches += 1
-                self.lost_metrics += len(chunk)
-                self._last_error = e
-                log.warning("MLflow run %s: %d metrics not logged: %s", self.run_id, len(chunk), e)
+            except Exception as e:  # a thread must not die quietly: kept for later, or counted and warned
+                if not _unreachable(e):
+                    self.failed_batches += 1
+                    self.lost_metrics += len(chunk)
+                    log.warning("MLflow run %s: %d metrics refused: %s", self.run_id, len(chunk), e)
+                    continue
+                self._requeue(pending[start:], e)
+                return False
+        if self._unreachable_since is not None:
+            log.warning("MLflow at %s answers again after %.0f s; queued metrics sent", self.uri,
+                        time.monotonic() - self._unreachable_since)
+            self._unreachable_since = None
+        return True
+
+    def _requeue(self, unsent: list[Any], error: BaseException) -> None:
+        with self._lock:
+            self._pending[:0] = unsent
+            dropped = len(self._pending) - MAX_BUFFERED
+            if dropped > 0:  # the oldest go first
+                del self._pending[:dropped]
+                self.lost_metrics += dropped
+        if self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+            log.warning("MLflow at %s unreachable (%s): metrics are queued and sent when it answers", self.uri,
+                        str(error).splitlines()[0][:200])
 
 
-def tracker_for_rank(rank: int, flush_every_s: float = 2.0) -> Tracker:
+def _unreachable(error: BaseException) -> bool:
+    """A server that is away or failing (connection refused, timeout, 5xx), as opposed to one that refuses."""
+    status = getattr(error, "get_http_status_code", None)
+    return status is None or status() >= 500
+
+
+def replay_spool(run: MlflowTracker, spool: Path) -> int:
+    """Log the metrics a tracker could not send (`MlflowTracker.spool`) into `run`, then remove the file;
+    the number replayed."""
+    if not spool.is_file():
+        return 0
+    lines = [json.loads(line) for line in spool.read_text().splitlines() if line.strip()]
+    metrics = [run._metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in lines]
+    for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+        run._client.log_batch(run.run_id, metrics=chunk, synchronous=True)
+    spool.unlink()
+    return len(metrics)
+
+
+RANK_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None = None) -> Tracker:
     """The trainer's tracker: rank 0 logs into $MLFLOW_RUN_ID (set by the launching flow); everyone else,
-    and runs without a flow around them, get a NullTracker."""
+    and runs without a flow around them, get a NullTracker. Each HTTP call is bounded (`RANK_HTTP_LIMITS`,
+    unless the environment sets them): MLflow's own retries would hold a call for minutes, and the tracker
+    retries on its own."""
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if rank != 0 or not run_id:
         return NullTracker()
-    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s)
+    for key, value in RANK_HTTP_LIMITS.items():
+        os.environ.setdefault(key, value)
+    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, spool=spool)

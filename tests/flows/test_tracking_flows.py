@@ -84,15 +84,59 @@ def test_metrics_are_flushed_periodically(client, run_id, mlflow_store):
         assert [m.value for m in client.get_metric_history(run_id, "a")] == [1.0]
 
 
-def test_failed_batches_are_warned_about_and_raised_at_close(mlflow_store, caplog):
-    tracker = MlflowTracker("0" * 32, mlflow_store, flush_every_s=0.05)  # no such run
+def test_refused_batches_are_warned_about_and_counted_never_raised(mlflow_store, caplog):
+    tracker = MlflowTracker("0" * 32, mlflow_store, flush_every_s=0.05)  # no such run: the store refuses
     with caplog.at_level(logging.WARNING, logger="omni.tracking"):
         tracker.log_metrics({"a": 1.0, "b": 2.0}, step=0)
-        with pytest.raises(TrackingError, match=r"1 metric batch\(es\), 2 metrics"):
-            tracker.close()
-    assert "2 metrics not logged" in caplog.text
+        tracker.close()
+    assert tracker.lost_metrics == 2 and tracker.failed_batches == 1
+    assert "2 metrics refused" in caplog.text and "2 metrics lost" in caplog.text
     with pytest.raises(TrackingError, match="closed"):
         tracker.log_metrics({"a": 1.0}, step=1)
+
+
+class _AwayThenBack:
+    """A client whose server is unreachable (MLflow's 500 for a refused connection) for `away` calls."""
+
+    def __init__(self, client, away: int):
+        self.client, self.away, self.calls = client, away, 0
+
+    def log_batch(self, *args, **kwargs):
+        from mlflow.exceptions import MlflowException
+
+        self.calls += 1
+        if self.calls <= self.away:
+            raise MlflowException("API request failed with exception HTTPConnectionPool: Max retries exceeded")
+        return self.client.log_batch(*args, **kwargs)
+
+
+def test_metrics_wait_for_a_server_that_went_away_and_arrive_in_order(mlflow_store, run_id, client, caplog):
+    tracker = MlflowTracker(run_id, mlflow_store, flush_every_s=0.05)
+    tracker._client = _AwayThenBack(tracker._client, away=4)
+    with caplog.at_level(logging.WARNING, logger="omni.tracking"):
+        for step in range(1, 6):
+            tracker.log_metrics({"a": float(step)}, step=step)  # never blocks on the server
+            time.sleep(0.05)
+        tracker.close()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "a")] == [(s, float(s)) for s in range(1, 6)]
+    assert tracker.lost_metrics == 0
+    assert caplog.text.count("unreachable") == 1 and "answers again" in caplog.text
+
+
+def test_what_close_cannot_send_is_spooled_and_replayed_later(mlflow_store, run_id, client, tmp_path):
+    from omni_core.tracking import replay_spool
+
+    spool = tmp_path / "unsent.jsonl"
+    tracker = MlflowTracker(run_id, mlflow_store, flush_every_s=0.05, close_timeout_s=0.3, spool=spool)
+    tracker._client = _AwayThenBack(tracker._client, away=10**6)  # away for good
+    tracker.log_metrics({"a": 1.0, "b": 2.0}, step=3)
+    started = time.monotonic()
+    tracker.close()
+    assert time.monotonic() - started < 5  # bounded: MLflow's own retries would take minutes
+    assert tracker.spooled_metrics == 2 and tracker.lost_metrics == 0
+    with MlflowTracker(run_id, mlflow_store) as later:
+        assert replay_spool(later, spool) == 2 and not spool.exists()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "b")] == [(3, 2.0)]
 
 
 def test_tracker_for_rank(monkeypatch, mlflow_uri, run_id):

@@ -1,0 +1,69 @@
+"""The MLflow server killed while a training runs and started again: the training neither stops nor fails, and
+every metric it logged reaches the run (queued while the server was away, or replayed by the train stage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from omni_core.runtime.ranks import free_port
+from omni_core.runtime.supervisor import terminate_group
+from tests.servers import server_process
+
+BIN = Path(sys.executable).parent
+RECIPE = """\
+experiment: {{name: outage, output_dir: {out}}}
+data: {{synthetic: {{num_samples: 200}}, seq_len: 256}}
+parallel: {{nproc: 1}}
+train: {{steps: 120, log_every: 4, ckpt_every: 0, timeout_s: 600}}
+tracking: {{flush_every_s: 0.5}}
+"""
+
+
+def train_steps_logged(url: str) -> list[int]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(url)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.info.run_name == "train"]
+    return sorted(m.step for r in runs for m in client.get_metric_history(r.info.run_id, "train/loss"))
+
+
+def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    server_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+              "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+              "--default-artifact-root", str(tmp_path / "artifacts")]
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "omni.log"
+    with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
+        with open(log, "w") as out:
+            training = subprocess.Popen([str(BIN / "omni"), "train", str(tmp_path / "recipe.yaml")], cwd=tmp_path,
+                                        env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not train_steps_logged(url):
+            assert training.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+    # the server is gone (its process group killed); training goes on without it for a while
+    try:
+        time.sleep(8)
+        assert training.poll() in (None, 0), log.read_text()[-3000:]
+        with server_process(server, f"{url}/health", log=tmp_path / "mlflow-2.log", env=server_env):
+            assert training.wait(timeout=600) == 0, log.read_text()[-4000:]
+            assert train_steps_logged(url) == list(range(4, 121, 4))
+            result = json.loads(next((tmp_path / "out").rglob("train_result.json")).read_text())
+            assert result["steps"] == 120
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                pass
+    finally:
+        terminate_group(training, grace_s=15)
+    assert "unreachable" in log.read_text()

@@ -1,0 +1,125 @@
+"""Deployments of omni's flows, as `prefect.yaml` declares them: `serve` runs them (schedules included) from
+this process, `deploy` registers them with a process work pool, whose worker runs their flow runs from this
+checkout. The file is read and checked here, before Prefect is asked anything: each deployment names a flow
+of this package, passes only `recipe` and `overrides`, and its recipe resolves."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omni_core.recipe import RecipeError, load_recipe
+
+DEPLOYMENTS_FILE = Path(__file__).resolve().parent.parent / "prefect.yaml"
+PARAMETERS = {"recipe", "overrides"}
+
+
+class DeploymentError(ValueError):
+    """A deployment prefect.yaml cannot give: the message names the file and the deployment."""
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    entrypoint: str  # flows/<module>.py:<flow function>
+    recipe: str  # absolute: a flow run may start in another working directory
+    overrides: tuple[str, ...] = ()
+    description: str = ""
+    schedules: tuple[dict[str, Any], ...] = ()
+    concurrency: dict[str, Any] = field(default_factory=dict)
+
+    def flow(self):
+        path, function = self.entrypoint.split(":")
+        return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), function)
+
+    def options(self) -> dict[str, Any]:
+        """What Prefect's `to_deployment` / `deploy` take, for this deployment."""
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig
+        from prefect.schedules import Cron, Interval
+
+        schedules = [Cron(s["cron"], timezone=s.get("timezone")) if "cron" in s
+                     else Interval(timedelta(seconds=s["interval"]), timezone=s.get("timezone"))
+                     for s in self.schedules]
+        return {"name": self.name, "description": self.description, "schedules": schedules,
+                "parameters": {"recipe": self.recipe, "overrides": list(self.overrides)},
+                "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None}
+
+
+def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
+    """The deployments of `path`, each checked; one DeploymentError listing every problem."""
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise DeploymentError(f"{path}: {err}") from None
+    entries = document.get("deployments") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise DeploymentError(f"{path}: needs a non-empty list `deployments`")
+    specs, problems = [], []
+    for i, entry in enumerate(entries):
+        where = f"{path}: deployments[{i}] ({entry.get('name', '?') if isinstance(entry, dict) else '?'})"
+        try:
+            specs.append(_spec(entry, path.parent, where))
+        except DeploymentError as err:
+            problems.append(str(err))
+    names = [s.name for s in specs]
+    problems += [f"{path}: deployment name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    if problems:
+        raise DeploymentError("\n".join(problems))
+    return specs
+
+
+def _spec(entry: Any, root: Path, where: str) -> DeploymentSpec:
+    if not isinstance(entry, dict) or not entry.get("name") or not entry.get("entrypoint"):
+        raise DeploymentError(f"{where}: needs a `name` and an `entrypoint`")
+    params = entry.get("parameters") or {}
+    if set(params) - PARAMETERS or "recipe" not in params:
+        raise DeploymentError(f"{where}: parameters must be `recipe` (and `overrides`), got {sorted(params)}")
+    overrides = params.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise DeploymentError(f"{where}: parameters.overrides must be a list of key=value strings")
+    recipe = (root / params["recipe"]).resolve()
+    try:
+        load_recipe(recipe, overrides)
+    except (RecipeError, OSError) as err:
+        raise DeploymentError(f"{where}: its recipe does not resolve: {err}") from None
+    schedules = entry.get("schedules") or []
+    if not all(isinstance(s, dict) and ("cron" in s) != ("interval" in s) for s in schedules):
+        raise DeploymentError(f"{where}: each schedule is one of {{cron: ...}} or {{interval: seconds}}")
+    spec = DeploymentSpec(name=entry["name"], entrypoint=entry["entrypoint"], recipe=str(recipe),
+                          overrides=tuple(overrides), description=entry.get("description", ""),
+                          schedules=tuple(schedules), concurrency=entry.get("concurrency_limit") or {})
+    try:
+        spec.flow()
+    except (ValueError, ImportError, AttributeError) as err:
+        raise DeploymentError(f"{where}: entrypoint {spec.entrypoint!r} is not a flow of this package: {err}") from None
+    return spec
+
+
+def serve(specs: list[DeploymentSpec]) -> None:
+    """Serve every deployment from this process until interrupted: schedules fire, runs execute here."""
+    from prefect import serve as prefect_serve
+
+    prefect_serve(*(spec.flow().to_deployment(**spec.options()) for spec in specs))
+
+
+def deploy(specs: list[DeploymentSpec], pool: str) -> list[str]:
+    """Register every deployment with the process work pool `pool` (created when missing), its code pulled from
+    this checkout by the pool's worker. Returns the deployments' ids."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
+    root = str(DEPLOYMENTS_FILE.parent)
+    return [str(spec.flow().from_source(source=root, entrypoint=spec.entrypoint).deploy(
+        work_pool_name=pool, build=False, push=False, print_next_steps=False, **spec.options()))
+        for spec in specs]

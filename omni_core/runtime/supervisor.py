@@ -12,7 +12,6 @@ import queue
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -130,7 +129,7 @@ def run_process_group(
 
 
 def torchrun_command(recipe_path: str, nproc: int, result_path: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "omni_core.runtime.launch", "--recipe", recipe_path, "--result", result_path,
-    ]  # fmt: skip
+    """The train stage's launch on this machine (`targets.local_command`, as Kubernetes and Slurm render it)."""
+    from omni_core.runtime.targets import RunSpec, local_command
+
+    return local_command(RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc))

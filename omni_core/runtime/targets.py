@@ -1,0 +1,107 @@
+"""One training launch rendered for where it runs, from one `RunSpec`: a local process group (what the train
+stage starts), a Kubernetes Indexed Job with a headless Service, or a Slurm batch script. Past one node,
+torchrun's c10d rendezvous meets on the first node (pod index 0, the allocation's first host)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Where and how large one launch is. `recipe` and `result` are paths where the launch runs (inside the
+    image, or on the cluster's shared filesystem); `name` names the Job and Service, or the Slurm job."""
+
+    name: str
+    recipe: str
+    result: str
+    nodes: int = 1
+    ranks_per_node: int = 1
+    image: str = "omni-train:latest"  # Kubernetes: infra/Dockerfile's image
+    cpus_per_node: int = 2
+    memory_gb: int = 8
+    gpus_per_node: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 29400  # the rendezvous
+
+    def __post_init__(self) -> None:
+        if not _LABEL.fullmatch(self.name):
+            raise ValueError(f"run name {self.name!r}: lower-case letters, digits and '-', at most 52 characters "
+                             "(it names Kubernetes objects and their pods' host names)")
+        for key in ("nodes", "ranks_per_node", "cpus_per_node", "memory_gb"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"run {self.name}: {key}={getattr(self, key)} must be >= 1")
+        if self.gpus_per_node and self.gpus_per_node < self.ranks_per_node:
+            raise ValueError(f"run {self.name}: {self.ranks_per_node} ranks per node on {self.gpus_per_node} GPUs")
+
+
+def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
+    """torchrun's arguments for the launch: standalone on one node, c10d rendezvous at `endpoint` on more."""
+    if spec.nodes == 1:
+        where = ["--standalone", "--nproc-per-node", str(spec.ranks_per_node)]
+    elif endpoint is None:
+        raise ValueError(f"run {spec.name}: {spec.nodes} nodes need a rendezvous endpoint")
+    else:
+        where = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
+    return [*where, "-m", "omni_core.runtime.launch", "--recipe", spec.recipe, "--result", spec.result]
+
+
+def local_command(spec: RunSpec) -> list[str]:
+    """The command of a launch on this machine (this interpreter's torchrun)."""
+    if spec.nodes != 1:
+        raise ValueError(f"run {spec.name}: a local launch is one node, got {spec.nodes}")
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec)]
+
+
+def kubernetes_manifests(spec: RunSpec) -> list[dict]:
+    """A headless Service (stable host names for the pods) and an Indexed Job of one pod per node; pod 0 hosts
+    the rendezvous. The Job does not retry pods (backoffLimit 0): torchrun restarts ranks, the run resumes."""
+    labels = {"app.kubernetes.io/name": "omni", "omni/run": spec.name}
+    resources = {"cpu": str(spec.cpus_per_node), "memory": f"{spec.memory_gb}Gi"}
+    if spec.gpus_per_node:
+        resources["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    endpoint = f"{spec.name}-0.{spec.name}:{spec.port}"
+    container = {
+        "name": "train", "image": spec.image, "command": ["torchrun", *torchrun_args(spec, endpoint)],
+        "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
+        "ports": [{"name": "rendezvous", "containerPort": spec.port}],
+        "resources": {"requests": resources, "limits": resources},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": spec.name, "labels": labels},
+        "spec": {"clusterIP": "None", "selector": {"omni/run": spec.name},
+                 "ports": [{"name": "rendezvous", "port": spec.port}]},
+    }
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": spec.name, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes, "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"subdomain": spec.name, "restartPolicy": "Never", "containers": [container]},
+            },
+        },
+    }
+    return [service, job]
+
+
+def slurm_script(spec: RunSpec) -> str:
+    """An sbatch script: one task per node, each running torchrun (from the README's set-up on the shared
+    filesystem, on PATH), meeting at the allocation's first host."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={spec.cpus_per_node}",
+             f"#SBATCH --mem={spec.memory_gb}G"]
+    if spec.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    lines += ["set -euo pipefail", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
+              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+    args = torchrun_args(spec, f"__HEAD__:{spec.port}")
+    command = shlex.join(["srun", "torchrun", *args]).replace("__HEAD__", '"$head"')
+    return "\n".join([*lines, command, ""])

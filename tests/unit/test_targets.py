@@ -1,0 +1,64 @@
+"""One RunSpec rendered for a local process group, Kubernetes and Slurm; the manifests validated against the
+Kubernetes API's own schemas (kubernetes-validate, offline), the script by bash's parser."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, slurm_script, torchrun_args
+
+SPEC = RunSpec(name="llava-12b", recipe="/omni/recipes/r.yaml", result="/out/train_result.json", nodes=2,
+               ranks_per_node=8, gpus_per_node=8, cpus_per_node=64, memory_gb=512,
+               env={"MLFLOW_TRACKING_URI": "http://mlflow:5000", "MLFLOW_RUN_ID": "abc"})
+
+
+def test_local_launch_is_standalone_torchrun():
+    spec = RunSpec(name="local", recipe="r.yaml", result="out.json", ranks_per_node=2)
+    assert local_command(spec) == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   "2", "-m", "omni_core.runtime.launch", "--recipe", "r.yaml", "--result", "out.json"]
+    with pytest.raises(ValueError, match="a local launch is one node"):
+        local_command(SPEC)
+
+
+def test_kubernetes_manifests_are_valid_and_meet_on_pod_zero():
+    import kubernetes_validate
+
+    service, job = kubernetes_manifests(SPEC)
+    for manifest in (service, job):
+        kubernetes_validate.validate(yaml.safe_load(yaml.safe_dump(manifest)), "1.30.0", strict=True)
+    pod = job["spec"]["template"]["spec"]
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2 and pod["subdomain"] == service["metadata"]["name"]
+    command = pod["containers"][0]["command"]
+    assert command[:1] == ["torchrun"] and "llava-12b-0.llava-12b:29400" in command
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_kubernetes_validation_catches_a_broken_manifest():
+    import kubernetes_validate
+
+    _, job = kubernetes_manifests(SPEC)
+    job["spec"]["completions"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, "1.30.0", strict=True)
+
+
+def test_slurm_script_parses_and_runs_one_torchrun_per_node(tmp_path):
+    script = slurm_script(SPEC)
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert 'srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$head":29400' in script
+    assert torchrun_args(SPEC, "h:1")[-4:] == ["--recipe", "/omni/recipes/r.yaml", "--result", "/out/train_result.json"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"name": "Big_Run"}, "lower-case letters"), ({"nodes": 0}, "nodes=0 must be >= 1"),
+    ({"ranks_per_node": 8, "gpus_per_node": 4}, "8 ranks per node on 4 GPUs"),
+])
+def test_bad_specs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RunSpec(**{"name": "r", "recipe": "r.yaml", "result": "o.json", **kwargs})

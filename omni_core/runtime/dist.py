@@ -28,18 +28,36 @@ class DistInfo:
         return self.rank == 0
 
 
+def uses_cuda(backend: str) -> bool:
+    """Whether ranks under `backend` (parallel.backend) each take a GPU, cuda:<local rank>: when there are GPUs."""
+    return torch.cuda.is_available() and backend in ("auto", "nccl")
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    use_cuda = uses_cuda(backend)
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(chosen, store=_attempt_store(world_size, timeout), rank=int(os.environ["RANK"]),
+                                world_size=world_size, timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store, its keys under this launch attempt's prefix. torch's own env:// set-up shares the
+    agent's store across `--max-restarts` attempts unprefixed (it assumes a new store per attempt), so after a
+    restart a rank read its peer's address of the attempt before and gloo's connect was refused."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and os.environ["RANK"] == "0", timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"omni/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

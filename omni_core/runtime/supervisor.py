@@ -128,8 +128,9 @@ def run_process_group(
         terminate_group(proc, grace_s)
 
 
-def torchrun_command(recipe_path: str, nproc: int, result_path: str) -> list[str]:
+def torchrun_command(recipe_path: str, nproc: int, result_path: str, max_restarts: int = 0) -> list[str]:
     """The train stage's launch on this machine (`targets.local_command`, as Kubernetes and Slurm render it)."""
     from omni_core.runtime.targets import RunSpec, local_command
 
-    return local_command(RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc))
+    return local_command(RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc,
+                                 max_restarts=max_restarts))

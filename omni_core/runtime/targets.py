@@ -29,6 +29,7 @@ class RunSpec:
     gpus_per_node: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = 29400  # the rendezvous
+    max_restarts: int = 0  # torchrun restarts every rank after one fails; the launch resumes its last checkpoint
 
     def __post_init__(self) -> None:
         if not _LABEL.fullmatch(self.name):
@@ -37,6 +38,8 @@ class RunSpec:
         for key in ("nodes", "ranks_per_node", "cpus_per_node", "memory_gb"):
             if getattr(self, key) < 1:
                 raise ValueError(f"run {self.name}: {key}={getattr(self, key)} must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"run {self.name}: max_restarts={self.max_restarts} must be >= 0")
         if self.gpus_per_node and self.gpus_per_node < self.ranks_per_node:
             raise ValueError(f"run {self.name}: {self.ranks_per_node} ranks per node on {self.gpus_per_node} GPUs")
 
@@ -50,7 +53,8 @@ def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
     else:
         where = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
-    return [*where, "-m", "omni_core.runtime.launch", "--recipe", spec.recipe, "--result", spec.result]
+    return [*where, "--max-restarts", str(spec.max_restarts), "-m", "omni_core.runtime.launch",
+            "--recipe", spec.recipe, "--result", spec.result]
 
 
 def local_command(spec: RunSpec) -> list[str]:

@@ -58,3 +58,59 @@ def test_skip_counts_are_summed_over_data_shards_once_each():
 
     assert run_ranks(_skips_worker, 2, "dp2") == [{"missing_file": 3, "too_long": 4}] * 2  # two shards
     assert run_ranks(_skips_worker, 2, "dp1-tp2") == [{"missing_file": 1, "too_long": 2}] * 2  # one shard, read twice
+
+
+def _worker_pid(recipe: Path, local_rank: int) -> int | None:
+    """The pid of the training worker of `recipe` with LOCAL_RANK `local_rank` (read from /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if str(recipe).encode() in cmdline and b"omni_core.runtime.launch" in cmdline \
+                and f"LOCAL_RANK={local_rank}".encode() in environ and b"--standalone" not in cmdline:
+            return int(proc.name)
+    return None
+
+
+def test_a_rank_killed_mid_training_is_restarted_and_resumes_to_the_uninterrupted_loss(tmp_path):
+    import signal
+    import time
+
+    from omni_core.runtime.targets import RunSpec, local_command
+
+    def recipe(name: str) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"""
+experiment: {{name: {name}, output_dir: {tmp_path / 'out'}}}
+data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 400}}, seq_len: 256}}
+parallel: {{nproc: 2}}
+train: {{steps: 40, log_every: 10, ckpt_every: 10, dist_timeout_s: 60}}
+""")
+        return path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    results = {}
+    for name in ("straight", "killed"):
+        spec = RunSpec(name=name, recipe=str(recipe(name)), result=str(tmp_path / f"{name}.json"), ranks_per_node=2,
+                       max_restarts=1)
+        proc = subprocess.Popen(local_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+        if name == "killed":
+            manifest = tmp_path / "out" / name
+            deadline = time.monotonic() + 240
+            while not any(manifest.rglob(f"step_000010/{MANIFEST}")):  # killed after its first checkpoint
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            pid = _worker_pid(Path(spec.recipe), 1)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-3000:]
+        results[name] = (TrainResult.load(spec.result), output)
+    killed, output = results["killed"]
+    assert "resumed from" in output and killed.resumed_from_step >= 10  # torchrun restarted every rank
+    assert killed.steps == 40
+    assert abs(killed.final_loss - results["straight"][0].final_loss) < 1e-6

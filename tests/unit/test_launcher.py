@@ -88,6 +88,6 @@ def test_torchrun_command():
     cmd = torchrun_command("r.yaml", 2, "out.json")
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert cmd[3:] == [
-        "--standalone", "--nproc-per-node", "2", "-m", "omni_core.runtime.launch",
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "omni_core.runtime.launch",
         "--recipe", "r.yaml", "--result", "out.json",
     ]  # fmt: skip

@@ -19,7 +19,7 @@ SPEC = RunSpec(name="llava-12b", recipe="/omni/recipes/r.yaml", result="/out/tra
 def test_local_launch_is_standalone_torchrun():
     spec = RunSpec(name="local", recipe="r.yaml", result="out.json", ranks_per_node=2)
     assert local_command(spec) == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                   "2", "-m", "omni_core.runtime.launch", "--recipe", "r.yaml", "--result", "out.json"]
+                                   "2", "--max-restarts", "0", "-m", "omni_core.runtime.launch", "--recipe", "r.yaml", "--result", "out.json"]
     with pytest.raises(ValueError, match="a local launch is one node"):
         local_command(SPEC)
 
@@ -51,7 +51,7 @@ def test_slurm_script_parses_and_runs_one_torchrun_per_node(tmp_path):
     (tmp_path / "job.sbatch").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
-    assert 'srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$head":29400' in script
+    assert 'srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$head":29400 --rdzv-id llava-12b --max-restarts 0' in script
     assert torchrun_args(SPEC, "h:1")[-4:] == ["--recipe", "/omni/recipes/r.yaml", "--result", "/out/train_result.json"]
 
 

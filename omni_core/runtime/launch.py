@@ -7,6 +7,8 @@ named by $MLFLOW_RUN_ID; other ranks log through a null tracker. The result JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 from omni_core.recipe.loader import load_recipe
 from omni_core.runtime.dist import init_distributed, shutdown
 from omni_core.runtime.trainer import train
-from omni_core.tracking import SPOOL_FILE, tracker_for_rank
+from omni_core.tracking import SPOOL_FILE, system_metrics, tracker_for_rank
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,8 +40,12 @@ def main(argv: list[str] | None = None) -> None:
             print(message, flush=True)
 
     exit_code = 0
+    # MLflow's system metrics: one monitor per node (torchrun's GROUP_RANK), in its first local rank
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    monitoring = system_metrics(node) if info.local_rank == 0 else contextlib.nullcontext()
     try:
-        result = train(recipe, info, tracker=tracker, log=log)
+        with monitoring:
+            result = train(recipe, info, tracker=tracker, log=log)
         if info.is_main:
             log(f"done: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
                 f"{result.tokens_per_s:.0f} tokens/s, checkpoint {result.checkpoint}")

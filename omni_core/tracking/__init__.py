@@ -19,6 +19,7 @@ from omni_core.tracking.tracker import (
     Tracker,
     replay_spool,
     sanitize_metric_name,
+    system_metrics,
     tracker_for_rank,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "resolve_tracking_uri",
     "sanitize_metric_name",
     "stage_run",
+    "system_metrics",
     "replay_spool",
     "tracker_for_rank",
 ]

@@ -53,17 +53,24 @@ def git_sha() -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
+# MLflow 3 opens an experiment on the view of its kind: omni's are model training, not GenAI traces
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location(uri, name))
+            return client.create_experiment(name, artifact_location=artifact_location(uri, name), tags=EXPERIMENT_TAGS)
         except MlflowException as e:  # another process created it in between
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             experiment = client.get_experiment_by_name(name)
+    if not experiment.tags.keys() & EXPERIMENT_TAGS.keys():  # made before omni tagged its kind, or by hand
+        for key, value in EXPERIMENT_TAGS.items():
+            client.set_experiment_tag(experiment.experiment_id, key, value)
     if experiment.lifecycle_stage == "deleted":
         raise TrackingError(
             f"MLflow experiment {name!r} (id {experiment.experiment_id}) at {uri} is deleted: restore it with "

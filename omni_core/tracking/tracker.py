@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -298,14 +299,38 @@ def replay_spool(run: MlflowTracker, spool: Path) -> int:
 RANK_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
+def _bound_http_calls() -> None:
+    """Each MLflow HTTP call of a training process bounded (`RANK_HTTP_LIMITS`, unless the environment sets
+    them): MLflow's own retries would hold a call for minutes, and the tracker retries on its own."""
+    for key, value in RANK_HTTP_LIMITS.items():
+        os.environ.setdefault(key, value)
+
+
 def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None = None) -> Tracker:
     """The trainer's tracker: rank 0 logs into $MLFLOW_RUN_ID (set by the launching flow); everyone else,
-    and runs without a flow around them, get a NullTracker. Each HTTP call is bounded (`RANK_HTTP_LIMITS`,
-    unless the environment sets them): MLflow's own retries would hold a call for minutes, and the tracker
-    retries on its own."""
+    and runs without a flow around them, get a NullTracker."""
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if rank != 0 or not run_id:
         return NullTracker()
-    for key, value in RANK_HTTP_LIMITS.items():
-        os.environ.setdefault(key, value)
+    _bound_http_calls()
     return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, spool=spool)
+
+
+@contextmanager
+def system_metrics(node: int, sampling_s: float = 10.0) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, disk, network; GPUs where NVML is installed) of this node into the
+    run $MLFLOW_RUN_ID, as `system/node<node>/...`, while the block runs; nothing without a run."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        yield
+        return
+    _bound_http_calls()
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_s, node_id=f"node{node}",
+                                   tracking_uri=resolve_tracking_uri())
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()

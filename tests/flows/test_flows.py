@@ -34,6 +34,7 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # the training lasts seconds
     store_calibration(GpuCatalog()["cpu"], Efficiency(), {"note": "a stored calibration the estimate must log"})
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(out=tmp_path / "out"))
@@ -44,6 +45,8 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     assert summary["tracking_uri"] == mlflow_uri and summary["experiment_name"] == "flow-test"
     parent = client.get_run(summary["parent_run_id"])
     assert parent.info.run_name.startswith("flow-test-") and parent.info.status == "FINISHED"
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow opens its runs
     tags = parent.data.tags
     assert tags["recipe.hash"] == summary["recipe_hash"] and tags["git.sha"] and tags["prefect.flow_run_id"]
     assert parent.data.params["train.steps"] == "20" and parent.data.params["parallel.nproc"] == "1"
@@ -75,6 +78,7 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     train = stages["train"]
     losses = client.get_metric_history(train.info.run_id, "train/loss")
     assert [m.step for m in losses] == list(range(2, 21, 2))
+    assert "system/node0/cpu_utilization_percentage" in train.data.metrics  # MLflow's system metrics, per node
     assert train.data.tags["plan"] == summary["train"]["plan"]
     [best] = [c for c in summary["estimate"]["cells"] if (c["gpu_type"], c["num_gpus"]) == ("cpu", 1)]
     assert train.data.tags["plan.chosen_by"] == "estimate" and summary["train"]["plan"] == best["plan"]

@@ -8,7 +8,6 @@ taking a run id parameter: their parameters stay `recipe + overrides`, and a sta
 from __future__ import annotations
 
 import functools
-import logging
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 
     from omni_core.recipe import Recipe
 
-log = logging.getLogger("omni.tracking")
 
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 _parent_run_id: ContextVar[str | None] = ContextVar("omni_parent_run_id", default=None)
@@ -68,9 +66,6 @@ def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             experiment = client.get_experiment_by_name(name)
-    if not experiment.tags.keys() & EXPERIMENT_TAGS.keys():  # made before omni tagged its kind, or by hand
-        for key, value in EXPERIMENT_TAGS.items():
-            client.set_experiment_tag(experiment.experiment_id, key, value)
     if experiment.lifecycle_stage == "deleted":
         raise TrackingError(
             f"MLflow experiment {name!r} (id {experiment.experiment_id}) at {uri} is deleted: restore it with "
@@ -81,12 +76,16 @@ def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
             f"MLflow experiment {name!r} keeps artifacts behind a tracking server ({experiment.artifact_location}), "
             f"but omni is tracking to {uri}: set MLFLOW_TRACKING_URI to that server, or use another experiment name."
         )
+    if not experiment.tags.keys() & EXPERIMENT_TAGS.keys():  # made before omni tagged its kind, or by hand
+        for key, value in EXPERIMENT_TAGS.items():
+            client.set_experiment_tag(experiment.experiment_id, key, value)
     return experiment.experiment_id
 
 
 @contextmanager
 def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> Iterator[MlflowTracker]:
-    """A run that ends FINISHED, FAILED (the body raised, or metrics were lost) or KILLED (interrupted).
+    """A run that ends FINISHED, FAILED (the body raised) or KILLED (interrupted); metrics its tracker lost are
+    counted in the tag `omni.lost_metrics`.
     A root run carries the recipe: flattened as params and resolved as recipe.yaml."""
     uri = resolve_tracking_uri(recipe)
     check_tracking_uri(uri)
@@ -109,11 +108,8 @@ def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> 
         status = "FINISHED" if error is None else "FAILED" if isinstance(error, Exception) else "KILLED"
         try:
             tracker.close()
-        except TrackingError as e:
-            status = "FAILED"
-            if error is None:
-                raise
-            log.warning("%s", e)  # the body's error is the one to report
+            if tracker.lost_metrics:
+                client.set_tag(run.info.run_id, "omni.lost_metrics", str(tracker.lost_metrics))
         finally:
             client.set_terminated(run.info.run_id, status)
 

@@ -1,7 +1,7 @@
-"""`omni`: the command line. Thin: parses, checks the recipe and the tracking server up front (so mistakes
-cost seconds and print one message, not a traceback), then calls a flow or the library. Heavy packages
-(torch, MLflow, Prefect) are imported only by the commands that need them, so `omni --help` and
-`omni recipe check` answer at once.
+"""`omni`: the command line. Thin: parses, runs every check a launch would up front (`runtime.preflight`:
+the recipe, its model, plan, data, checkpoints and tracking server; so mistakes cost seconds and print as
+`FILE:LINE: field: message`, not a traceback), then calls a flow or the library. MLflow and Prefect are
+imported only by the commands that need them, so `omni --help` and `omni recipe check` answer at once.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 USAGE_ERROR = 2  # argparse's code for bad usage; also bad recipes, missing files, unreachable servers
 RUN_FAILED = 1
+BROKEN_PIPE = 128 + signal.SIGPIPE  # what the shell reports for a tool whose reader left (`omni ... | head`)
 
 SET_HELP = "override one recipe value by its dotted path (repeatable), e.g. --set train.steps=50"
 
@@ -70,8 +73,12 @@ real servers instead of the embedded defaults (environment variables):
   MLFLOW_S3_ENDPOINT_URL  S3-compatible endpoint such as MinIO, e.g. http://minio.internal:9000
   OMP_NUM_THREADS         CPU threads per rank (default 1)
 
-exit codes: 0 done, 1 a stage failed (the end of its output is printed), 2 bad usage, bad recipe,
-missing file or unreachable tracking server.
+checks: before any stage starts, every command runs the checks of `omni recipe check` (the recipe, its
+model flavor, the plan on parallel.nproc ranks, the data, the checkpoint folder, the tracking server) and
+prints each problem as FILE:LINE: field: message.
+
+exit codes: 0 done, 1 a stage failed (the end of its output is printed, then the first failing rank's
+error), 2 bad usage, or a recipe a launch would refuse (bad values, missing data, unreachable server).
 
 example:
   omni run recipes/quickstart.yaml --set train.steps=50 && mlflow ui
@@ -228,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     recipe = sub.add_parser("recipe", help="check or show a recipe without running anything")
     recipe_sub = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
     check = recipe_sub.add_parser(
-        "check", formatter_class=raw, help="validate a recipe; prints `ok <hash>`", epilog=OVERRIDES_EPILOG
+        "check", formatter_class=raw, epilog=OVERRIDES_EPILOG,
+        help="run every check a launch would (values, model flavor, plan, data, checkpoints, tracking); "
+        "prints `ok <hash>`, or each problem as FILE:LINE: field: message and exits 2",
     )
     _add_recipe_args(check)
     show = recipe_sub.add_parser(
@@ -247,16 +256,27 @@ def _load(args: argparse.Namespace) -> Any:
     return load_recipe(args.recipe, args.overrides)
 
 
+def _checked(args: argparse.Namespace) -> Any:
+    """The recipe, refused (RecipeError: exit 2) with every problem a launch of it would meet; warnings printed."""
+    from omni_core.recipe import load_located
+    from omni_core.runtime.preflight import check_launch
+
+    recipe, locations = load_located(args.recipe, args.overrides)
+    for warning in check_launch(recipe, locations):
+        print(f"omni: {warning}", file=sys.stderr)
+    return recipe
+
+
 def _recipe_command(args: argparse.Namespace) -> int:
     from omni_core.recipe import dump_recipe, recipe_hash
 
-    recipe = _load(args)
     if args.recipe_command == "check":
-        print(f"ok {recipe_hash(recipe)}")
-    else:
-        print(dump_recipe(recipe).rstrip("\n"))
-        print(f"# recipe.hash: {recipe_hash(recipe)}")
-        print(f"# parallel plan: {_plan_line(recipe)}")
+        print(f"ok {recipe_hash(_checked(args))}")
+        return 0
+    recipe = _load(args)
+    print(dump_recipe(recipe).rstrip("\n"))
+    print(f"# recipe.hash: {recipe_hash(recipe)}")
+    print(f"# parallel plan: {_plan_line(recipe)}")
     return 0
 
 
@@ -310,10 +330,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _flow_command(args: argparse.Namespace) -> int:
-    from omni_core.tracking import check_tracking_uri, resolve_tracking_uri
-
-    recipe = _load(args)
-    check_tracking_uri(resolve_tracking_uri(recipe))  # fail before Prefect and torchrun start
+    recipe = _checked(args)  # fail before Prefect and torchrun start
     if args.command == "schedule" or (args.command == "run" and recipe.jobs):
         from omni_core.scheduler.local import check_recipe
 
@@ -436,6 +453,14 @@ def _data_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _command(args)
+    except BrokenPipeError:  # the reader left (`| head`): nothing more to say, and nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return BROKEN_PIPE
+
+
+def _command(args: argparse.Namespace) -> int:
     from omni_core.recipe import RecipeError
     from omni_core.runtime.ckpt_store import CheckpointError
     from omni_core.tracking import TrackingError

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from omni_core.common.results import TrainResult
-from omni_core.runtime.supervisor import LaunchError, run_process_group, torchrun_command
+from omni_core.runtime.supervisor import LaunchError, launch_torchrun
 
 
 @task(name="torchrun", cache_policy=NO_CACHE)
@@ -23,8 +23,7 @@ def run_torchrun(
     env.setdefault("OMP_NUM_THREADS", "1")
     if os.path.exists(result_path):
         os.remove(result_path)  # never mistake an old result for this run's
-    cmd = torchrun_command(recipe_path, nproc, result_path)
-    run_process_group(cmd, timeout_s=timeout_s, env=env, on_line=logger.info, name="torchrun")
+    launch_torchrun(recipe_path, nproc, result_path, timeout_s=timeout_s, env=env, on_line=logger.info)
     if not os.path.exists(result_path):
         raise LaunchError(f"torchrun exited 0 but wrote no result to {result_path}")
     return TrainResult.load(result_path)

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import tarfile
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -263,6 +264,19 @@ class ShardedSource(Source):
         records before it, reason)). It meets and skips exactly what `stream` does."""
         for _, _, parsed in self._chunks(view, Position(), build=False):
             yield parsed.columns()
+
+    def check_usable(self) -> None:
+        """Raise ValueError unless one pass meets a usable sample: an empty or all-bad dataset fails the profile
+        and starves training. Reads no further than the first chunk that holds one."""
+        skipped: Counter[str] = Counter()
+        for sizes, skips in self.measured(View(0, 1, "all", seed=0, one_pass=True, shuffle=False)):
+            if len(sizes.modality):
+                return
+            skipped.update(reason for _, reason in skips)
+        if not skipped:
+            raise ValueError(f"{self.identity}: no sample at all (empty)")
+        reasons = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+        raise ValueError(f"{self.identity}: no usable sample ({reasons} skipped)")
 
     def refetch(self, view: View, ref: list[int]) -> Record:
         for _, _, parsed in self._chunks(view, Position(*ref), build=True):

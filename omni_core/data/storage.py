@@ -7,12 +7,36 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import socket
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+AWS_S3_ENDPOINT = "https://s3.amazonaws.com"
+CONNECT_TIMEOUT_S = 3.0
 
 
 def is_s3(location: str) -> bool:
     return location.startswith("s3://")
+
+
+def s3_endpoint(endpoint_url: str = "") -> str:
+    """The endpoint boto3 talks to: `endpoint_url` (data.s3_endpoint_url), else its environment's
+    ($AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL), else AWS's."""
+    env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return endpoint_url or env or AWS_S3_ENDPOINT
+
+
+def endpoint_unreachable(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why no server accepts a connection at the URL's host and port, or None when one does: an answer in
+    seconds where boto3 would retry for minutes."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as error:
+        return f"S3 endpoint {url} is not reachable ({getattr(error, 'strerror', None) or error})"
 
 
 def join(folder: str, relative: str) -> str:

@@ -424,6 +424,19 @@ def ensure_dataset(recipe: Recipe) -> str:
 
     A synthetic dataset generated from other settings is regenerated; data without a generator fingerprint is
     someone's real data and is used as it is."""
+    location = dataset_location(recipe)
+    if location is not None:
+        return location
+    root = Path(recipe.data_dir())
+    if (root / FINGERPRINT).is_file():
+        log.warning("%s was generated from other settings; regenerating it", root)
+    return str(generate_dataset(recipe, root))
+
+
+def dataset_location(recipe: Recipe) -> str | None:
+    """Where the recipe's dataset is, without generating anything: None when a synthetic one is still to be
+    generated (absent, or from other settings). Raises FileNotFoundError for real data that is not there and
+    ValueError for a synthetic dataset on S3, so a launch check finds what `ensure_dataset` would meet."""
     cfg = recipe.data
     if cfg.source == "dynamic":
         return "dynamic"
@@ -440,8 +453,7 @@ def ensure_dataset(recipe: Recipe) -> str:
     location = Path(root) / MANIFEST if fmt == "jsonl" else Path(root)
     present = location.is_file() if fmt == "jsonl" else any(Path(root).glob("*.tar"))
     stamp = Path(root) / FINGERPRINT
-    if present:
-        if not stamp.is_file() or json.loads(stamp.read_text()) == _fingerprint(recipe, fmt, cfg.synthetic.num_samples):
-            return str(location)
-        log.warning("%s was generated from other settings; regenerating it", root)
-    return str(generate_dataset(recipe, Path(root)))
+    if present and (not stamp.is_file()
+                    or json.loads(stamp.read_text()) == _fingerprint(recipe, fmt, cfg.synthetic.num_samples)):
+        return str(location)
+    return None

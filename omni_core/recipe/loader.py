@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from omni_core.recipe.schema import Recipe
 
 EXTENDS_KEY = "extends"
+OVERRIDE_LABEL = "--set "  # how a value from an override is located: `--set key=value`
 
 # Dotted path -> where its value was written: "FILE:LINE", or "--set key=value" for an override.
 Locations = dict[str, str]
@@ -37,8 +39,23 @@ class RecipeError(Exception):
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Resolve `extends:`, apply `key=value` overrides, validate; raise one RecipeError listing all problems."""
+    return load_located(path, overrides)[0]
+
+
+def load_located(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Recipe, Locations]:
+    """`load_recipe`, and where each value was written: what later checks (runtime.preflight) name lines with."""
     data, locations = _load_with_extends(Path(os.path.normpath(path)), chain=())
-    return _validated(data, locations, overrides)
+    return _validated(data, locations, overrides), locations
+
+
+def located_problem(locations: Locations, field: str, message: str) -> str:
+    """`FILE:LINE: field: message` for a problem found after loading. Where: the last `--set` inside `field`
+    (what the user just changed), else the line that wrote `field`, else the first line that wrote a key inside
+    it (a section), else its deepest written ancestor's."""
+    inside = [where for dotted, where in locations.items() if _is_within(dotted, field)]
+    overrides = [where for where in inside if where.startswith(OVERRIDE_LABEL)]
+    where = (overrides[-1] if overrides else None) or locations.get(field) or next(iter(inside), None)
+    return _problem(where or _locate(tuple(field.split(".")), locations), field, message)
 
 
 def override_recipe(recipe: Recipe, overrides: Sequence[str]) -> Recipe:
@@ -74,7 +91,17 @@ def flatten_recipe(recipe: Recipe) -> dict[str, str]:
 # --- reading YAML with key lines -------------------------------------------------------------------------
 
 
-class _LineRecordingLoader(yaml.SafeLoader):
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-3` and `1.0e5` as floats, as YAML 1.2 does: YAML 1.1 wants a dot and a signed
+    exponent and would hand the schema a string, which strict number fields refuse."""
+
+
+_RecipeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+class _LineRecordingLoader(_RecipeYamlLoader):
     """SafeLoader that also records the 1-based line of every key (and list item) by dotted path.
 
     Duplicate keys in one mapping are recorded too: PyYAML would silently keep the last one, which hides
@@ -140,7 +167,12 @@ def _read_mapping(path: Path) -> tuple[dict[str, Any], Locations]:
         raise RecipeError([f"{path}: file not found"]) from None
     except (OSError, UnicodeDecodeError) as error:
         raise RecipeError([f"{path}: cannot read: {getattr(error, 'strerror', None) or error}"]) from None
-    loader = _LineRecordingLoader(text)
+    try:
+        loader = _LineRecordingLoader(text)  # the reader refuses control characters (a NUL byte) right here
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise RecipeError([f"{path}:{line}: invalid YAML: unacceptable character #x{error.character:04x} "
+                           f"({error.reason})"]) from None
     try:
         data = loader.get_single_data()
     except yaml.MarkedYAMLError as error:
@@ -222,7 +254,7 @@ class _BadOverride(Exception):
 
 def _apply_override(data: dict[str, Any], locations: Locations, override: str) -> str | None:
     """Deep-set one `key=value` into `data`; return the problem, if any, instead of raising."""
-    label = f"--set {override}"
+    label = f"{OVERRIDE_LABEL}{override}"
     key, has_equals, raw_value = override.partition("=")
     key = key.strip()
     if not has_equals or not key:
@@ -231,7 +263,7 @@ def _apply_override(data: dict[str, Any], locations: Locations, override: str) -
     if not all(parts):
         return _problem(label, key, "empty segment in dotted key")
     try:
-        value = yaml.safe_load(raw_value)
+        value = yaml.load(raw_value, Loader=_RecipeYamlLoader)  # a SafeLoader
     except yaml.YAMLError as error:
         return _problem(label, key, f"value is not valid YAML: {getattr(error, 'problem', None) or error}")
     try:
@@ -254,7 +286,7 @@ def _step_into(container: Any, part: str, walked: str, locations: Locations, lab
     if isinstance(container, dict):
         child = container.get(part)
         if child is None:
-            child = {}
+            child = [] if _is_list(path) else {}  # a list the file leaves out has no items to index
             locations[path] = label
         elif not isinstance(child, (dict, list)):
             raise _BadOverride(f"{path} is {_kind(child)} {child!r}, it has no keys to set")
@@ -324,8 +356,8 @@ def _unknown_key_message(loc: tuple) -> str:
     return f"unknown key (allowed: {', '.join(allowed)}){hint}"
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The schema model of the section at `loc`, walking through list items and dict values."""
+def _annotation_at(loc: tuple) -> Any:
+    """The schema's type at `loc` (None where the schema has no such field), through list items and dict values."""
     annotation: Any = Recipe
     for part in loc:
         annotation = _without_none(annotation)
@@ -340,13 +372,22 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
             annotation = typing.get_args(annotation)[1]
         else:
             return None
-    annotation = _without_none(annotation)
+    return _without_none(annotation)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema model of the section at `loc`, walking through list items and dict values."""
+    annotation = _annotation_at(loc)
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _is_section(path: str) -> bool:
     """Whether the schema field at dotted `path` is a section of named fields (a model), not a value."""
     return _model_at(tuple(path.split("."))) is not None
+
+
+def _is_list(path: str) -> bool:
+    return typing.get_origin(_annotation_at(tuple(path.split(".")))) is list
 
 
 def _without_none(annotation: Any) -> Any:

@@ -1,9 +1,10 @@
 """Typed schema of a recipe: one YAML file describes a whole experiment pipeline.
 
 Every section is strict (unknown keys are rejected) so that a typo fails at `omni recipe check`
-instead of silently falling back to a default in the middle of a run. Sections that later stages
-(estimate, schedule, 5D parallelism) will consume are typed here already; the runtime refuses values
-it cannot execute yet instead of ignoring them.
+instead of silently falling back to a default in the middle of a run; so is every number and switch
+(`StrictInt`, `StrictFloat`, which still takes an int, `StrictBool`): `steps: true` or `steps: '30'` is an
+error, not 1 step or 30. Sections that later stages (estimate, schedule, 5D parallelism) will consume are
+typed here already; the runtime refuses values it cannot execute yet instead of ignoring them.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 Modality = Literal["text", "image", "audio", "video"]
 MODALITIES: tuple[str, ...] = ("text", "image", "audio", "video")
 MAX_SEQ_LEN = 1 << 20  # tokens per packed sequence at most: past any context the flavors are built for
+MAX_STEPS = 100_000_000  # optimizer steps at most: ~100x the longest published pre-training run; more is a typo
+MAX_SAMPLES = 100_000_000  # synthetic samples at most: a quarter of C4.en's documents, each a file or shard entry
+MAX_LOCAL_RANKS = 1024  # torchrun ranks on one machine at most: past any node's GPUs or cores
+ModelPart = Literal["vision", "audio", "projectors", "llm"]  # OmniModel's modules, what model.freeze names
+MODEL_PARTS: tuple[str, ...] = get_args(ModelPart)
 
 
 class Strict(BaseModel):
@@ -30,15 +36,15 @@ class ExperimentConfig(Strict):
         description="MLflow experiment name, run-name prefix and a path component: letters, digits, _ . -",
     )
     description: str = ""
-    seed: int = Field(0, description="Seed for data generation, model init and data order")
+    seed: StrictInt = Field(0, description="Seed for data generation, model init and data order")
     output_dir: str = Field("runs", description="Local root for generated data and checkpoints")
 
 
 class Range(Strict):
     """An inclusive integer range, sampled uniformly."""
 
-    min: int = Field(ge=0)
-    max: int = Field(ge=0)
+    min: StrictInt = Field(ge=0)
+    max: StrictInt = Field(ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> Range:
@@ -56,8 +62,8 @@ class LengthDist(Range):
     """An integer length: uniform on [min, max], or normal / log-normal clipped to [min, max]."""
 
     kind: Literal["uniform", "normal", "lognormal"] = "uniform"
-    center: float = Field(0.0, ge=0, description="normal: mean; lognormal: median; unused by uniform")
-    spread: float = Field(0.0, ge=0, description="normal: standard deviation; lognormal: sigma of the log")
+    center: StrictFloat = Field(0.0, ge=0, description="normal: mean; lognormal: median; unused by uniform")
+    spread: StrictFloat = Field(0.0, ge=0, description="normal: standard deviation; lognormal: sigma of the log")
 
     @model_validator(mode="after")
     def _shaped(self) -> LengthDist:
@@ -67,8 +73,8 @@ class LengthDist(Range):
 
 
 class MixPoint(Strict):
-    step: int = Field(ge=0, description="Training (optimizer) step, whatever the plan's micro-batches")
-    mix: dict[Modality, float]
+    step: StrictInt = Field(ge=0, description="Training (optimizer) step, whatever the plan's micro-batches")
+    mix: dict[Modality, StrictFloat]
 
     @model_validator(mode="after")
     def _mix_positive(self) -> MixPoint:
@@ -81,10 +87,10 @@ class MixBurst(Strict):
     the other modalities keep their proportions in the rest."""
 
     modality: Modality
-    share: float = Field(gt=0, le=1)
-    start: int = Field(ge=0)
-    steps: int = Field(ge=1)
-    every: int = Field(0, ge=0)
+    share: StrictFloat = Field(gt=0, le=1)
+    start: StrictInt = Field(ge=0)
+    steps: StrictInt = Field(ge=1)
+    every: StrictInt = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _period(self) -> MixBurst:
@@ -98,8 +104,10 @@ class SyntheticConfig(Strict):
     generate`) or drawn on the fly (data.source=dynamic). The defaults are small, for CPU runs; each length
     field names the public statistic that a real-scale setting mimics (see recipes/dynamic_mix.yaml)."""
 
-    num_samples: int = Field(2000, ge=1, description="Samples written; dynamic: samples profiled, and held-out pool")
-    mix: dict[Modality, float] = Field(
+    num_samples: StrictInt = Field(
+        2000, ge=1, le=MAX_SAMPLES, description="Samples written; dynamic: samples profiled, and held-out pool"
+    )
+    mix: dict[Modality, StrictFloat] = Field(
         default_factory=lambda: {"text": 0.4, "image": 0.4, "audio": 0.2},
         description="Share of samples whose non-text segment is of each modality",
     )
@@ -117,7 +125,9 @@ class SyntheticConfig(Strict):
         description="Tokens of a text-only sample (unset: 3 per text_words word + 3). Web text: C4.en holds 156B "
         "tokens in 365M documents, 427 per document on average (Dodge et al. 2021); its spread is ours",
     )
-    long_doc_share: float = Field(0.0, ge=0, le=1, description="Share of text-only samples that are long documents")
+    long_doc_share: StrictFloat = Field(
+        0.0, ge=0, le=1, description="Share of text-only samples that are long documents"
+    )
     long_doc_tokens: LengthDist = Field(
         default_factory=lambda: LengthDist(min=32768, max=131072),
         description="Tokens of a long document. PG-19: 28,752 books averaging 69k words, ~90k tokens (Rae et al. 2019)",
@@ -142,7 +152,7 @@ class SyntheticConfig(Strict):
     format: Literal["jsonl", "wds"] = Field(
         "jsonl", description="On disk: a JSONL manifest beside media files, or WebDataset .tar shards"
     )
-    shard_size: int = Field(1000, ge=1, description="Samples per WebDataset shard")
+    shard_size: StrictInt = Field(1000, ge=1, description="Samples per WebDataset shard")
 
     @model_validator(mode="after")
     def _mix_positive(self) -> SyntheticConfig:
@@ -165,7 +175,7 @@ class BalanceConfig(Strict):
         "of data ranks place their shared window by predicted cost (encoders + LLM) onto every member's step; "
         "global: one group of all data ranks (OrchMLLM-like)",
     )
-    group_size: int = Field(0, ge=0, description="Data ranks per group under grouped (0: those of one node); "
+    group_size: StrictInt = Field(0, ge=0, description="Data ranks per group under grouped (0: those of one node); "
                             "must divide the data ranks")
 
 
@@ -182,36 +192,38 @@ class DataConfig(Strict):
         "", description="S3-compatible endpoint such as MinIO (http://minio:9000); empty: $AWS_ENDPOINT_URL or AWS"
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
-    heldout_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
-    seq_len: int = Field(512, ge=16, le=MAX_SEQ_LEN, description="Token budget of one packed sequence")
-    micro_batch: int = Field(1, ge=1, description="Packed sequences per rank per micro-step")
-    pack_lookahead: float = Field(
+    heldout_fraction: StrictFloat = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
+    seq_len: StrictInt = Field(512, ge=16, le=MAX_SEQ_LEN, description="Token budget of one packed sequence")
+    micro_batch: StrictInt = Field(1, ge=1, description="Packed sequences per rank per micro-step")
+    pack_lookahead: StrictFloat = Field(
         1.5, ge=1, le=8, description="Pending samples the packer picks from, in batches' worth of tokens"
     )
-    num_workers: int = Field(
+    num_workers: StrictInt = Field(
         0, ge=0, description="Decoding processes per rank (0: decode in the training process); changes data order"
     )
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
-    patch_size: int = Field(8, ge=1, description="Image patch side in pixels")
-    max_image_patches: int = Field(64, ge=1, description="Images with more patches are downscaled")
-    min_image_patches: int = Field(1, ge=1, description="Images with fewer patches are upscaled")
-    max_image_pixels: int = Field(
+    patch_size: StrictInt = Field(8, ge=1, description="Image patch side in pixels")
+    max_image_patches: StrictInt = Field(64, ge=1, description="Images with more patches are downscaled")
+    min_image_patches: StrictInt = Field(1, ge=1, description="Images with fewer patches are upscaled")
+    max_image_pixels: StrictInt = Field(
         50_000_000, ge=1, description="Images with more pixels are skipped as oversized (decompression-bomb guard)"
     )
-    video_max_frames: int = Field(8, ge=1, description="Frames sampled evenly from a video clip")
-    video_frame_patches: int = Field(16, ge=1, description="Patch budget of one sampled video frame")
-    sample_rate: int = Field(16000, ge=1000)
-    n_mels: int = Field(32, ge=4)
-    profile_max_samples: int = Field(
+    video_max_frames: StrictInt = Field(8, ge=1, description="Frames sampled evenly from a video clip")
+    video_frame_patches: StrictInt = Field(16, ge=1, description="Patch budget of one sampled video frame")
+    sample_rate: StrictInt = Field(16000, ge=1000)
+    n_mels: StrictInt = Field(32, ge=4)
+    profile_max_samples: StrictInt = Field(
         0, ge=0, description="Profile the first N samples of the stream (0: all; dynamic: synthetic.num_samples)"
     )
-    profile_window: int = Field(1000, ge=10, description="Samples per drift window of the profile")
-    drift_threshold: float = Field(
+    profile_window: StrictInt = Field(1000, ge=10, description="Samples per drift window of the profile")
+    drift_threshold: StrictFloat = Field(
         0.1, gt=0, lt=1,
         description="A window drifts when the KS statistic of its token lengths, or the total-variation distance "
         "of its mix, against the first window exceeds this (and the KS test is significant at 0.1%)",
     )
-    profile_decode: bool = Field(False, description="Profile by decoding every sample: finds bad files, times decoding")
+    profile_decode: StrictBool = Field(
+        False, description="Profile by decoding every sample: finds bad files, times decoding"
+    )
 
     @model_validator(mode="after")
     def _patch_budget(self) -> DataConfig:
@@ -223,7 +235,15 @@ class DataConfig(Strict):
 
 class ModelConfig(Strict):
     flavor: str = Field("debug", description="Name in the model flavor registry")
-    freeze: list[Literal["vision", "audio", "projectors", "llm"]] = Field(default_factory=list)
+    freeze: list[ModelPart] = Field(default_factory=list)
+
+    @field_validator("freeze")
+    @classmethod
+    def _something_to_train(cls, freeze: list[str]) -> list[str]:
+        if set(freeze) >= set(MODEL_PARTS):
+            raise ValueError(f"every part of the model is frozen ({', '.join(MODEL_PARTS)}): nothing is left to "
+                             "train (the optimizer would get no parameters)")
+        return freeze
 
 
 ENCODER_LAYOUTS = ("coupled", "omni", "disaggregated")
@@ -257,12 +277,12 @@ def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict]) -> 
 class EncoderSpecConfig(Strict):
     """One encoder's layout over its group (omni and disaggregated layouts)."""
 
-    lssp: int = Field(1, ge=1, description="Ranks a long item is split over (long-short sequence parallelism)")
-    long_tokens: int = Field(0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; "
+    lssp: StrictInt = Field(1, ge=1, description="Ranks a long item is split over (long-short sequence parallelism)")
+    long_tokens: StrictInt = Field(0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; "
                              "0: no threshold by cost")
-    long_mb: int = Field(0, ge=0, description="An item whose encoder activations exceed this many MiB is long; "
+    long_mb: StrictInt = Field(0, ge=0, description="An item whose encoder activations exceed this many MiB is long; "
                          "0: no threshold by memory")
-    fsdp: bool = Field(False, description="Shard the encoder's weights over its group (else replicated)")
+    fsdp: StrictBool = Field(False, description="Shard the encoder's weights over its group (else replicated)")
 
 
 class EncodersConfig(Strict):
@@ -270,7 +290,7 @@ class EncodersConfig(Strict):
     their own balanced layout, MegaScale-Omni) or disaggregated (ranks of their own, DistTrain)."""
 
     layout: Literal["coupled", "omni", "disaggregated"] = "coupled"
-    ranks: int = Field(0, ge=0, description="disaggregated: ranks the encoders get (the LLM gets the rest)")
+    ranks: StrictInt = Field(0, ge=0, description="disaggregated: ranks the encoders get (the LLM gets the rest)")
     vision: EncoderSpecConfig = EncoderSpecConfig()
     audio: EncoderSpecConfig = EncoderSpecConfig()
 
@@ -286,20 +306,22 @@ class EncodersConfig(Strict):
 class ParallelConfig(Strict):
     """Degrees of the LLM's 5D layout; their product with dp is the world size."""
 
-    nproc: int = Field(1, ge=1, description="Local ranks started by torchrun (--nproc-per-node)")
+    nproc: StrictInt = Field(
+        1, ge=1, le=MAX_LOCAL_RANKS, description="Local ranks started by torchrun (--nproc-per-node)"
+    )
     plan: Literal["explicit", "auto"] = Field(
         "explicit", description="explicit: the degrees below; auto: the estimate stage's best plan for the Cell "
         "the train stage has (this machine's device type x nproc), with its micro-batch, gradient accumulation "
         "(the global batch kept) and activation checkpointing; the degrees below must then stay unset"
     )
-    dp_replicate: int = Field(1, ge=1)
-    dp_shard: int = Field(-1, ge=-1, description="-1: whatever is left of the world after the other degrees")
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
+    dp_replicate: StrictInt = Field(1, ge=1)
+    dp_shard: StrictInt = Field(-1, ge=-1, description="-1: whatever is left of the world after the other degrees")
+    tp: StrictInt = Field(1, ge=1)
+    pp: StrictInt = Field(1, ge=1)
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
-    cp: int = Field(1, ge=1)
+    cp: StrictInt = Field(1, ge=1)
     cp_kind: Literal["ulysses", "ring"] = "ulysses"
-    ep: int = Field(1, ge=1)
+    ep: StrictInt = Field(1, ge=1)
     encoders: EncodersConfig = EncodersConfig()
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
@@ -320,15 +342,15 @@ class ParallelConfig(Strict):
 
 class NodeGroup(Strict):
     gpu_type: str
-    nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
+    nodes: StrictInt = Field(ge=1)
+    gpus_per_node: StrictInt = Field(ge=1)
     interconnect: str = Field("", description="Link between nodes, e.g. ib-200g (informational for the scheduler)")
 
 
 class ClusterConfig(Strict):
     name: str = "local"
     node_groups: list[NodeGroup] = Field(default_factory=list, description="Empty: this machine only")
-    slots: int = Field(
+    slots: StrictInt = Field(
         0, ge=0, description="This machine as a cluster (node_groups empty): CPU slots, one rank each, for "
         "`omni schedule`; 0: the CPU count rounded down to a power of two"
     )
@@ -343,12 +365,12 @@ class ClusterConfig(Strict):
 class JobConfig(Strict):
     name: str
     model: str = Field(description="Model flavor or trace model name, e.g. bert__1.3B")
-    global_batch: int = Field(ge=1, description="Samples per step (a model flavor: packed sequences)")
-    iterations: int = Field(ge=1, description="Steps to train (`omni schedule`: the job's train.steps)")
-    arrival_s: float = Field(0.0, ge=0, description="Submission time (`omni schedule`: seconds after it starts)")
-    deadline_s: float | None = None
+    global_batch: StrictInt = Field(ge=1, description="Samples per step (a model flavor: packed sequences)")
+    iterations: StrictInt = Field(ge=1, description="Steps to train (`omni schedule`: the job's train.steps)")
+    arrival_s: StrictFloat = Field(0.0, ge=0, description="Submission time (`omni schedule`: seconds after it starts)")
+    deadline_s: StrictFloat | None = None
     gpu_type: str | None = Field(None, description="User-requested GPU type (baselines use it)")
-    num_gpus: int | None = Field(None, ge=1)
+    num_gpus: StrictInt | None = Field(None, ge=1)
 
 
 class EstimateConfig(Strict):
@@ -357,10 +379,10 @@ class EstimateConfig(Strict):
     gpu_types: list[str] = Field(
         default_factory=lambda: ["cpu"], description="GPU types to estimate on when cluster.node_groups is empty"
     )
-    max_gpus: int = Field(4, ge=1, description="Largest Cell (GPUs) per type when cluster.node_groups is empty")
+    max_gpus: StrictInt = Field(4, ge=1, description="Largest Cell (GPUs) per type when cluster.node_groups is empty")
     layout: Literal["omni", "coupled"] = Field("omni", description="Where MLLM encoders run (see DESIGN.md §3)")
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision of the recipe's model")
-    gpus: dict[str, dict[str, float]] = Field(
+    gpus: dict[str, dict[str, StrictFloat]] = Field(
         default_factory=dict,
         description="GPU catalogue overrides or new types, e.g. {a100: {inter_bw: 5.0e10}} (fields of GpuSpec)",
     )
@@ -371,51 +393,53 @@ class EstimateConfig(Strict):
 
 class ScheduleConfig(Strict):
     policy: Literal["crius", "fcfs", "gavel", "sia"] = "crius"
-    round_s: float = Field(300.0, gt=0)
-    max_rounds: int = Field(2000, ge=1)
+    round_s: StrictFloat = Field(300.0, gt=0)
+    max_rounds: StrictInt = Field(2000, ge=1)
     policies: list[Literal["crius", "fcfs", "gavel", "sia"]] = Field(
         default_factory=list, description="Policies `omni simulate` compares side by side; empty: [policy]"
     )
     trace: str = Field("", description="Job trace CSV replayed by `omni simulate`; empty: the recipe's jobs")
     trace_format: Literal["auto", "crius", "itp", "philly"] = "auto"
-    trace_seed: int = Field(0, description="Seed of the mapping from raw trace rows to model jobs")
-    trace_keep: float = Field(1.0, gt=0, le=1, description="Seeded share of raw-trace jobs kept")
-    trace_start_s: float = Field(0.0, ge=0, description="Replay from this many seconds after the trace's first arrival")
-    restart_s: float = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
-    max_gpus_per_job: int = Field(32, ge=1)
-    segment_steps: int = Field(
+    trace_seed: StrictInt = Field(0, description="Seed of the mapping from raw trace rows to model jobs")
+    trace_keep: StrictFloat = Field(1.0, gt=0, le=1, description="Seeded share of raw-trace jobs kept")
+    trace_start_s: StrictFloat = Field(
+        0.0, ge=0, description="Replay from this many seconds after the trace's first arrival"
+    )
+    restart_s: StrictFloat = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
+    max_gpus_per_job: StrictInt = Field(32, ge=1)
+    segment_steps: StrictInt = Field(
         50, ge=1, description="`omni schedule`: steps a job trains per launch; each segment's end (a checkpoint) "
         "is where the scheduler may resize the job"
     )
 
 
 class TrainConfig(Strict):
-    steps: int = Field(100, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr")
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    grad_accum: int = Field(1, ge=1)
+    steps: StrictInt = Field(100, ge=1, le=MAX_STEPS)
+    lr: StrictFloat = Field(3e-3, gt=0)
+    min_lr_ratio: StrictFloat = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr")
+    warmup_steps: StrictInt = Field(10, ge=0)
+    weight_decay: StrictFloat = Field(0.01, ge=0)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
+    grad_clip: StrictFloat = Field(1.0, ge=0, description="0 disables clipping")
+    grad_accum: StrictInt = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Autocast compute dtype; auto: bfloat16 on GPUs that support it, else float32"
     )
-    activation_checkpointing: bool = Field(False, description="Recompute transformer blocks in backward")
-    compile: bool = Field(False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)")
-    log_every: int = Field(10, ge=1)
-    ckpt_every: int = Field(50, ge=0, description="0: only the final checkpoint")
-    keep_last: int = Field(2, ge=1)
-    resume: bool = Field(True, description="Continue from the newest complete checkpoint in ckpt_dir")
-    stop_at_step: int = Field(
+    activation_checkpointing: StrictBool = Field(False, description="Recompute transformer blocks in backward")
+    compile: StrictBool = Field(False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)")
+    log_every: StrictInt = Field(10, ge=1)
+    ckpt_every: StrictInt = Field(50, ge=0, description="0: only the final checkpoint")
+    keep_last: StrictInt = Field(2, ge=1)
+    resume: StrictBool = Field(True, description="Continue from the newest complete checkpoint in ckpt_dir")
+    stop_at_step: StrictInt = Field(
         0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
         "train.steps: this is how a scheduler runs a job in segments"
     )
     ckpt_dir: str = Field(
         "", description="Default: <output_dir>/<experiment>/ckpt-<training hash>, see Recipe.training_hash"
     )
-    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the torchrun launch")
-    dist_timeout_s: float = Field(300.0, gt=0, description="Process-group timeout, so a dead rank fails the others")
+    timeout_s: StrictFloat = Field(3600.0, gt=0, description="Wall-clock limit of the torchrun launch")
+    dist_timeout_s: StrictFloat = Field(300.0, gt=0, description="Process-group timeout, so a dead rank fails the others")
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -425,15 +449,15 @@ class TrainConfig(Strict):
 
 
 class EvalConfig(Strict):
-    max_batches: int = Field(50, ge=1, description="Held-out packed sequences per rank to evaluate")
-    generate_samples: int = Field(16, ge=0, description="Held-out documents per modality captioned greedily")
-    max_new_tokens: int = Field(64, ge=1, description="Decoding budget per caption/transcript")
+    max_batches: StrictInt = Field(50, ge=1, description="Held-out packed sequences per rank to evaluate")
+    generate_samples: StrictInt = Field(16, ge=0, description="Held-out documents per modality captioned greedily")
+    max_new_tokens: StrictInt = Field(64, ge=1, description="Decoding budget per caption/transcript")
 
 
 class TrackingConfig(Strict):
     uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment: str | None = Field(None, description="MLflow experiment; default: experiment.name")
-    flush_every_s: float = Field(2.0, gt=0, description="Metric batches are sent at most this often")
+    flush_every_s: StrictFloat = Field(2.0, gt=0, description="Metric batches are sent at most this often")
     registered_model: str = Field("", description="Model Registry name for the final checkpoint; default: experiment.name")
     model_alias: str = Field(
         "current", pattern=r"^[A-Za-z0-9_-]+$", description="Alias moved to each newly registered version"
@@ -449,19 +473,19 @@ class TrackingConfig(Strict):
 class ReplanConfig(Strict):
     """The watcher that re-plans a running job when its data drifts (scheduler/replan.py)."""
 
-    enabled: bool = Field(False, description="The train stage watches its own job and re-plans it")
-    drift_threshold: float = Field(
+    enabled: StrictBool = Field(False, description="The train stage watches its own job and re-plans it")
+    drift_threshold: StrictFloat = Field(
         0.15, gt=0, description="Re-estimate when the newest window has drifted this far from the profile the "
         "running plan was chosen on: the total-variation distance of the modality mix, or the relative change "
         "of the mean training FLOPs per sample, whichever is larger"
     )
-    window: int = Field(200, ge=10, description="Samples of the job's newest data profiled at each look")
-    every_steps: int = Field(0, ge=0, description="Steps between the watcher's looks; 0: train.ckpt_every")
-    cost_s: float = Field(
+    window: StrictInt = Field(200, ge=10, description="Samples of the job's newest data profiled at each look")
+    every_steps: StrictInt = Field(0, ge=0, description="Steps between the watcher's looks; 0: train.ckpt_every")
+    cost_s: StrictFloat = Field(
         0.0, ge=0, description="Seconds one re-plan costs (checkpoint, restart, first steps); 0: measured on "
         "the running launch (from its launch to its first step, plus its last checkpoint's save)"
     )
-    max_replans: int = Field(4, ge=0, description="Re-plans per job at most")
+    max_replans: StrictInt = Field(4, ge=0, description="Re-plans per job at most")
     layouts: list[Literal["coupled", "omni"]] = Field(
         ["coupled", "omni"], min_length=1, description="Encoder layouts the watcher chooses among"
     )

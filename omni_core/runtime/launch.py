@@ -13,6 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
 from omni_core.recipe.loader import load_recipe
 from omni_core.runtime.dist import init_distributed, shutdown
 from omni_core.runtime.trainer import train
@@ -27,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@record  # an exception out of main lands in torch elastic's error file, for the supervisor to name
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
@@ -51,8 +54,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{result.tokens_per_s:.0f} tokens/s, checkpoint {result.checkpoint}")
             if args.result:
                 result.save(Path(args.result))
-    except Exception:  # noqa: BLE001 - report on this rank, then fail the whole launch
+    except Exception as error:  # noqa: BLE001 - report on this rank, then fail the whole launch
         print(f"[rank {info.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        ErrorHandler().record_exception(error)  # TORCHELASTIC_ERROR_FILE: the launch's error names this one
         exit_code = 1
     finally:
         tracker.close()  # lost metrics are warned about there, never a failed training

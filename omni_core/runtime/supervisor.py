@@ -3,19 +3,25 @@ output, and never let the group outlive the call. No Prefect: flows wrap it in a
 
 A process group, because torchrun's workers (and anything they start) must die with it: on the wall-clock
 limit, on flow cancellation, on Ctrl-C or on any error here, the whole group gets SIGTERM, then SIGKILL.
+
+A failed torchrun launch (`launch_torchrun`) ends its LaunchError with the first failing rank's own error,
+from the error files torch elastic gives each worker (TORCHELASTIC_ERROR_FILE under torchrun's --log-dir).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shlex
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
 TAIL_LINES = 40
@@ -128,9 +134,44 @@ def run_process_group(
         terminate_group(proc, grace_s)
 
 
-def torchrun_command(recipe_path: str, nproc: int, result_path: str, max_restarts: int = 0) -> list[str]:
+def torchrun_command(recipe_path: str, nproc: int, result_path: str, max_restarts: int = 0,
+                     log_dir: str | None = None) -> list[str]:
     """The train stage's launch on this machine (`targets.local_command`, as Kubernetes and Slurm render it)."""
     from omni_core.runtime.targets import RunSpec, local_command
 
     return local_command(RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc,
-                                 max_restarts=max_restarts))
+                                 max_restarts=max_restarts), log_dir)
+
+
+def launch_torchrun(recipe_path: str, nproc: int, result_path: str, *, timeout_s: float,
+                    env: Mapping[str, str] | None = None, on_line: Callable[[str], object] = print) -> None:
+    """`torchrun_command` under `run_process_group`; when the ranks fail, the LaunchError ends with the first
+    failing rank's own error (`first_rank_error`), not with torchrun's summary of exit codes."""
+    with tempfile.TemporaryDirectory(prefix="omni-torchrun-") as log_dir:
+        try:
+            run_process_group(torchrun_command(recipe_path, nproc, result_path, log_dir=log_dir),
+                              timeout_s=timeout_s, env=env, on_line=on_line, name="torchrun")
+        except LaunchError as error:
+            failed = first_rank_error(Path(log_dir))
+            if failed is None:
+                raise
+            raise LaunchError(f"{error}\n\n{failed}") from None
+
+
+def first_rank_error(log_dir: Path) -> str | None:
+    """`rank R failed first: Type: message`, from the error files torch elastic's workers write under torchrun's
+    --log-dir (<run>/attempt_<n>/<local rank>/error.json: `launch.main` records its exception there). The
+    last attempt's earliest file: the ranks that fail because a peer died write theirs after it. None when no
+    rank wrote one (killed, or torchrun itself failed)."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
+    written = []
+    for path in attempts[-1].glob("*/error.json") if attempts else ():
+        try:
+            message = json.loads(path.read_text())["message"]["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # empty or half-written: not an error to show
+        written.append((path.stat().st_mtime_ns, path.parent.name, message))
+    if not written:
+        return None
+    _, rank, message = min(written)
+    return f"rank {rank} failed first: {message}"

@@ -57,11 +57,13 @@ def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
             "--recipe", spec.recipe, "--result", spec.result]
 
 
-def local_command(spec: RunSpec) -> list[str]:
-    """The command of a launch on this machine (this interpreter's torchrun)."""
+def local_command(spec: RunSpec, log_dir: str | None = None) -> list[str]:
+    """The command of a launch on this machine (this interpreter's torchrun); `log_dir` is where torchrun keeps
+    each worker's error file (a temporary folder of its own when None)."""
     if spec.nodes != 1:
         raise ValueError(f"run {spec.name}: a local launch is one node, got {spec.nodes}")
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec)]
+    logs = ["--log-dir", log_dir] if log_dir else []
+    return [sys.executable, "-m", "torch.distributed.run", *logs, *torchrun_args(spec)]
 
 
 def kubernetes_manifests(spec: RunSpec) -> list[dict]:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow 3's own default, so a plain `mlflow ui` sees our runs
 ARTIFACTS_DIRNAME = "mlartifacts"  # what `mlflow ui` / `mlflow server` serve artifacts from by default
 HEALTH_TIMEOUT_S = 3.0
+# The stores MLflow tracks to: a server, a database through SQLAlchemy (`postgresql+psycopg2`: the part before
+# `+`), a folder, Databricks; anything else (ftp://, s3://) fails inside MLflow at the first logged value.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file", "databricks")
 
 TELEMETRY_OFF = {
     "DO_NOT_TRACK": "true",
@@ -62,6 +65,9 @@ def _sqlite_path(uri: str) -> Path | None:
 def check_tracking_uri(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """Fail in seconds with one clear message instead of MLflow's minutes of retries and a traceback."""
     scheme = urlsplit(uri).scheme
+    if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
+        raise TrackingError(f"MLflow tracking URI {uri}: MLflow cannot track to {scheme}:// (it tracks to "
+                            f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder).")
     if scheme in ("http", "https"):
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from omni_core.common.results import TrainResult
 from omni_core.runtime.ckpt_store import MANIFEST
 
@@ -114,3 +116,22 @@ train: {{steps: 40, log_every: 10, ckpt_every: 10, dist_timeout_s: 60}}
     assert "resumed from" in output and killed.resumed_from_step >= 10  # torchrun restarted every rank
     assert killed.steps == 40
     assert abs(killed.final_loss - results["straight"][0].final_loss) < 1e-6
+
+
+def test_a_failed_launch_ends_with_the_failing_rank_s_own_error(tmp_path):
+    """The launch checks would refuse this recipe; launched anyway, the ranks' error is the last line."""
+    from omni_core.runtime.supervisor import LaunchError, launch_torchrun
+
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(f"""
+experiment: {{name: fails, output_dir: {tmp_path / 'out'}}}
+model: {{flavor: nope}}
+parallel: {{nproc: 2}}
+train: {{steps: 2, warmup_steps: 1, dist_timeout_s: 30}}
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with pytest.raises(LaunchError) as failed:
+        launch_torchrun(str(recipe_path), 2, str(tmp_path / "result.json"), timeout_s=120, env=env,
+                        on_line=lambda line: None)
+    last = str(failed.value).splitlines()[-1]
+    assert last.startswith("rank ") and " failed first: ValueError: unknown model flavor 'nope'" in last

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,11 +44,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", IMPORT_PROBE, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["recipe", "check", "RECIPE"]])
-def test_help_and_recipe_check_import_no_heavy_packages(args, recipe_file):
-    out = run_cli(*[str(recipe_file) if a == "RECIPE" else a for a in args])
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])
+def test_help_imports_no_heavy_packages(args):
+    out = run_cli(*args)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout
+
+
+def test_recipe_check_imports_neither_mlflow_nor_prefect(recipe_file):
+    out = run_cli("recipe", "check", str(recipe_file))  # torch it needs: the flavor registry, the data readers
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY ['torch']" in out.stdout
 
 
 def test_module_entry_point_runs():
@@ -121,7 +129,7 @@ def test_unreachable_tracking_server_stops_run_before_anything_starts(recipe_fil
     assert out.returncode == 2
     assert f"http://127.0.0.1:{port} is not reachable" in out.stderr
     assert "Traceback" not in out.stderr
-    assert "HEAVY []" in out.stdout  # failed before Prefect, MLflow or torch were loaded
+    assert "HEAVY ['torch']" in out.stdout  # failed before Prefect or MLflow were loaded
 
 
 def test_bad_usage_exits_2(capsys):
@@ -166,3 +174,54 @@ def test_run_prints_a_readable_summary_with_how_to_browse(recipe_file, fake_expe
     out = capsys.readouterr().out
     assert "cli-test-vague-owl (abc123)" in out and "loss 5.500 -> 3.200" in out and "image 2.700" in out
     assert "mlflow ui --backend-store-uri sqlite:////data/mlflow.db" in out
+
+
+@pytest.mark.parametrize("command", ["run", "profile", "train", "evaluate", "schedule", "validate", "watch"])
+def test_every_flow_command_runs_the_launch_checks_first(command, recipe_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([command, str(recipe_file), "--set", "model.flavor=nope", "--set", "parallel.tp=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--set model.flavor=nope: model.flavor: unknown model flavor 'nope'" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("runs")) and not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_recipe_check_exits_2_on_what_only_a_launch_used_to_find(recipe_file, capsys):
+    assert main(["recipe", "check", str(recipe_file), "--set", "parallel.nproc=2", "--set", "parallel.tp=3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--set parallel.tp=3: parallel: world size 2 is not divisible by" in captured.err
+
+
+def test_more_ranks_than_cores_is_a_warning_from_check_and_run(recipe_file, fake_experiment_flow, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on GPUs a rank per GPU is checked instead")
+    cores = len(os.sched_getaffinity(0))
+    nproc = cores + 1
+    warning = f"--set parallel.nproc={nproc}: parallel.nproc: warning: {nproc} ranks on {cores} CPU cores"
+    assert main(["recipe", "check", str(recipe_file), "--set", f"parallel.nproc={nproc}"]) == 0
+    captured = capsys.readouterr()
+    assert warning in captured.err and captured.out.startswith("ok ")
+    assert main(["run", str(recipe_file), "--set", f"parallel.nproc={nproc}"]) == 0
+    captured = capsys.readouterr()
+    assert warning in captured.err and "log line from a flow" in captured.out  # a warning: the run went on
+
+
+def test_recipe_show_into_a_closed_pipe_prints_no_traceback(recipe_file):
+    reader, writer = os.pipe()
+    os.close(reader)  # `| head` that has already left
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "recipe", "show", str(recipe_file)], stdout=writer,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(writer)
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert proc.stderr == ""
+
+
+def test_nccl_without_gpus_is_refused(recipe_file, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert main(["recipe", "check", str(recipe_file), "--set", "parallel.backend=nccl"]) == 2
+    assert "parallel.backend: nccl needs CUDA GPUs and this machine has none" in capsys.readouterr().err

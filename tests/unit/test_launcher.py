@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from omni_core.runtime.supervisor import LaunchError, run_process_group, torchrun_command
+from omni_core.runtime.supervisor import LaunchError, first_rank_error, run_process_group, torchrun_command
 
 
 def alive(pid: int) -> bool:
@@ -91,3 +93,36 @@ def test_torchrun_command():
         "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "omni_core.runtime.launch",
         "--recipe", "r.yaml", "--result", "out.json",
     ]  # fmt: skip
+
+
+def test_torchrun_command_keeps_error_files_in_the_log_dir():
+    cmd = torchrun_command("r.yaml", 2, "out.json", log_dir="/tmp/logs")
+    assert cmd[3:6] == ["--log-dir", "/tmp/logs", "--standalone"]
+
+
+def record_error(monkeypatch, path: Path, error: Exception, written_ns: int) -> None:
+    """What a worker's `launch.main` leaves for its rank: torch elastic's error file, written at `written_ns`."""
+    path.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise error
+    except type(error) as raised:
+        ErrorHandler().record_exception(raised)
+    os.utime(path, ns=(written_ns, written_ns))
+
+
+def test_the_first_failing_rank_of_the_last_attempt_is_named(tmp_path, monkeypatch):
+    run = tmp_path / "none_abc"
+    t = time.time_ns()
+    record_error(monkeypatch, run / "attempt_0" / "0" / "error.json", ValueError("first attempt"), t)
+    record_error(monkeypatch, run / "attempt_1" / "0" / "error.json", RuntimeError("peer hung up"), t + 3_000)
+    record_error(monkeypatch, run / "attempt_1" / "1" / "error.json", ValueError("bad batch"), t + 2_000)
+    (run / "attempt_1" / "2").mkdir()
+    (run / "attempt_1" / "2" / "error.json").write_text("")  # a rank killed while writing
+    assert first_rank_error(tmp_path) == "rank 1 failed first: ValueError: bad batch"
+
+
+def test_no_error_file_names_no_rank(tmp_path):
+    (tmp_path / "none_abc" / "attempt_0" / "0").mkdir(parents=True)
+    assert first_rank_error(tmp_path) is None
+    assert first_rank_error(tmp_path / "absent") is None

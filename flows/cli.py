@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 
 USAGE_ERROR = 2  # argparse's code for bad usage; also bad recipes, missing files, unreachable servers
 RUN_FAILED = 1
+INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C, as a shell reports it
 BROKEN_PIPE = 128 + signal.SIGPIPE  # what the shell reports for a tool whose reader left (`omni ... | head`)
 
 SET_HELP = "override one recipe value by its dotted path (repeatable), e.g. --set train.steps=50"
@@ -247,6 +249,32 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=OVERRIDES_EPILOG,
     )
     _add_recipe_args(show)
+
+    serve = sub.add_parser("serve", help="serve prefect.yaml's deployments (schedules included) from this process",
+                           description="Serve every deployment of the deployments file until interrupted: its "
+                           "schedules create flow runs, which run here. Needs PREFECT_API_URL (a Prefect server).")
+    deploy = sub.add_parser("deploy", help="register prefect.yaml's deployments with a process work pool",
+                            description="Register every deployment of the deployments file with the process work "
+                            "pool POOL (created when missing); `prefect worker start --pool POOL` then runs their "
+                            "flow runs from this checkout.")
+    for p in (serve, deploy):
+        p.add_argument("--file", type=Path, help="deployments file (default: the repository's prefect.yaml)")
+    deploy.add_argument("--pool", default="omni-process", help="work pool name (default: omni-process)")
+
+    render = sub.add_parser("render", formatter_class=raw, epilog=OVERRIDES_EPILOG,
+                            help="print one launch of RECIPE for a cluster: a Kubernetes Job or a Slurm script",
+                            description="Render the launch of RECIPE (parallel.nproc ranks over --nodes nodes) as "
+                            "Kubernetes manifests (YAML: a headless Service and an Indexed Job), a Slurm sbatch "
+                            "script, or the local torchrun command. Paths are where the launch runs.")
+    _add_recipe_args(render)
+    render.add_argument("--target", choices=["kubernetes", "slurm", "local"], required=True)
+    render.add_argument("--nodes", type=int, default=1, help="nodes; parallel.nproc must be a multiple")
+    render.add_argument("--name", help="run name (default: the experiment's name)")
+    render.add_argument("--image", default="omni-train:latest", help="Kubernetes: the training image")
+    render.add_argument("--gpus-per-node", type=int, default=0)
+    render.add_argument("--cpus-per-node", type=int, default=8)
+    render.add_argument("--memory-gb", type=int, default=32)
+    render.add_argument("--result", default="train_result.json", help="where rank 0 writes its result")
     return parser
 
 
@@ -451,6 +479,50 @@ def _data_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deployments_command(args: argparse.Namespace) -> int:
+    from flows.deploy import DEPLOYMENTS_FILE, DeploymentError, deploy, load_deployments, serve
+
+    try:
+        specs = load_deployments(args.file or DEPLOYMENTS_FILE)
+    except DeploymentError as e:
+        print(f"omni: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.command == "serve":
+        serve(specs)
+    else:
+        for spec, deployment_id in zip(specs, deploy(specs, args.pool), strict=True):
+            print(f"{spec.flow().name}/{spec.name} -> work pool {args.pool} ({deployment_id})")
+    return 0
+
+
+def _render_command(args: argparse.Namespace) -> int:
+    import yaml
+
+    from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, slurm_script
+
+    recipe = _checked(args)
+    nproc = recipe.parallel.nproc
+    if args.nodes < 1 or nproc % args.nodes:
+        print(f"omni: render: parallel.nproc={nproc} ranks do not split over --nodes {args.nodes}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        spec = RunSpec(name=args.name or recipe.experiment.name.lower().replace("_", "-").replace(".", "-"),
+                       recipe=str(args.recipe), result=args.result, nodes=args.nodes, ranks_per_node=nproc // args.nodes,
+                       image=args.image, cpus_per_node=args.cpus_per_node, memory_gb=args.memory_gb,
+                       gpus_per_node=args.gpus_per_node, max_restarts=recipe.train.max_restarts,
+                       overrides=tuple(args.overrides))
+    except ValueError as e:
+        print(f"omni: render: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.target == "kubernetes":
+        print(yaml.safe_dump_all(kubernetes_manifests(spec), sort_keys=False), end="")
+    elif args.target == "slurm":
+        print(slurm_script(spec), end="")
+    else:
+        print(shlex.join(local_command(spec)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -474,7 +546,14 @@ def _command(args: argparse.Namespace) -> int:
             return _simulate_command(args)
         if args.command == "data":
             return _data_command(args)
+        if args.command in ("serve", "deploy"):
+            return _deployments_command(args)
+        if args.command == "render":
+            return _render_command(args)
         return _flow_command(args)
+    except KeyboardInterrupt:  # the supervisor has killed any launch's process group by now
+        print("omni: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except (RecipeError, TrackingError, CheckpointError) as e:
         print(f"omni: {e}", file=sys.stderr)
     except FileNotFoundError as e:

@@ -1,11 +1,12 @@
 """Deployments of omni's flows, as `prefect.yaml` declares them: `serve` runs them (schedules included) from
-this process, `deploy` registers them with a process work pool, whose worker runs their flow runs from this
+this process, `deploy` registers them with a process work pool, whose worker runs their flow runs in this
 checkout. The file is read and checked here, before Prefect is asked anything: each deployment names a flow
 of this package, passes only `recipe` and `overrides`, and its recipe resolves."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +27,9 @@ class DeploymentError(ValueError):
 @dataclass(frozen=True)
 class DeploymentSpec:
     name: str
-    entrypoint: str  # flows/<module>.py:<flow function>
+    # flows.<module>:<flow function>, a module path: by file path Prefect puts flows/ first on sys.path, where
+    # flows/profile.py hides the standard library's profile (torch imports cProfile)
+    entrypoint: str
     recipe: str  # absolute: a flow run may start in another working directory
     overrides: tuple[str, ...] = ()
     description: str = ""
@@ -34,12 +37,13 @@ class DeploymentSpec:
     concurrency: dict[str, Any] = field(default_factory=dict)
 
     def flow(self):
-        path, function = self.entrypoint.split(":")
-        return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), function)
+        module, function = self.entrypoint.split(":")
+        return getattr(importlib.import_module(module), function)
 
     def options(self) -> dict[str, Any]:
         """What Prefect's `to_deployment` / `deploy` take, for this deployment."""
         from prefect.client.schemas.objects import ConcurrencyLimitConfig
+        from prefect.deployments.runner import EntrypointType
         from prefect.schedules import Cron, Interval
 
         schedules = [Cron(s["cron"], timezone=s.get("timezone")) if "cron" in s
@@ -47,7 +51,8 @@ class DeploymentSpec:
                      for s in self.schedules]
         return {"name": self.name, "description": self.description, "schedules": schedules,
                 "parameters": {"recipe": self.recipe, "overrides": list(self.overrides)},
-                "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None}
+                "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None,
+                "entrypoint_type": EntrypointType.MODULE_PATH}
 
 
 def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
@@ -76,6 +81,8 @@ def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
 def _spec(entry: Any, root: Path, where: str) -> DeploymentSpec:
     if not isinstance(entry, dict) or not entry.get("name") or not entry.get("entrypoint"):
         raise DeploymentError(f"{where}: needs a `name` and an `entrypoint`")
+    if not re.fullmatch(r"flows\.\w+:\w+", entry["entrypoint"]):
+        raise DeploymentError(f"{where}: entrypoint {entry['entrypoint']!r} must be a module path, flows.<module>:<flow>")
     params = entry.get("parameters") or {}
     if set(params) - PARAMETERS or "recipe" not in params:
         raise DeploymentError(f"{where}: parameters must be `recipe` (and `overrides`), got {sorted(params)}")
@@ -108,8 +115,9 @@ def serve(specs: list[DeploymentSpec]) -> None:
 
 
 def deploy(specs: list[DeploymentSpec], pool: str) -> list[str]:
-    """Register every deployment with the process work pool `pool` (created when missing), its code pulled from
-    this checkout by the pool's worker. Returns the deployments' ids."""
+    """Register every deployment with the process work pool `pool` (created when missing); its worker runs
+    their flow runs in this checkout (the entrypoints are module paths of this installed package). Returns
+    the deployments' ids."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
@@ -119,7 +127,6 @@ def deploy(specs: list[DeploymentSpec], pool: str) -> list[str]:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
         except ObjectAlreadyExists:
             pass
-    root = str(DEPLOYMENTS_FILE.parent)
-    return [str(spec.flow().from_source(source=root, entrypoint=spec.entrypoint).deploy(
-        work_pool_name=pool, build=False, push=False, print_next_steps=False, **spec.options()))
-        for spec in specs]
+    job = {"working_dir": str(DEPLOYMENTS_FILE.parent)}
+    return [str(spec.flow().to_deployment(job_variables=job, **spec.options()).apply(work_pool_name=pool))
+            for spec in specs]

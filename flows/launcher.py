@@ -15,7 +15,8 @@ from omni_core.runtime.supervisor import LaunchError, launch_torchrun
 
 @task(name="torchrun", cache_policy=NO_CACHE)
 def run_torchrun(
-    recipe_path: str, nproc: int, result_path: str, env_extra: Mapping[str, str], timeout_s: float
+    recipe_path: str, nproc: int, result_path: str, env_extra: Mapping[str, str], timeout_s: float,
+    max_restarts: int = 0,
 ) -> TrainResult:
     """Train under torchrun, streaming rank 0's output into this task's log; returns the TrainResult it wrote."""
     logger = get_run_logger()
@@ -23,7 +24,8 @@ def run_torchrun(
     env.setdefault("OMP_NUM_THREADS", "1")
     if os.path.exists(result_path):
         os.remove(result_path)  # never mistake an old result for this run's
-    launch_torchrun(recipe_path, nproc, result_path, timeout_s=timeout_s, env=env, on_line=logger.info)
+    launch_torchrun(recipe_path, nproc, result_path, timeout_s=timeout_s, env=env, on_line=logger.info,
+                    max_restarts=max_restarts)
     if not os.path.exists(result_path):
         raise LaunchError(f"torchrun exited 0 but wrote no result to {result_path}")
     return TrainResult.load(result_path)

@@ -87,7 +87,8 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
     if control is not None:
         env.update({CONTROL_ENV: str(control), LAUNCHED_ENV: str(time.time())})
     try:
-        result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s)
+        result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s,
+                              r.train.max_restarts)
     finally:  # what rank 0 could not send while the server was away, now that this process reaches it
         replayed = replay_spool(run, run_dir / SPOOL_FILE)
         if replayed:

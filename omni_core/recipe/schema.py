@@ -431,6 +431,10 @@ class TrainConfig(Strict):
     ckpt_every: StrictInt = Field(50, ge=0, description="0: only the final checkpoint")
     keep_last: StrictInt = Field(2, ge=1)
     resume: StrictBool = Field(True, description="Continue from the newest complete checkpoint in ckpt_dir")
+    max_restarts: StrictInt = Field(
+        0, ge=0, le=100, description="torchrun restarts every rank after one fails, this many times; each restart "
+        "resumes from the newest complete checkpoint"
+    )
     stop_at_step: StrictInt = Field(
         0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
         "train.steps: this is how a scheduler runs a job in segments"
@@ -528,7 +532,7 @@ class Recipe(Strict):
         so is the parallel layout: checkpoints reshard between plans, so a job resized by the scheduler (or
         rerun on more ranks) resumes its own checkpoint; the data order then restarts.
         """
-        operational = {"stop_at_step", "resume", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
+        operational = {"stop_at_step", "resume", "max_restarts", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
                        "activation_checkpointing", "compile"}
         identity = {
             "seed": self.experiment.seed,

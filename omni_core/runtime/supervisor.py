@@ -144,12 +144,13 @@ def torchrun_command(recipe_path: str, nproc: int, result_path: str, max_restart
 
 
 def launch_torchrun(recipe_path: str, nproc: int, result_path: str, *, timeout_s: float,
-                    env: Mapping[str, str] | None = None, on_line: Callable[[str], object] = print) -> None:
+                    env: Mapping[str, str] | None = None, on_line: Callable[[str], object] = print,
+                    max_restarts: int = 0) -> None:
     """`torchrun_command` under `run_process_group`; when the ranks fail, the LaunchError ends with the first
     failing rank's own error (`first_rank_error`), not with torchrun's summary of exit codes."""
     with tempfile.TemporaryDirectory(prefix="omni-torchrun-") as log_dir:
         try:
-            run_process_group(torchrun_command(recipe_path, nproc, result_path, log_dir=log_dir),
+            run_process_group(torchrun_command(recipe_path, nproc, result_path, max_restarts, log_dir),
                               timeout_s=timeout_s, env=env, on_line=on_line, name="torchrun")
         except LaunchError as error:
             failed = first_rank_error(Path(log_dir))

@@ -30,6 +30,7 @@ class RunSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = 29400  # the rendezvous
     max_restarts: int = 0  # torchrun restarts every rank after one fails; the launch resumes its last checkpoint
+    overrides: tuple[str, ...] = ()  # the recipe's `--set key=value`s
 
     def __post_init__(self) -> None:
         if not _LABEL.fullmatch(self.name):
@@ -54,7 +55,7 @@ def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
         where = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
     return [*where, "--max-restarts", str(spec.max_restarts), "-m", "omni_core.runtime.launch",
-            "--recipe", spec.recipe, "--result", spec.result]
+            "--recipe", spec.recipe, "--result", spec.result, *(a for o in spec.overrides for a in ("--set", o))]
 
 
 def local_command(spec: RunSpec, log_dir: str | None = None) -> list[str]:
@@ -78,19 +79,19 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
         "name": "train", "image": spec.image, "command": ["torchrun", *torchrun_args(spec, endpoint)],
         "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
         "ports": [{"name": "rendezvous", "containerPort": spec.port}],
-        "resources": {"requests": resources, "limits": resources},
+        "resources": {"requests": resources, "limits": dict(resources)},
     }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": spec.name, "labels": labels},
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": spec.name, "labels": dict(labels)},
         "spec": {"clusterIP": "None", "selector": {"omni/run": spec.name},
                  "ports": [{"name": "rendezvous", "port": spec.port}]},
     }
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": spec.name, "labels": labels},
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": spec.name, "labels": dict(labels)},
         "spec": {
             "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes, "backoffLimit": 0,
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {"labels": dict(labels)},
                 "spec": {"subdomain": spec.name, "restartPolicy": "Never", "containers": [container]},
             },
         },

@@ -69,12 +69,12 @@ def test_shipped_deployments_pass_only_recipe_and_overrides():
 @pytest.mark.parametrize("edit, message", [
     ("parameters: {recipe: recipe.yaml, steps: 3}", r"parameters must be `recipe` \(and `overrides`\)"),
     ("parameters: {recipe: missing.yaml}", r"its recipe does not resolve"),
-    ("parameters: {recipe: recipe.yaml}\n    entrypoint: flows/nothing.py:flow", r"is not a flow of this package"),
+    ("parameters: {recipe: recipe.yaml}\n    entrypoint: flows.nothing:flow", r"is not a flow of this package"),
     ("parameters: {recipe: recipe.yaml}\n    schedules: [{cron: '0 * * * *', interval: 5}]", r"each schedule is one of"),
 ])
 def test_bad_deployments_are_refused_naming_the_file_and_deployment(edit, message, tmp_path):
     (tmp_path / "recipe.yaml").write_text("experiment: {name: d}\n")
-    entry = f"deployments:\n  - name: one\n    entrypoint: flows/profile.py:profile_flow\n    {edit}\n"
+    entry = f"deployments:\n  - name: one\n    entrypoint: flows.profile:profile_flow\n    {edit}\n"
     (tmp_path / "prefect.yaml").write_text(entry)  # a repeated key: YAML keeps the last
     with pytest.raises(DeploymentError, match=message) as error:
         load_deployments(tmp_path / "prefect.yaml")

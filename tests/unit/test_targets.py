@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,3 +63,18 @@ def test_slurm_script_parses_and_runs_one_torchrun_per_node(tmp_path):
 def test_bad_specs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RunSpec(**{"name": "r", "recipe": "r.yaml", "result": "o.json", **kwargs})
+
+
+def test_omni_render_prints_a_recipes_launch_for_a_cluster(capsys):
+    from flows.cli import main
+
+    quickstart = str(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml")
+    assert main(["render", quickstart, "--target", "kubernetes", "--nodes", "2",
+                 "--set", "train.max_restarts=2"]) == 0
+    service, job = yaml.safe_load_all(capsys.readouterr().out)
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert service["kind"] == "Service" and job["spec"]["completions"] == 2
+    assert command[command.index("--nproc-per-node") + 1] == "1" and command[command.index("--max-restarts") + 1] == "2"
+    assert command[-2:] == ["--set", "train.max_restarts=2"]
+    assert main(["render", quickstart, "--target", "slurm", "--nodes", "3"]) == 2
+    assert "parallel.nproc=2 ranks do not split over --nodes 3" in capsys.readouterr().err

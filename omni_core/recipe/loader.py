@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_core.recipe.schema import Recipe
+from omni_core.recipe.schema import Recipe, redact_userinfo
 
 EXTENDS_KEY = "extends"
 OVERRIDE_LABEL = "--set "  # how a value from an override is located: `--set key=value`
@@ -254,7 +254,7 @@ class _BadOverride(Exception):
 
 def _apply_override(data: dict[str, Any], locations: Locations, override: str) -> str | None:
     """Deep-set one `key=value` into `data`; return the problem, if any, instead of raising."""
-    label = f"{OVERRIDE_LABEL}{override}"
+    label = f"{OVERRIDE_LABEL}{redact_userinfo(override)}"
     key, has_equals, raw_value = override.partition("=")
     key = key.strip()
     if not has_equals or not key:

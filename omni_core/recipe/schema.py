@@ -12,9 +12,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 Modality = Literal["text", "image", "audio", "video"]
 MODALITIES: tuple[str, ...] = ("text", "image", "audio", "video")
@@ -24,6 +34,26 @@ MAX_SAMPLES = 100_000_000  # synthetic samples at most: a quarter of C4.en's doc
 MAX_LOCAL_RANKS = 1024  # torchrun ranks on one machine at most: past any node's GPUs or cores
 ModelPart = Literal["vision", "audio", "projectors", "llm"]  # OmniModel's modules, what model.freeze names
 MODEL_PARTS: tuple[str, ...] = get_args(ModelPart)
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def redact_userinfo(text: str) -> str:
+    """`text` with any URL's user:password@ replaced by ***@, for messages and logs."""
+    return _USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def _no_credentials(value: str | None) -> str | None:
+    """Refuse a URL carrying user:password@: a recipe is logged as params, artifacts and flow-run parameters."""
+    if value and _USERINFO.search(value):
+        raise ValueError(f"{redact_userinfo(value)} carries credentials: recipes are logged (MLflow params, "
+                         "recipe.yaml, flow-run parameters); give them through the environment "
+                         "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD)")
+    return value
+
+
+NoCredentials = Annotated[str, AfterValidator(_no_credentials)]
 
 
 class Strict(BaseModel):
@@ -187,8 +217,8 @@ class DataConfig(Strict):
         "or a folder of them); both local or s3://bucket/key; dynamic: drawn on the fly from data.synthetic, "
         "following its schedule by training step",
     )
-    path: str = Field("", description="Dataset location, local or s3:// (default: <output_dir>/data/<name>)")
-    s3_endpoint_url: str = Field(
+    path: NoCredentials = Field("", description="Dataset location, local or s3:// (default: <output_dir>/data/<name>)")
+    s3_endpoint_url: NoCredentials = Field(
         "", description="S3-compatible endpoint such as MinIO (http://minio:9000); empty: $AWS_ENDPOINT_URL or AWS"
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
@@ -439,7 +469,7 @@ class TrainConfig(Strict):
         0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
         "train.steps: this is how a scheduler runs a job in segments"
     )
-    ckpt_dir: str = Field(
+    ckpt_dir: NoCredentials = Field(
         "", description="Default: <output_dir>/<experiment>/ckpt-<training hash>, see Recipe.training_hash"
     )
     timeout_s: StrictFloat = Field(3600.0, gt=0, description="Wall-clock limit of the torchrun launch")
@@ -459,7 +489,7 @@ class EvalConfig(Strict):
 
 
 class TrackingConfig(Strict):
-    uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    uri: NoCredentials | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment: str | None = Field(None, description="MLflow experiment; default: experiment.name")
     flush_every_s: StrictFloat = Field(2.0, gt=0, description="Metric batches are sent at most this often")
     registered_model: str = Field("", description="Model Registry name for the final checkpoint; default: experiment.name")

@@ -225,3 +225,27 @@ def test_nccl_without_gpus_is_refused(recipe_file, capsys):
         pytest.skip("this machine has GPUs")
     assert main(["recipe", "check", str(recipe_file), "--set", "parallel.backend=nccl"]) == 2
     assert "parallel.backend: nccl needs CUDA GPUs and this machine has none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["data.s3_endpoint_url", "tracking.uri", "train.ckpt_dir", "data.path"])
+def test_a_credential_in_a_url_is_refused_and_never_echoed(field, recipe_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    value = "s3://key:PLANTED-SECRET@bucket/x" if field in ("train.ckpt_dir", "data.path") \
+        else "http://user:PLANTED-SECRET@127.0.0.1:9"
+    assert main(["run", str(recipe_file), "--set", f"{field}={value}"]) == 2
+    out, err = capsys.readouterr()
+    assert f"{field}: " in err and "carries credentials" in err and "***@" in err
+    assert "PLANTED-SECRET" not in out + err
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert not any(b"PLANTED-SECRET" in p.read_bytes() for p in written)  # nothing started, nothing kept
+
+
+def test_ctrl_c_ends_with_one_line(monkeypatch, capsys):
+    import flows.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_flow_command", interrupted)
+    assert main(["train", "whatever.yaml"]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "omni: interrupted\n"

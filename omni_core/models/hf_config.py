@@ -53,9 +53,13 @@ class _Reader:
         self.read: set[str] = set(_BOOKKEEPING)
 
     def get(self, key: str, default: Any = None) -> Any:
+        """The key's value; transformers' default for the model type when the file leaves it out, `default`
+        when the file writes null (Mistral's `sliding_window: null` is no window, not the type's 4096)."""
         self.read.add(key)
-        value = self.config.get(key)
-        return self.defaults.get(key, default) if value is None else value
+        if key not in self.config:
+            return self.defaults.get(key, default)
+        value = self.config[key]
+        return default if value is None else value
 
     def need(self, key: str) -> Any:
         value = self.get(key)

@@ -115,6 +115,15 @@ def test_save_pretrained_loads_back_into_transformers(name: str, tmp_path: Path)
     torch.testing.assert_close(reference_logits(again, docs), reference_logits(reference, docs), **TOL)
 
 
+def test_a_null_in_the_file_is_not_the_model_types_default():
+    from omni_core.models.hf_config import llm_args_from_config
+
+    config = {"model_type": "mistral", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert llm_args_from_config(config, "c.json")[0].sliding_window == 4096  # left out: Mistral's default
+    assert llm_args_from_config({**config, "sliding_window": None}, "c.json")[0].sliding_window is None
+
+
 def test_tied_head_is_the_embedding(tmp_path: Path) -> None:
     _, directory = written(HONOURED["qwen2 tied embeddings"], tmp_path)
     ours, _ = load_pretrained(directory, "llm")

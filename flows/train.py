@@ -90,9 +90,13 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
         result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s,
                               r.train.max_restarts)
     finally:  # what rank 0 could not send while the server was away, now that this process reaches it
-        replayed = replay_spool(run, run_dir / SPOOL_FILE)
-        if replayed:
-            get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
+        try:
+            replayed = replay_spool(run, run_dir / SPOOL_FILE)
+        except Exception as error:  # noqa: BLE001 - the file stays for a later replay; the training stands
+            get_run_logger().warning(f"{run_dir / SPOOL_FILE} not replayed into MLflow: {error}")
+        else:
+            if replayed:
+                get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
     run.log_artifact(result_path)
     return result
 

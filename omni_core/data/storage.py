@@ -14,6 +14,11 @@ from urllib.parse import urlsplit
 
 AWS_S3_ENDPOINT = "https://s3.amazonaws.com"
 CONNECT_TIMEOUT_S = 3.0
+# botocore's standard retry mode: throttling, 5xx, refused and reset connections retried with exponential backoff
+# and jitter (each wait <= 20 s), so 8 attempts ride out about a minute of an endpoint's absence. AWS_RETRY_MODE
+# and AWS_MAX_ATTEMPTS, when set, win.
+S3_RETRY_MODE = "standard"
+S3_MAX_ATTEMPTS = 8
 
 
 def is_s3(location: str) -> bool:
@@ -37,6 +42,17 @@ def endpoint_unreachable(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str 
             return None
     except (OSError, ValueError) as error:
         return f"S3 endpoint {url} is not reachable ({getattr(error, 'strerror', None) or error})"
+
+
+def s3_client(endpoint_url: str = "") -> Any:
+    """A boto3 S3 client that retries transient errors with backoff (S3_MAX_ATTEMPTS) at `endpoint_url` (or
+    boto3's own settings: AWS_ENDPOINT_URL, credentials from the environment or a profile)."""
+    import boto3
+    from botocore.config import Config
+
+    retries = {"mode": os.environ.get("AWS_RETRY_MODE") or S3_RETRY_MODE,
+               "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_MAX_ATTEMPTS)}
+    return boto3.client("s3", endpoint_url=endpoint_url or None, config=Config(retries=retries))
 
 
 def join(folder: str, relative: str) -> str:
@@ -71,9 +87,7 @@ class Storage:
 
     def s3(self) -> Any:
         if self._client is None or self._pid != os.getpid():
-            import boto3
-
-            self._client = boto3.client("s3", endpoint_url=self.endpoint_url or None)
+            self._client = s3_client(self.endpoint_url)
             self._pid = os.getpid()
         return self._client
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from omni_core.data.storage import s3_client
+
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})$")
 
@@ -81,9 +83,7 @@ class S3Store:
         self.cache = cache
 
     def _client(self):
-        import boto3
-
-        return boto3.client("s3")
+        return s3_client()
 
     def _key(self, step: int, name: str = "") -> str:
         return "/".join(p for p in (self.prefix, step_name(step), name) if p)

@@ -49,3 +49,44 @@ def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3
     assert store.steps() == [2]
     with pytest.raises(CheckpointError, match=r"s3://ckpt/runs/tiny/step_000004 has no manifest.json"):
         evaluate_checkpoint(recipe, checkpoint="s3://ckpt/runs/tiny/step_000004")
+
+
+def test_an_s3_endpoint_that_comes_up_late_is_retried_with_backoff(tmp_path, monkeypatch):
+    """The store's client rides out an endpoint that refuses connections for its first seconds (a MinIO
+    restarting): the listing started before any server listened, and answers once one does."""
+    import socket
+    import sys
+    import threading
+    from pathlib import Path
+
+    from botocore.exceptions import ClientError
+
+    from omni_core.runtime.ckpt_store import S3Store
+    from omni_core.runtime.ranks import free_port
+    from tests.servers import server_process
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+    up, stop = threading.Event(), threading.Event()
+
+    def serve_late() -> None:
+        moto = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+        with server_process(moto, f"{url}/moto-api/", log=tmp_path / "moto.log"):
+            up.set()
+            stop.wait(120)
+
+    server = threading.Thread(target=serve_late, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(ClientError, match="NoSuchBucket"):
+            S3Store("s3://late/ckpt", tmp_path / "cache").steps()  # reached the server: it has no such bucket
+        assert up.is_set()
+    finally:
+        stop.set()
+        server.join(30)

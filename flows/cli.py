@@ -253,13 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve prefect.yaml's deployments (schedules included) from this process",
                            description="Serve every deployment of the deployments file until interrupted: its "
                            "schedules create flow runs, which run here. Needs PREFECT_API_URL (a Prefect server).")
-    deploy = sub.add_parser("deploy", help="register prefect.yaml's deployments with a process work pool",
-                            description="Register every deployment of the deployments file with the process work "
-                            "pool POOL (created when missing); `prefect worker start --pool POOL` then runs their "
-                            "flow runs from this checkout.")
+    deploy = sub.add_parser("deploy", help="register prefect.yaml's deployments with a work pool",
+                            description="Register every deployment of the deployments file with the work pool POOL "
+                            "(created when missing). A process pool's worker (`prefect worker start --pool POOL`) "
+                            "runs their flow runs from this checkout; a kubernetes pool's (infra/k8s/prefect-worker"
+                            ".yaml) starts each as a Job in the training image, from infra/k8s/base-job-template.json.")
     for p in (serve, deploy):
         p.add_argument("--file", type=Path, help="deployments file (default: the repository's prefect.yaml)")
     deploy.add_argument("--pool", default="omni-process", help="work pool name (default: omni-process)")
+    deploy.add_argument("--type", dest="pool_type", choices=["process", "kubernetes"], default="process",
+                        help="work pool type when it is created (default: process)")
 
     render = sub.add_parser("render", formatter_class=raw, epilog=OVERRIDES_EPILOG,
                             help="print one launch of RECIPE for a cluster: a Kubernetes Job or a Slurm script",
@@ -484,14 +487,14 @@ def _deployments_command(args: argparse.Namespace) -> int:
 
     try:
         specs = load_deployments(args.file or DEPLOYMENTS_FILE)
+        if args.command == "serve":
+            serve(specs)
+            return 0
+        for spec, deployment_id in zip(specs, deploy(specs, args.pool, args.pool_type), strict=True):
+            print(f"{spec.flow().name}/{spec.name} -> {args.pool_type} work pool {args.pool} ({deployment_id})")
     except DeploymentError as e:
         print(f"omni: {e}", file=sys.stderr)
         return USAGE_ERROR
-    if args.command == "serve":
-        serve(specs)
-    else:
-        for spec, deployment_id in zip(specs, deploy(specs, args.pool), strict=True):
-            print(f"{spec.flow().name}/{spec.name} -> work pool {args.pool} ({deployment_id})")
     return 0
 
 

@@ -1,11 +1,13 @@
 """Deployments of omni's flows, as `prefect.yaml` declares them: `serve` runs them (schedules included) from
-this process, `deploy` registers them with a process work pool, whose worker runs their flow runs in this
-checkout. The file is read and checked here, before Prefect is asked anything: each deployment names a flow
-of this package, passes only `recipe` and `overrides`, and its recipe resolves."""
+this process, `deploy` registers them with a work pool: a process pool, whose worker runs their flow runs in
+this checkout, or a Kubernetes pool, whose worker starts each as a Job in the training image
+(infra/k8s/base-job-template.json). The file is read and checked here, before Prefect is asked anything: each
+deployment names a flow of this package, passes only `recipe` and `overrides`, and its recipe resolves."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,8 +18,11 @@ import yaml
 
 from omni_core.recipe import RecipeError, load_recipe
 
-DEPLOYMENTS_FILE = Path(__file__).resolve().parent.parent / "prefect.yaml"
+REPO = Path(__file__).resolve().parent.parent
+DEPLOYMENTS_FILE = REPO / "prefect.yaml"
+KUBERNETES_TEMPLATE = REPO / "infra" / "k8s" / "base-job-template.json"
 PARAMETERS = {"recipe", "overrides"}
+POOL_TYPES = ("process", "kubernetes")
 
 
 class DeploymentError(ValueError):
@@ -40,8 +45,9 @@ class DeploymentSpec:
         module, function = self.entrypoint.split(":")
         return getattr(importlib.import_module(module), function)
 
-    def options(self) -> dict[str, Any]:
-        """What Prefect's `to_deployment` / `deploy` take, for this deployment."""
+    def options(self, recipe: str | None = None) -> dict[str, Any]:
+        """What Prefect's `to_deployment` / `deploy` take, for this deployment (`recipe` instead of its own
+        path, where the flow runs elsewhere)."""
         from prefect.client.schemas.objects import ConcurrencyLimitConfig
         from prefect.deployments.runner import EntrypointType
         from prefect.schedules import Cron, Interval
@@ -50,7 +56,7 @@ class DeploymentSpec:
                      else Interval(timedelta(seconds=s["interval"]), timezone=s.get("timezone"))
                      for s in self.schedules]
         return {"name": self.name, "description": self.description, "schedules": schedules,
-                "parameters": {"recipe": self.recipe, "overrides": list(self.overrides)},
+                "parameters": {"recipe": recipe or self.recipe, "overrides": list(self.overrides)},
                 "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None,
                 "entrypoint_type": EntrypointType.MODULE_PATH}
 
@@ -114,19 +120,38 @@ def serve(specs: list[DeploymentSpec]) -> None:
     prefect_serve(*(spec.flow().to_deployment(**spec.options()) for spec in specs))
 
 
-def deploy(specs: list[DeploymentSpec], pool: str) -> list[str]:
-    """Register every deployment with the process work pool `pool` (created when missing); its worker runs
-    their flow runs in this checkout (the entrypoints are module paths of this installed package). Returns
-    the deployments' ids."""
+def deploy(specs: list[DeploymentSpec], pool: str, pool_type: str = "process") -> list[str]:
+    """Register every deployment with the work pool `pool` of `pool_type` (created when missing; a Kubernetes
+    pool with omni's base job template). A process worker runs the flow runs in this checkout; in a Kubernetes
+    pod the checkout is the image's, so recipes are passed relative to it. Returns the deployments' ids."""
+    if pool_type not in POOL_TYPES:
+        raise DeploymentError(f"work pool type {pool_type!r}: one of {', '.join(POOL_TYPES)}")
+    kubernetes = pool_type == "kubernetes"
+    recipes = [_in_image(spec) if kubernetes else spec.recipe for spec in specs]
+    _ensure_pool(pool, pool_type, json.loads(KUBERNETES_TEMPLATE.read_text()) if kubernetes else None)
+    job = {} if kubernetes else {"working_dir": str(REPO)}
+    return [str(spec.flow().to_deployment(job_variables=job, **spec.options(recipe)).apply(work_pool_name=pool))
+            for spec, recipe in zip(specs, recipes, strict=True)]
+
+
+def _in_image(spec: DeploymentSpec) -> str:
+    """The deployment's recipe as the image's checkout holds it: relative to the repository."""
+    try:
+        return Path(spec.recipe).relative_to(REPO).as_posix()
+    except ValueError:
+        raise DeploymentError(f"deployment {spec.name}: its recipe {spec.recipe} is outside this repository, so the "
+                              "training image (a copy of it) does not hold it") from None
+
+
+def _ensure_pool(pool: str, pool_type: str, template: dict[str, Any] | None) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
 
     with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+            client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, base_job_template=template or {}))
         except ObjectAlreadyExists:
-            pass
-    job = {"working_dir": str(DEPLOYMENTS_FILE.parent)}
-    return [str(spec.flow().to_deployment(job_variables=job, **spec.options()).apply(work_pool_name=pool))
-            for spec in specs]
+            existing = client.read_work_pool(pool).type
+            if existing != pool_type:
+                raise DeploymentError(f"work pool {pool} exists with type {existing}, not {pool_type}") from None

@@ -1,7 +1,8 @@
 """Deployments against a real `prefect server` on loopback: `omni serve` serves a deployment with a short
 interval schedule, which creates and completes flow runs, and a training whose cancellation leaves no process
 behind and its MLflow run KILLED; `omni deploy` registers every deployment of a prefect.yaml with a process
-work pool, whose worker runs one."""
+work pool, whose worker runs one, and the repository's prefect.yaml with a Kubernetes work pool of omni's base
+job template (no cluster: what the pool and its deployments hold is checked)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,22 @@ def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
                      240, "a worker's flow run completed", log)
         finally:
             terminate_group(worker, grace_s=15)
+        deploy_to_kubernetes(url, tmp_path, env)
+
+
+def deploy_to_kubernetes(url: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """The shipped deployments go to a Kubernetes pool with the template the worker starts Jobs from, their
+    recipes relative to the image's checkout; a prefect.yaml whose recipe the image lacks is refused."""
+    omni_deploy = [str(BIN / "omni"), "deploy", "--pool", "omni-k8s", "--type", "kubernetes"]
+    deployed = subprocess.run(omni_deploy, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    [pool] = [p for p in api(url, "/work_pools/filter") if p["name"] == "omni-k8s"]
+    template = json.loads((REPO / "infra" / "k8s" / "base-job-template.json").read_text())
+    assert pool["type"] == "kubernetes" and pool["base_job_template"] == template
+    registered = {d["name"]: d["parameters"] for d in api(url, "/deployments/filter") if d["work_pool_name"] == "omni-k8s"}
+    assert registered["nightly-regression"] == {"recipe": "recipes/nightly_regression.yaml", "overrides": []}
+    assert set(registered) == {"nightly-regression", "reprofile", "adhoc"}
+
+    outside = subprocess.run([*omni_deploy, "--file", str(tmp_path / "prefect.yaml")], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert outside.returncode == 2 and "is outside this repository" in outside.stderr, outside.stderr[-2000:]

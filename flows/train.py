@@ -23,11 +23,12 @@ from omni_core.runtime.checkpoint import local_manifest
 from omni_core.tracking import (
     SPOOL_FILE,
     MlflowTracker,
+    TrackingError,
     current_parent_run_id,
     log_checkpoint,
     log_to_run,
     register_checkpoint,
-    replay_spool,
+    replay_when_reachable,
     stage_run,
 )
 
@@ -86,17 +87,22 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
     env = {"MLFLOW_RUN_ID": run.run_id, "MLFLOW_TRACKING_URI": run.uri}
     if control is not None:
         env.update({CONTROL_ENV: str(control), LAUNCHED_ENV: str(time.time())})
+    spool = run_dir / SPOOL_FILE  # what rank 0 could not send while the server was away
     try:
         result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s,
                               r.train.max_restarts)
-    finally:  # what rank 0 could not send while the server was away, now that this process reaches it
-        try:
-            replayed = replay_spool(run, run_dir / SPOOL_FILE)
-        except Exception as error:  # noqa: BLE001 - the file stays for a later replay; the training stands
-            get_run_logger().warning(f"{run_dir / SPOOL_FILE} not replayed into MLflow: {error}")
-        else:
-            if replayed:
-                get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
+    except BaseException:
+        replay_when_reachable(run, spool, wait_s=0)
+        raise
+    replayed = replay_when_reachable(run, spool, wait_s=r.tracking.reconnect_timeout_s)
+    if replayed is None:
+        raise TrackingError(
+            f"training finished ({result.steps} steps, checkpoint {result.checkpoint}), but MLflow at {run.uri} "
+            f"stayed unreachable for tracking.reconnect_timeout_s={r.tracking.reconnect_timeout_s:g} s: its unsent "
+            f"metrics reach the run when omni next reaches the server; the checkpoint is neither logged nor "
+            "registered: run the same command again once the server is back (it resumes from that checkpoint)")
+    if replayed:
+        get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
     run.log_artifact(result_path)
     return result
 

@@ -1,5 +1,5 @@
-"""Shared test set-up: the tiers, telemetry off, a throw-away PREFECT_HOME for the session (Prefect's result storage
-outlives prefect_test_harness otherwise), a session sqlite MLflow store, and the Prefect test harness.
+"""Shared test set-up: the tiers, telemetry off, a throw-away PREFECT_HOME and OMNI_HOME for the session (Prefect's
+result storage outlives prefect_test_harness otherwise), a session sqlite MLflow store, and the Prefect test harness.
 
 A test file's folder is its tier, and the tier its marker (`-m unit`, `-m "not integration"`):
   tests/unit         pure CPU, no ranks, flows or servers: seconds (`make test-fast`)
@@ -29,6 +29,7 @@ TIERS = ("unit", "ranks", "flows", "integration")
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="omni-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ["OMNI_HOME"] = str(_SESSION_DIR / "omni")  # pending tracking (omni_core.tracking.pending), not ~/.omni
 disable_telemetry()
 for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "PREFECT_API_URL"):  # never a developer's real servers
     os.environ.pop(_var, None)

@@ -492,6 +492,9 @@ class TrackingConfig(Strict):
     uri: NoCredentials | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     experiment: str | None = Field(None, description="MLflow experiment; default: experiment.name")
     flush_every_s: StrictFloat = Field(2.0, gt=0, description="Metric batches are sent at most this often")
+    reconnect_timeout_s: StrictFloat = Field(
+        300.0, ge=0, description="After training, how long the train stage waits for an MLflow server that is away "
+        "before it gives up logging the checkpoint (metrics and run statuses are kept and sent later)")
     registered_model: str = Field("", description="Model Registry name for the final checkpoint; default: experiment.name")
     model_alias: str = Field(
         "current", pattern=r"^[A-Za-z0-9_-]+$", description="Alias moved to each newly registered version"

@@ -3,6 +3,7 @@ package stays cheap): tracking URI and health check, trackers (async batched met
 elsewhere), and the parent/stage run tree of a flow run."""
 
 from omni_core.tracking.models import log_checkpoint, register_checkpoint
+from omni_core.tracking.pending import pending, replay_when_reachable, settle
 from omni_core.tracking.runs import children_of, current_parent_run_id, git_sha, log_to_run, parent_run, stage_run
 from omni_core.tracking.store import (
     DEFAULT_TRACKING_URI,
@@ -39,11 +40,14 @@ __all__ = [
     "log_checkpoint",
     "log_to_run",
     "parent_run",
+    "pending",
     "register_checkpoint",
     "resolve_tracking_uri",
     "sanitize_metric_name",
     "stage_run",
     "system_metrics",
     "replay_spool",
+    "replay_when_reachable",
+    "settle",
     "tracker_for_rank",
 ]

@@ -8,6 +8,7 @@ taking a run id parameter: their parameters stay `recipe + overrides`, and a sta
 from __future__ import annotations
 
 import functools
+import logging
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from omni_core.tracking.store import (
     mlflow_client,
     resolve_tracking_uri,
 )
+from omni_core.tracking.pending import defer_finish, pending_path, settle
 from omni_core.tracking.tracker import MlflowTracker
 
 if TYPE_CHECKING:
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from omni_core.recipe import Recipe
 
 
+log = logging.getLogger("omni.tracking")
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 _parent_run_id: ContextVar[str | None] = ContextVar("omni_parent_run_id", default=None)
 
@@ -85,10 +88,12 @@ def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
 @contextmanager
 def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> Iterator[MlflowTracker]:
     """A run that ends FINISHED, FAILED (the body raised) or KILLED (interrupted); metrics its tracker lost are
-    counted in the tag `omni.lost_metrics`.
+    counted in the tag `omni.lost_metrics`. A server away at the end gets the status later (`pending`); one
+    that answers now first gets what earlier runs left pending.
     A root run carries the recipe: flattened as params and resolved as recipe.yaml."""
     uri = resolve_tracking_uri(recipe)
     check_tracking_uri(uri)
+    settle(uri)
     client = mlflow_client(uri)
     tags = {"prefect.flow_run_id": flow_run_id, "git.sha": git_sha(), "recipe.hash": recipes.recipe_hash(recipe)}
     if parent_id:
@@ -106,12 +111,24 @@ def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> 
         raise
     finally:
         status = "FINISHED" if error is None else "FAILED" if isinstance(error, Exception) else "KILLED"
-        try:
-            tracker.close()
-            if tracker.lost_metrics:
-                client.set_tag(run.info.run_id, "omni.lost_metrics", str(tracker.lost_metrics))
-        finally:
-            client.set_terminated(run.info.run_id, status)
+        tracker.close()
+        _finish(client, uri, run.info.run_id, status, tracker.lost_metrics)
+
+
+def _finish(client: MlflowClient, uri: str, run_id: str, status: str, lost_metrics: int) -> None:
+    """End the run on the server, or, when it is unreachable, record the end for a later omni process: a run
+    is never left RUNNING because the server was away when it ended."""
+    tags = {"omni.lost_metrics": str(lost_metrics)} if lost_metrics else {}
+    try:
+        check_tracking_uri(uri)
+    except TrackingError as away:
+        defer_finish(uri, run_id, status, tags)
+        log.warning("%s\nMLflow run %s ended %s: kept in %s and set when omni next reaches the server", away, run_id,
+                    status, pending_path())
+        return
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    client.set_terminated(run_id, status)
 
 
 @contextmanager

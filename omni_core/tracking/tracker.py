@@ -296,6 +296,9 @@ def replay_spool(run: MlflowTracker, spool: Path) -> int:
     return len(metrics)
 
 
+# Rank 0 waits this long at the end for a server that is away, then spools: the launching train stage waits
+# for the server (tracking.reconnect_timeout_s) and replays the spool, so every rank need not wait too.
+RANK_CLOSE_TIMEOUT_S = 10.0
 RANK_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -313,7 +316,8 @@ def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None =
     if rank != 0 or not run_id:
         return NullTracker()
     _bound_http_calls()
-    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, spool=spool)
+    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, close_timeout_s=RANK_CLOSE_TIMEOUT_S,
+                         spool=spool)
 
 
 @contextmanager

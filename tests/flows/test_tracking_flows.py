@@ -139,6 +139,27 @@ def test_what_close_cannot_send_is_spooled_and_replayed_later(mlflow_store, run_
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "b")] == [(3, 2.0)]
 
 
+def test_pending_ends_and_spools_are_settled_once_and_failures_kept(mlflow_store, run_id, client, tmp_path,
+                                                                    monkeypatch):
+    from omni_core.tracking import pending, settle
+    from omni_core.tracking.pending import defer_finish, defer_replay, pending_path
+
+    monkeypatch.setenv("OMNI_HOME", str(tmp_path / "home"))
+    spool = tmp_path / "unsent.jsonl"
+    spool.write_text('{"key": "train/loss", "value": 1.5, "timestamp": 1000, "step": 7}\n')
+    defer_finish(mlflow_store, run_id, "FINISHED", {"omni.lost_metrics": "3"})
+    defer_replay(mlflow_store, run_id, spool)
+    defer_finish(mlflow_store, "0" * 32, "FAILED", {})  # a run the server does not know: stays pending
+    defer_finish("http://127.0.0.1:9", run_id, "FAILED", {})  # another server's: untouched
+    assert settle(mlflow_store) == 2
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["omni.lost_metrics"] == "3"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
+    assert not spool.exists()
+    assert [(e["uri"], e["run_id"]) for e in pending()] == [("http://127.0.0.1:9", run_id), (mlflow_store, "0" * 32)]
+    assert settle(mlflow_store) == 0 and pending_path().is_file()
+
+
 def test_tracker_for_rank(monkeypatch, mlflow_uri, run_id):
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     assert isinstance(tracker_for_rank(0), NullTracker)

@@ -67,3 +67,58 @@ def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
     finally:
         terminate_group(training, grace_s=15)
     assert "unreachable" in log.read_text()
+
+
+def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_later(tmp_path):
+    """The server dies mid-training and is still away when training ends: `omni train` gives up on logging the
+    checkpoint after tracking.reconnect_timeout_s with one clear message, keeps the run's end and its unsent
+    metrics in $OMNI_HOME, and the next omni process that reaches the server settles both: the run is not left
+    RUNNING and no metric is lost."""
+    from mlflow import MlflowClient
+
+    from omni_core.tracking import pending
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    server_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+              "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+              "--default-artifact-root", str(tmp_path / "artifacts")]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(out=tmp_path / "out").replace("steps: 120", "steps: 60")
+                      .replace("flush_every_s: 0.5", "flush_every_s: 0.5, reconnect_timeout_s: 2"))
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1",
+           "OMNI_HOME": str(tmp_path / "omni-home")}
+    log = tmp_path / "omni.log"
+    with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
+        with open(log, "w") as out:
+            training = subprocess.Popen([str(BIN / "omni"), "train", str(recipe)], cwd=tmp_path, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not train_steps_logged(url):
+            assert training.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+    try:
+        assert training.wait(timeout=600) == 2, log.read_text()[-4000:]
+    finally:
+        terminate_group(training, grace_s=15)
+    assert "training finished (60 steps" in log.read_text() and "stayed unreachable" in log.read_text()
+    os.environ["OMNI_HOME"], home = env["OMNI_HOME"], os.environ["OMNI_HOME"]
+    try:
+        left = pending(url)
+        assert {e["kind"] for e in left} == {"replay", "finish"}, left
+        assert [e["status"] for e in left if e["kind"] == "finish"] == ["FAILED"]
+
+        with server_process(server, f"{url}/health", log=tmp_path / "mlflow-2.log", env=server_env):
+            profiled = subprocess.run([str(BIN / "omni"), "profile", str(recipe)], cwd=tmp_path, env=env,
+                                      capture_output=True, text=True, timeout=300)
+            assert profiled.returncode == 0, profiled.stderr[-3000:]
+            assert train_steps_logged(url) == list(range(4, 61, 4))
+            client = MlflowClient(url)
+            [train] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+                       if r.info.run_name == "train"]
+            assert train.info.status == "FAILED" and train.info.end_time is not None
+        assert pending(url) == []
+    finally:
+        os.environ["OMNI_HOME"] = home

@@ -1,5 +1,6 @@
 """The torchrun task: training launched as `torchrun ... -m omni_core.runtime.launch` under the process-group
-supervisor (omni_core.runtime.supervisor), rank 0's output streamed into the task's log."""
+supervisor (omni_core.runtime.supervisor), rank 0's output streamed into the task's log. Its retries (the
+train stage sets how many) are only for launches the infrastructure broke."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ from collections.abc import Mapping
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from omni_core.common.results import TrainResult
 from omni_core.runtime.supervisor import LaunchError, launch_torchrun
 
 
-@task(name="torchrun", cache_policy=NO_CACHE)
+def infrastructure_failure(_task: object, _task_run: object, state: State) -> bool:
+    """The torchrun task's retry condition: a rank killed from outside (`LaunchError.infrastructure`), never
+    the code's own error or the wall-clock limit, which a retry would only repeat."""
+    return isinstance(state.data, LaunchError) and state.data.infrastructure
+
+
+@task(name="torchrun", cache_policy=NO_CACHE, retry_condition_fn=infrastructure_failure, retry_delay_seconds=5)
 def run_torchrun(
     recipe_path: str, nproc: int, result_path: str, env_extra: Mapping[str, str], timeout_s: float,
     max_restarts: int = 0,

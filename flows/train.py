@@ -89,8 +89,8 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
         env.update({CONTROL_ENV: str(control), LAUNCHED_ENV: str(time.time())})
     spool = run_dir / SPOOL_FILE  # what rank 0 could not send while the server was away
     try:
-        result = run_torchrun(str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s,
-                              r.train.max_restarts)
+        result = run_torchrun.with_options(retries=r.train.launch_retries)(
+            str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s, r.train.max_restarts)
     except BaseException:
         replay_when_reachable(run, spool, wait_s=0)
         raise

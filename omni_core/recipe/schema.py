@@ -465,6 +465,11 @@ class TrainConfig(Strict):
         0, ge=0, le=100, description="torchrun restarts every rank after one fails, this many times; each restart "
         "resumes from the newest complete checkpoint"
     )
+    launch_retries: StrictInt = Field(
+        1, ge=0, le=10, description="The train stage launches torchrun again (resuming the newest checkpoint) this "
+        "many times when a launch fails from outside the code (a rank killed: OOM killer, a lost node), never for "
+        "a rank's own error or the wall-clock limit"
+    )
     stop_at_step: StrictInt = Field(
         0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
         "train.steps: this is how a scheduler runs a job in segments"
@@ -565,7 +570,7 @@ class Recipe(Strict):
         so is the parallel layout: checkpoints reshard between plans, so a job resized by the scheduler (or
         rerun on more ranks) resumes its own checkpoint; the data order then restarts.
         """
-        operational = {"stop_at_step", "resume", "max_restarts", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
+        operational = {"stop_at_step", "resume", "max_restarts", "launch_retries", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
                        "activation_checkpointing", "compile"}
         identity = {
             "seed": self.experiment.seed,

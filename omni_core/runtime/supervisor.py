@@ -5,7 +5,8 @@ A process group, because torchrun's workers (and anything they start) must die w
 limit, on flow cancellation, on Ctrl-C or on any error here, the whole group gets SIGTERM, then SIGKILL.
 
 A failed torchrun launch (`launch_torchrun`) ends its LaunchError with the first failing rank's own error,
-from the error files torch elastic gives each worker (TORCHELASTIC_ERROR_FILE under torchrun's --log-dir).
+from the error files torch elastic gives each worker (TORCHELASTIC_ERROR_FILE under torchrun's --log-dir), and
+says whether the cause was the infrastructure (a rank killed from outside) rather than the code.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -29,7 +31,19 @@ GRACE_S = 10.0
 
 
 class LaunchError(RuntimeError):
-    """The launched command failed or ran too long; the message carries the end of its output."""
+    """The launched command failed or ran too long; the message carries the end of its output. `infrastructure`:
+    a rank was killed from outside (OOM killer, a lost node, preemption) and the others failed only on losing
+    it, so launching again (resuming the last checkpoint) may succeed; never set for a rank's own exception or
+    for the wall-clock limit."""
+
+    def __init__(self, message: str, *, infrastructure: bool = False) -> None:
+        super().__init__(message)
+        self.infrastructure = infrastructure
+
+
+# How a rank's collective fails when a peer vanishes (gloo/NCCL transports, the c10d store)
+_LOST_PEER = re.compile(r"^(DistBackendError|DistNetworkError|DistStoreError)\b|Connection (reset|closed) by peer"
+                        r"|Broken pipe|gloo/transport|NCCL (error|communicator)", re.I)
 
 
 def _with_tail(message: str, tail: Sequence[str]) -> str:
@@ -147,32 +161,54 @@ def launch_torchrun(recipe_path: str, nproc: int, result_path: str, *, timeout_s
                     env: Mapping[str, str] | None = None, on_line: Callable[[str], object] = print,
                     max_restarts: int = 0) -> None:
     """`torchrun_command` under `run_process_group`; when the ranks fail, the LaunchError ends with the first
-    failing rank's own error (`first_rank_error`), not with torchrun's summary of exit codes."""
+    failing rank's own error (`RankFailures`), not with torchrun's summary of exit codes."""
     with tempfile.TemporaryDirectory(prefix="omni-torchrun-") as log_dir:
         try:
             run_process_group(torchrun_command(recipe_path, nproc, result_path, max_restarts, log_dir),
                               timeout_s=timeout_s, env=env, on_line=on_line, name="torchrun")
         except LaunchError as error:
-            failed = first_rank_error(Path(log_dir))
-            if failed is None:
+            if str(error).startswith("torchrun exceeded"):
                 raise
-            raise LaunchError(f"{error}\n\n{failed}") from None
+            failed = RankFailures(Path(log_dir))
+            explained = "\n\n".join(filter(None, [str(error), failed.silent_note(), failed.first_error()]))
+            raise LaunchError(explained, infrastructure=failed.infrastructure) from None
 
 
-def first_rank_error(log_dir: Path) -> str | None:
-    """`rank R failed first: Type: message`, from the error files torch elastic's workers write under torchrun's
-    --log-dir (<run>/attempt_<n>/<local rank>/error.json: `launch.main` records its exception there). The
-    last attempt's earliest file: the ranks that fail because a peer died write theirs after it. None when no
-    rank wrote one (killed, or torchrun itself failed)."""
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
-    written = []
-    for path in attempts[-1].glob("*/error.json") if attempts else ():
-        try:
-            message = json.loads(path.read_text())["message"]["message"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # empty or half-written: not an error to show
-        written.append((path.stat().st_mtime_ns, path.parent.name, message))
-    if not written:
-        return None
-    _, rank, message = min(written)
-    return f"rank {rank} failed first: {message}"
+class RankFailures:
+    """What the last attempt's ranks left under torchrun's --log-dir (<run>/attempt_<n>/<local rank>/): the
+    error file `launch.main` records a rank's exception in, or nothing, for a rank that died without one."""
+
+    def __init__(self, log_dir: Path) -> None:
+        attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
+        ranks = sorted(p for p in attempts[-1].iterdir() if p.is_dir()) if attempts else []
+        self.errors: list[tuple[int, str, str]] = []  # (written at, local rank, "Type: message")
+        self.silent: list[str] = []  # local ranks that left no error
+        for rank in ranks:
+            try:
+                path = rank / "error.json"
+                self.errors.append((path.stat().st_mtime_ns, rank.name, json.loads(path.read_text())["message"]["message"]))
+            except (OSError, ValueError, KeyError, TypeError):  # none, or half-written
+                self.silent.append(rank.name)
+
+    def first_error(self) -> str | None:
+        """`rank R failed first: Type: message`: the earliest file, since ranks that fail because a peer died
+        write theirs after it."""
+        if not self.errors:
+            return None
+        _, rank, message = min(self.errors)
+        return f"rank {rank} failed first: {message}"
+
+    def silent_note(self) -> str | None:
+        if not self.silent:
+            return None
+        return f"rank {', '.join(self.silent)} left no error of its own (killed by a signal, or torchrun stopped it)"
+
+    @property
+    def infrastructure(self) -> bool:
+        """A rank died without an error of its own, and no rank failed first for a reason other than losing a
+        peer: the cause came from outside the code. (A rank that raises gets its peers stopped by torchrun: they
+        are silent too, but the first error is then the raising rank's own.)"""
+        if not self.silent:
+            return False
+        return not self.errors or bool(_LOST_PEER.search(min(self.errors)[2]))
+

@@ -128,3 +128,47 @@ def test_validate_flow_logs_predicted_against_measured(tmp_path, monkeypatch, ml
     assert run.data.metrics["validate/mape_pct"] == pytest.approx(report.mape_pct)
     assert run.data.metrics["validate/mape_pct/world2"] == pytest.approx(report.mape_pct_by_world["2"])
     assert {"validation.json", "validation.png"} <= artifact_paths(client, run.info.run_id)
+
+
+def test_a_launch_broken_from_outside_is_retried_and_resumes(tmp_path, mlflow_uri, prefect_harness):
+    """kill -9 of a rank with no torchrun restarts: the rank's peer fails on losing it, the launch is an
+    infrastructure failure, and the torchrun task launches again, resuming the newest checkpoint."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from flows.train import train_flow
+    from tests.helpers.runtime import worker_pid
+
+    out = tmp_path / "out"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+experiment: {{name: retried, output_dir: {out}}}
+data: {{synthetic: {{num_samples: 200}}, seq_len: 256}}
+parallel: {{nproc: 2}}
+train: {{steps: 30, log_every: 10, ckpt_every: 10, dist_timeout_s: 60, timeout_s: 300, launch_retries: 1}}
+tracking: {{flush_every_s: 0.5}}
+""")
+    killed: list[int] = []
+
+    def kill_rank_1_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 240
+        while not any(out.rglob("step_000010/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = worker_pid(str(out), 1)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = threading.Thread(target=kill_rank_1_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    result = train_flow(str(recipe))
+    killer.join(5)
+    assert killed, "rank 1 was never found to kill"
+    assert result.steps == 30 and result.resumed_from_step >= 10
+    [run] = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("retried").experiment_id])
+    assert run.info.status == "FINISHED"

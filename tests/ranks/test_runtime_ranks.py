@@ -12,6 +12,7 @@ import pytest
 
 from omni_core.common.results import TrainResult
 from omni_core.runtime.ckpt_store import MANIFEST
+from tests.helpers.runtime import worker_pid
 
 
 def test_torchrun_launch_two_ranks_writes_result_and_exits_cleanly(tmp_path):
@@ -62,20 +63,6 @@ def test_skip_counts_are_summed_over_data_shards_once_each():
     assert run_ranks(_skips_worker, 2, "dp1-tp2") == [{"missing_file": 1, "too_long": 2}] * 2  # one shard, read twice
 
 
-def _worker_pid(recipe: Path, local_rank: int) -> int | None:
-    """The pid of the training worker of `recipe` with LOCAL_RANK `local_rank` (read from /proc)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if str(recipe).encode() in cmdline and b"omni_core.runtime.launch" in cmdline \
-                and f"LOCAL_RANK={local_rank}".encode() in environ and b"--standalone" not in cmdline:
-            return int(proc.name)
-    return None
-
-
 def test_a_rank_killed_mid_training_is_restarted_and_resumes_to_the_uninterrupted_loss(tmp_path):
     import signal
     import time
@@ -106,7 +93,7 @@ train: {{steps: 40, log_every: 10, ckpt_every: 10, dist_timeout_s: 60}}
             while not any(manifest.rglob(f"step_000010/{MANIFEST}")):  # killed after its first checkpoint
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
-            pid = _worker_pid(Path(spec.recipe), 1)
+            pid = worker_pid(spec.recipe, 1)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
         output, _ = proc.communicate(timeout=300)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from omni_core.runtime.supervisor import LaunchError, first_rank_error, run_process_group, torchrun_command
+from omni_core.runtime.supervisor import LaunchError, RankFailures, run_process_group, torchrun_command
 
 
 def alive(pid: int) -> bool:
@@ -119,10 +119,27 @@ def test_the_first_failing_rank_of_the_last_attempt_is_named(tmp_path, monkeypat
     record_error(monkeypatch, run / "attempt_1" / "1" / "error.json", ValueError("bad batch"), t + 2_000)
     (run / "attempt_1" / "2").mkdir()
     (run / "attempt_1" / "2" / "error.json").write_text("")  # a rank killed while writing
-    assert first_rank_error(tmp_path) == "rank 1 failed first: ValueError: bad batch"
+    failures = RankFailures(tmp_path)
+    assert failures.first_error() == "rank 1 failed first: ValueError: bad batch"
+    assert failures.silent == ["2"] and not failures.infrastructure  # rank 1's own error came first
 
 
 def test_no_error_file_names_no_rank(tmp_path):
     (tmp_path / "none_abc" / "attempt_0" / "0").mkdir(parents=True)
-    assert first_rank_error(tmp_path) is None
-    assert first_rank_error(tmp_path / "absent") is None
+    assert RankFailures(tmp_path).first_error() is None
+    assert RankFailures(tmp_path).infrastructure  # killed without a word: from outside
+    assert RankFailures(tmp_path / "absent").first_error() is None
+
+
+def test_a_rank_killed_from_outside_is_an_infrastructure_failure(tmp_path, monkeypatch):
+    """What `kill -9` of rank 1 leaves (measured with gloo): rank 0's collective fails on the lost peer, rank 1
+    writes nothing. A rank's own exception with a silent peer (stopped by torchrun) is the code's failure."""
+    run = tmp_path / "none_abc" / "attempt_0"
+    lost = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:36764: Connection reset by peer")
+    record_error(monkeypatch, run / "0" / "error.json", lost, time.time_ns())
+    (run / "1").mkdir()
+    assert RankFailures(tmp_path).infrastructure
+    (run / "0" / "error.json").unlink()
+    (run / "0").rmdir()
+    record_error(monkeypatch, run / "0" / "error.json", KeyError("modality"), time.time_ns())
+    assert not RankFailures(tmp_path).infrastructure

@@ -50,6 +50,7 @@ def bench_flavor(flavor: str, root: Path, steps: int, device: torch.device) -> d
     return {
         "tokens_per_s": result.tokens_per_s,
         "mfu_pct": result.mfu_pct,
+        "mfu_peak": result.mfu_peak,
         "peak_mem_mb": result.peak_mem_mb,
         "steps": result.steps,
         "seq_len": shape["seq_len"],

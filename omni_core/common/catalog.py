@@ -1,6 +1,7 @@
 """GPU catalogue: peak compute, memory and links per GPU type, each number next to its source.
 
-Peaks are dense (no 2:4 sparsity) datasheet figures; what a training step reaches of them is the
+Peaks are dense (no 2:4 sparsity) datasheet figures (TF32 too: the datasheets' "TF32 tensor core" line
+without sparsity); what a training step reaches of them is the
 `Efficiency` of the cost model, corrected per device by the micro-profile (`calibrate.py`). Link figures
 are per GPU and per direction. Latencies (alpha of the alpha-beta model) are typical NCCL per-hop
 latencies (nccl-tests on NVLink ~ 3-5 us, PCIe ~ 10 us, InfiniBand ~ 5-10 us), not datasheet values.
@@ -23,7 +24,7 @@ class GpuSpec:
     name: str
     bf16_flops: float  # dense tensor-core peak, FLOP/s (0: no bf16; fp16 is used instead)
     fp16_flops: float
-    fp32_flops: float
+    fp32_flops: float  # plain fp32 (CUDA cores): what an fp32 matmul gets unless TF32 is allowed
     mem_gb: float
     mem_bw: float  # bytes/s
     gpus_per_node: int
@@ -35,11 +36,15 @@ class GpuSpec:
     source: str = ""
     reserved_gb: float = 2.0  # context, allocator fragmentation and workspaces, never available to tensors
     cores: int = 0  # compute units a node's ranks share (CPU "devices": cores); 0: each GPU is its own
+    tf32_flops: float = 0.0  # dense TF32 tensor-core peak: fp32 matmuls with TF32 allowed (0: none, or unlisted)
 
     def peak_flops(self, precision: str) -> float:
-        """Peak matmul FLOP/s at a precision; bf16 falls back to fp16 on GPUs without bf16 (V100)."""
+        """Peak matmul FLOP/s at a precision; bf16 falls back to fp16 on GPUs without bf16 (V100), tf32 to
+        plain fp32 on GPUs without TF32 tensor cores."""
         if precision == "fp32":
             return self.fp32_flops
+        if precision == "tf32":
+            return self.tf32_flops or self.fp32_flops
         if precision == "bf16" and self.bf16_flops:
             return self.bf16_flops
         return self.fp16_flops
@@ -61,38 +66,47 @@ BUILTIN: dict[str, GpuSpec] = {
     for spec in (
         GpuSpec("a100-40gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 40, 1555 * GBps, 8, **_NVLINK3, **_HDR_IB,
                 source="NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 1,555 GB/s HBM2, "
-                "NVLink3 600 GB/s"),
+                "NVLink3 600 GB/s",
+                tf32_flops=156 * TFLOPS),
         GpuSpec("a100-80gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 80, 2039 * GBps, 8, **_NVLINK3, **_HDR_IB,
                 source="NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 2,039 GB/s HBM2e, "
-                "NVLink3 600 GB/s"),
+                "NVLink3 600 GB/s",
+                tf32_flops=156 * TFLOPS),
         GpuSpec("h100", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 80, 3350 * GBps, 8, **_NVLINK4, **_NDR_IB,
                 source="NVIDIA H100 datasheet (SXM5): 989 TF bf16/fp16 dense (1,979 sparse), 67 TF fp32, "
-                "3.35 TB/s HBM3, NVLink4 900 GB/s; ConnectX-7 400 Gb/s per GPU"),
+                "3.35 TB/s HBM3, NVLink4 900 GB/s; ConnectX-7 400 Gb/s per GPU",
+                tf32_flops=494.7 * TFLOPS),
         GpuSpec("h200", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 141, 4800 * GBps, 8, **_NVLINK4, **_NDR_IB,
                 source="NVIDIA H200 datasheet (SXM): 989 TF bf16/fp16 dense, 67 TF fp32, 141 GB HBM3e 4.8 TB/s, "
-                "NVLink4 900 GB/s"),
+                "NVLink4 900 GB/s",
+                tf32_flops=494.7 * TFLOPS),
         GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 32, 900 * GBps, 8, intra_link="nvlink2",
                 intra_bw=150 * GBps, intra_lat=6e-6, inter_bw=12.5 * GBps, inter_lat=10e-6,
                 source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
                 "NVLink2 300 GB/s; no bf16; 100 Gb/s EDR IB per GPU"),
         GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
-                "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s"),
+                "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
+                tf32_flops=74.8 * TFLOPS),
         GpuSpec("a10", 125 * TFLOPS, 125 * TFLOPS, 31.2 * TFLOPS, 24, 600 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA A10 datasheet: 125 TF bf16/fp16 tensor dense (250 sparse), 31.2 TF fp32, "
-                "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s"),
+                "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s",
+                tf32_flops=62.5 * TFLOPS),
         GpuSpec("l20", 119.5 * TFLOPS, 119.5 * TFLOPS, 59.8 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA L20 product brief: 119.5 TF bf16/fp16 tensor dense (239 sparse), 59.8 TF fp32, "
                 "48 GB GDDR6 864 GB/s, PCIe Gen4 x16"),
         GpuSpec("l40s", 362.05 * TFLOPS, 362.05 * TFLOPS, 91.6 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA L40S datasheet: 362 TF bf16/fp16 tensor dense (733 sparse), 91.6 TF fp32, "
-                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s"),
+                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s",
+                tf32_flops=183 * TFLOPS),
         GpuSpec("rtx3090", 71 * TFLOPS, 71 * TFLOPS, 35.6 * TFLOPS, 24, 936 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 TF fp16/bf16 tensor with fp32 accumulate "
-                "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4"),
+                "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4",
+                tf32_flops=35.6 * TFLOPS),
         GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 24, 1008 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
-                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4"),
+                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4",
+                tf32_flops=82.6 * TFLOPS),
         # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real
         # ones. Ranks are processes, "links" are gloo over loopback shared memory.
         GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,

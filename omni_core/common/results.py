@@ -50,6 +50,7 @@ class TrainResult(Result):
     resumed_from_step: int = 0
     launch_step_s: float = 0.0  # seconds in this launch's steps (steps - resumed_from_step of them)
     launch_samples: int = 0  # samples this launch trained on
+    mfu_peak: str = ""  # what mfu_pct is relative to: the device, the precision in use, and whence the figure
 
     @property
     def step_s(self) -> float:

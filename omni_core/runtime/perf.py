@@ -10,6 +10,7 @@ import functools
 import re
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,14 +32,34 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> floa
     return best
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak dense FLOP/s of one device for `dtype`, or None for a GPU the catalogue does not know."""
+@dataclass(frozen=True)
+class Peak:
+    """What an MFU is relative to: FLOP/s and its name, e.g. "a100-80gb bf16 dense peak (datasheet)"."""
+
+    flops: float
+    name: str
+
+
+def matmul_precision(device: torch.device, dtype: torch.dtype) -> str:
+    """The tensor cores' precision of the step's matmuls: bf16/fp16 under autocast, fp32 as tf32 when torch is
+    allowed to use TF32 (off by default for matmuls), else plain fp32."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return "tf32" if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> Peak | None:
+    """The dense peak of one device at the precision its matmuls run in, named; None for a GPU the catalogue
+    does not know."""
     if device.type != "cuda":
-        return cpu_peak_flops(dtype)
+        return Peak(cpu_peak_flops(dtype), f"cpu {str(dtype).removeprefix('torch.')} matmul peak (measured here)")
     spec = catalog_gpu(torch.cuda.get_device_name(device))
     if spec is None:
         return None
-    return spec.peak_flops({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+    precision = matmul_precision(device, dtype)
+    if precision == "tf32" and not spec.tf32_flops:
+        precision = "fp32"
+    return Peak(spec.peak_flops(precision), f"{spec.name} {precision} dense peak (datasheet)")
 
 
 def catalog_gpu(device_name: str):

@@ -36,7 +36,7 @@ from omni_core.runtime.checkpoint import (
     save_checkpoint,
 )
 from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
-from omni_core.runtime.perf import device_peak_flops, peak_memory_mb
+from omni_core.runtime.perf import device_peak, peak_memory_mb
 from omni_core.runtime.step import Optimizers, StepStats, build_replica, shards_per_node, train_step
 from omni_core.tracking import NullTracker, Tracker
 
@@ -95,7 +95,8 @@ def train(
     loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed,
                           balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))) \
         if replica.loads_data else None
-    peak_flops = device_peak_flops(info.device, compute_dtype)
+    peak = device_peak(info.device, compute_dtype)
+    peak_flops = peak.flops if peak else None
     optimizers = Optimizers(replica.parts, recipe)
 
     store = checkpoint_store(recipe)
@@ -130,7 +131,7 @@ def train(
 
     rhash = recipe_hash(recipe)
     if info.is_main:
-        tracker.set_tags({"plan": plan.name, "recipe.hash": rhash})
+        tracker.set_tags({"plan": plan.name, "recipe.hash": rhash, "perf.mfu_peak": peak.name if peak else "unknown"})
         tracker.log_params({"model.num_params": replica.num_params(), "runtime.world_size": info.world_size})
         log(f"training {recipe.model.flavor} ({replica.num_params():,} params) plan {plan} "
             f"steps {start_step + 1}..{cfg.steps}, checkpoints in {recipe.checkpoint_dir()}")
@@ -187,7 +188,7 @@ def train(
         replica.meshes.release()
     return history.result(
         cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt or ""),
-        resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device),
+        resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device), mfu_peak=peak.name if peak else "",
         launch_step_s=history.step_s - step_s_before, launch_samples=history.samples - samples_before,
     )
 

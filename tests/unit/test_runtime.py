@@ -200,6 +200,7 @@ def test_activation_checkpointing_and_bf16_keep_the_numerics(tmp_path):
         assert bf16.metrics[step]["train/loss"] == pytest.approx(plain.metrics[step]["train/loss"], rel=0.02)
     assert bf16.metrics[1]["train/loss"] != plain.metrics[1]["train/loss"]  # autocast really ran
     assert 0 < result.mfu_pct < 100 and 0 < plain.metrics[3]["perf/mfu_pct"] < 100
+    assert result.mfu_peak == "cpu float32 matmul peak (measured here)"
     assert result.peak_mem_mb > 0 and plain.metrics[3]["perf/peak_mem_mb"] > 0
 
 
@@ -229,3 +230,21 @@ def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
     assert json.loads((store.local_dir(2) / MANIFEST).read_text())["step"] == 2
     with pytest.raises(CheckpointError, match=r"step_000009 has no manifest.json: an incomplete save, refusing"):
         evaluate_checkpoint(recipe, checkpoint=store.location(9))
+
+
+def test_mfu_is_against_the_dense_peak_of_the_precision_in_use():
+    from omni_core.common.catalog import GpuCatalog
+    from omni_core.runtime import perf
+
+    cuda, allowed = torch.device("cuda"), torch.backends.cuda.matmul.allow_tf32
+    assert perf.matmul_precision(cuda, torch.bfloat16) == "bf16"
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert perf.matmul_precision(cuda, torch.float32) == "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert perf.matmul_precision(cuda, torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    catalog = GpuCatalog()
+    assert catalog["a100"].peak_flops("tf32") == 156e12 and catalog["a100"].peak_flops("fp32") == 19.5e12
+    assert catalog["v100"].peak_flops("tf32") == catalog["v100"].fp32_flops  # no TF32 tensor cores

@@ -190,8 +190,12 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
     Every probe is sampled in COMPUTE_PASSES x `repeat` interleaved passes (`_sample`), a few seconds in all."""
     probes = probes or kernel_probes()
     secs = _sample(probes, COMPUTE_PASSES * repeat, clock)
-    inv_peak, inv_bw, _ = fit_costs([(6.0 * m * k * n, 3 * 4.0 * (m * k + k * n + m * n), 1.0) for m, k, n in MATMUL_SHAPES],
-                                    [secs[("matmul", *shape)] for shape in MATMUL_SHAPES])
+    matmul_flops = [6.0 * m * k * n for m, k, n in MATMUL_SHAPES]
+    matmul_s = [secs[("matmul", *shape)] for shape in MATMUL_SHAPES]
+    inv_peak, inv_bw, _ = fit_costs([(f, 3 * 4.0 * (m * k + k * n + m * n), 1.0)
+                                     for f, (m, k, n) in zip(matmul_flops, MATMUL_SHAPES)], matmul_s)
+    if not inv_peak:  # a loaded host's noise made the FLOP term negative: the best rate a shape reached
+        inv_peak = min(t / f for t, f in zip(matmul_s, matmul_flops))
     call_s, inv_attn, score_s = fit_costs(
         [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
          for heads, dim, length, docs in ATTN_SHAPES], [secs[("attention", *shape)] for shape in ATTN_SHAPES])

@@ -84,6 +84,18 @@ def cancel_a_served_training(url: str, tmp_path: Path, log: Path) -> None:
     wait_for(lambda: not training_processes(tmp_path), 60, "no training process left", log)
 
 
+def stop_serving(serving: subprocess.Popen, url: str, log: Path) -> None:
+    """SIGTERM to `omni serve` alone, as a service manager stops it: Prefect's runner cancels the flow run it is
+    executing (a profile run, every 5 s), so no run is left RUNNING to hold its deployment's concurrency slot
+    (killing the whole process group at once would, and the worker below could then start none)."""
+    import signal
+
+    serving.send_signal(signal.SIGTERM)
+    assert serving.wait(timeout=180) == 0, log.read_text()[-3000:]
+    wait_for(lambda: not [r for r in runs_of(url, "profile-often") if r["state_type"] in ("RUNNING", "PENDING")],
+             60, "no served run left running", log)
+
+
 def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -111,6 +123,7 @@ def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
             [train] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
                        if r.info.run_name == "train"]
             assert train.info.status == "KILLED"
+            stop_serving(serving, url, log)
         finally:
             terminate_group(serving, grace_s=15)
 

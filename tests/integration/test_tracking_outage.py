@@ -34,14 +34,19 @@ def train_steps_logged(url: str) -> list[int]:
     return sorted(m.step for r in runs for m in client.get_metric_history(r.info.run_id, "train/loss"))
 
 
-def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
+def mlflow_server(tmp_path: Path) -> tuple[str, list[str], dict[str, str], dict[str, str]]:
+    """An MLflow server's URL and command on a free loopback port (started and killed by the test, as often as
+    it likes), the server's environment, and the environment without the session's tracking servers."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
-    server_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
               "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
               "--default-artifact-root", str(tmp_path / "artifacts")]
+    return f"http://127.0.0.1:{port}", server, {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, base
+
+
+def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
+    url, server, server_env, base = mlflow_server(tmp_path)
     (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
     env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "omni.log"
@@ -78,13 +83,7 @@ def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_la
 
     from omni_core.tracking import pending
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
-    server_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-              "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-              "--default-artifact-root", str(tmp_path / "artifacts")]
+    url, server, server_env, base = mlflow_server(tmp_path)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(out=tmp_path / "out").replace("steps: 120", "steps: 60")
                       .replace("flush_every_s: 0.5", "flush_every_s: 0.5, reconnect_timeout_s: 2"))

@@ -434,15 +434,15 @@ def _estimate_command(args: argparse.Namespace) -> int:
 
 def _simulate_command(args: argparse.Namespace) -> int:
     from omni_core.scheduler import report
-    from omni_core.scheduler.study import compare, prepare
+    from omni_core.scheduler.study import compare, load_study
 
     recipe = _load(args)
-    if not args.no_track:
+    if not args.no_track:  # before the trace is read and the oracle built
         from omni_core.tracking import check_tracking_uri, resolve_tracking_uri
 
         check_tracking_uri(resolve_tracking_uri(recipe))
     try:
-        study = prepare(recipe, trace=args.trace)
+        study = load_study(args.recipe, args.overrides, trace=args.trace)
     except ValueError as e:
         print(f"omni: simulate: {e}", file=sys.stderr)
         return USAGE_ERROR

@@ -436,6 +436,22 @@ class ScheduleConfig(Strict):
         0.0, ge=0, description="Replay from this many seconds after the trace's first arrival"
     )
     restart_s: StrictFloat = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
+    iteration_scale: StrictFloat = Field(
+        1.0, ge=1, le=1000, description="`omni simulate` divides every job's iterations by this (the Crius artifact "
+        "simulates its trace with 5)"
+    )
+    arrival_compression: StrictFloat = Field(
+        1.0, ge=1, le=1000, description="`omni simulate` divides every arrival time by this: 10 packs the trace's "
+        "arrivals ten times closer (a contention study)"
+    )
+    fixed_horizon: StrictBool = Field(
+        False, description="`omni simulate` runs every policy for exactly max_rounds rounds (the Crius artifact's "
+        "convention); false: until the last job ends"
+    )
+    busy_min_throughput: StrictFloat = Field(
+        100.0, ge=0, description="The busy-round throughput average counts only rounds above this many samples/s "
+        "(the Crius artifact: 100)"
+    )
     max_gpus_per_job: StrictInt = Field(32, ge=1)
     segment_steps: StrictInt = Field(
         50, ge=1, description="`omni schedule`: steps a job trains per launch; each segment's end (a checkpoint) "

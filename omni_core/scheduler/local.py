@@ -19,7 +19,7 @@ plan.
 The policy decides when a job arrives (`arrival_s` seconds after the start) and whenever a segment ends. A
 job in the middle of a segment keeps its slots; what the policy wants for it takes effect at its next
 boundary, where the policy decides again. Every launch restarts the job anyway, so a resize costs nothing
-over staying: the policies see restart_s = 0.
+over staying: the policies see restart_s = 0, and no plan search or profiling cost (the estimator answers).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class LocalScheduler:
         self.cluster = local_cluster(recipe.cluster)
         self.oracle = oracle or recipe_oracle(recipe, self.cluster, profile, cells)
         self.table = ThroughputTable(self.oracle, self.cluster.capacity(), recipe.schedule.max_gpus_per_job)
-        self.policy = make_policy(recipe.schedule.policy)
+        self.policy = make_policy(recipe.schedule.policy).without_search_costs()
         jobs = sorted((Job.from_config(c) for c in recipe.jobs), key=lambda j: (j.arrival_s, j.id))
         self.jobs = {job.id: job for job in jobs}
         self.records = {job.id: JobRecord(id=job.id, model=job.model, arrival_s=job.arrival_s,

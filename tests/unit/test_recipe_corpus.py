@@ -277,7 +277,7 @@ def test_every_problem_comes_at_once(workdir, capsys):
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_passes_check(recipe, capsys, monkeypatch):
-    monkeypatch.chdir(REPO)  # the study recipes name traces relative to the repository
+    monkeypatch.chdir(REPO)
     assert main(["recipe", "check", str(recipe)]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith("ok ")
 

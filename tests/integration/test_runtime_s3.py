@@ -84,9 +84,11 @@ def test_an_s3_endpoint_that_comes_up_late_is_retried_with_backoff(tmp_path, mon
     server = threading.Thread(target=serve_late, daemon=True)
     server.start()
     try:
+        # The port refused connections just before, and moto takes over a second to listen, so the listing's first
+        # attempts were refused; NoSuchBucket is the late server's answer (it has no buckets).
         with pytest.raises(ClientError, match="NoSuchBucket"):
-            S3Store("s3://late/ckpt", tmp_path / "cache").steps()  # reached the server: it has no such bucket
-        assert up.is_set()
+            S3Store("s3://late/ckpt", tmp_path / "cache").steps()
+        assert up.wait(30)
     finally:
         stop.set()
         server.join(30)

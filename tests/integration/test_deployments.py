@@ -128,20 +128,24 @@ def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
             terminate_group(serving, grace_s=15)
 
         log = tmp_path / "deploy.log"
-        deployed = subprocess.run([str(BIN / "omni"), "deploy", "--file", str(tmp_path / "prefect.yaml"),
+        # deployments of their own: the served ones' schedules have queued runs, and a served run killed with
+        # `omni serve` could hold its deployment's concurrency slot until Prefect's lease lapses (300 s)
+        pooled = tmp_path / "prefect-pooled.yaml"
+        pooled.write_text(DEPLOYMENTS.replace("name: profile-often", "name: profile-pooled")
+                          .replace("name: train-long", "name: train-pooled"))
+        deployed = subprocess.run([str(BIN / "omni"), "deploy", "--file", str(pooled),
                                    "--pool", "omni-test"], cwd=REPO, env=env, capture_output=True, text=True,
                                   timeout=120)
         assert deployed.returncode == 0, deployed.stderr[-3000:]
         pools = api(url, "/work_pools/filter")
         assert {p["name"]: p["type"] for p in pools}.get("omni-test") == "process"
         registered = [d for d in api(url, "/deployments/filter") if d["work_pool_name"] == "omni-test"]
-        assert sorted(d["name"] for d in registered) == ["profile-often", "train-long"]
-        before = len(runs_of(url, "profile-often"))
+        assert sorted(d["name"] for d in registered) == ["profile-pooled", "train-pooled"]
         with open(log, "w") as out:
             worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "omni-test"], cwd=tmp_path,
                                       env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_for(lambda: len([r for r in runs_of(url, "profile-often") if r["state_type"] == "COMPLETED"]) > before,
+            wait_for(lambda: [r for r in runs_of(url, "profile-pooled") if r["state_type"] == "COMPLETED"],
                      240, "a worker's flow run completed", log)
         finally:
             terminate_group(worker, grace_s=15)

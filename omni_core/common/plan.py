@@ -22,6 +22,11 @@ The encoders' half is `ParallelPlan.encoders`, an `EncoderPlan` (MegaScale-Omni,
                    balanced by cost, long ones split over an LSSP group; `dp1-tp2+omni`
     disaggregated  the encoders on `ranks` ranks of their own (DistTrain); `dp1+disagg1`
 
+and their schedule: `phased` (the reference: the step's encoder forward, the LLM, the encoder backward) or
+`joint` (per micro-batch, in the ranks' idle time, each micro-batch's embeddings handed off as they are made:
+MegaScale-Omni's joint encoder-LLM pipeline under `omni`, DistTrain's pipelined encoders under
+`disaggregated`), named by a `-joint` suffix: `dp1-pp2+omni-joint`.
+
 Per encoder (`vision`, `audio`) an `EncoderSpec`: its LSSP group size, the long-item threshold (by tokens,
 i.e. cost, or by activation memory) and whether its weights are FSDP-sharded over its group, e.g.
 `dp2+omni.v-sp2-t256.a-fsdp`. The encoders' data-parallel group is derived, not a dial: the world (`omni`),
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
 
 CpKind = Literal["ulysses", "ring"]
 EncoderLayout = Literal["coupled", "omni", "disaggregated"]
+EncoderSchedule = Literal["phased", "joint"]
 ENCODER_KEYS = {"vision": "v", "audio": "a"}  # the encoders a plan lays out, and their letters in names
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
@@ -53,7 +59,7 @@ _NAME = re.compile(
 )
 
 
-_ENCODER_NAME = re.compile(r"^(?P<layout>coupled|omni|disagg(?P<ranks>\d+))(?P<specs>(?:\.[va](?:-[a-z]+\d*)*)*)$")
+_ENCODER_NAME = re.compile(r"^(?P<layout>coupled|omni|disagg(?P<ranks>\d+))(?P<joint>-joint)?(?P<specs>(?:\.[va](?:-[a-z]+\d*)*)*)$")
 _SPEC_TOKEN = re.compile(r"^(?:sp(?P<lssp>\d+)|t(?P<tokens>\d+)|m(?P<mb>\d+)|(?P<fsdp>fsdp))$")
 
 
@@ -84,15 +90,21 @@ class EncoderSpec:
 
 @dataclass(frozen=True)
 class EncoderPlan:
-    """The encoders' layout (see the module docstring); `ranks` only for `disaggregated`."""
+    """The encoders' layout and schedule (see the module docstring); `ranks` only for `disaggregated`."""
 
     layout: EncoderLayout = "coupled"
     vision: EncoderSpec = EncoderSpec()
     audio: EncoderSpec = EncoderSpec()
     ranks: int = 0
+    schedule: EncoderSchedule = "phased"
 
     def problems(self) -> list[str]:
-        return encoder_layout_problems(self.layout, self.ranks, {key: asdict(self.spec(key)) for key in ENCODER_KEYS})
+        return encoder_layout_problems(self.layout, self.ranks, {key: asdict(self.spec(key)) for key in ENCODER_KEYS},
+                                       self.schedule)
+
+    @property
+    def joint(self) -> bool:
+        return self.schedule == "joint"
 
     def spec(self, encoder: str) -> EncoderSpec:
         return getattr(self, encoder)
@@ -106,6 +118,7 @@ class EncoderPlan:
     def name(self) -> str:
         """`coupled`, `omni`, `disagg2`, then `.v-...` / `.a-...` for each encoder whose spec is not the default."""
         head = f"disagg{self.ranks}" if self.layout == "disaggregated" else self.layout
+        head += "-joint" if self.joint else ""
         specs = "".join(f".{letter}-{self.spec(key).name}" for key, letter in ENCODER_KEYS.items()
                         if self.spec(key) != EncoderSpec())
         return head + specs
@@ -114,7 +127,7 @@ class EncoderPlan:
     def parse(cls, name: str) -> EncoderPlan:
         match = _ENCODER_NAME.match(name)
         if not match:
-            raise PlanError(f"cannot parse encoder layout {name!r} (expected e.g. omni, omni.v-sp2-t256, disagg2)")
+            raise PlanError(f"cannot parse encoder layout {name!r} (expected e.g. omni, omni-joint.v-sp2-t256, disagg2)")
         specs = {}
         for part in filter(None, match["specs"].split(".")):
             letter, *tokens = part.split("-")
@@ -130,7 +143,8 @@ class EncoderPlan:
             key = {v: k for k, v in ENCODER_KEYS.items()}[letter]
             specs[key] = EncoderSpec(**values)
         layout = "disaggregated" if match["ranks"] else match["layout"]
-        return cls(layout=layout, ranks=int(match["ranks"] or 0), **specs)
+        return cls(layout=layout, ranks=int(match["ranks"] or 0), schedule="joint" if match["joint"] else "phased",
+                   **specs)
 
 
 @dataclass(frozen=True)
@@ -247,7 +261,7 @@ class ParallelPlan:
                             "estimate's best plan for its Cell before launching; the runtime runs explicit degrees")
         e = cfg.encoders
         encoders = EncoderPlan(e.layout, EncoderSpec(**e.vision.model_dump()), EncoderSpec(**e.audio.model_dump()),
-                               e.ranks)
+                               e.ranks, e.schedule)
         llm_ranks = world_size - encoders.ranks
         others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
         dp_shard = cfg.dp_shard

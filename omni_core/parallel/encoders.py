@@ -3,8 +3,7 @@ world encodes, under the encoders' own layout, items of any data shard; their em
 LLM ranks whose placeholders they fill. The `disaggregated` baseline (DistTrain) is the same machinery with
 the encoder ranks restricted to ranks of their own, which hold no LLM and load no data.
 
-A step runs in three phases (the design's reference schedule; the encoders do not yet fill the LLM
-pipeline's bubbles):
+Under the `phased` schedule (the design's reference) a step runs in three phases:
 
 1. `EncoderStep.forward`: each data shard's owner publishes its items' metadata (modality, grid or frames,
    placeholder position; never sample bytes), every rank computes the same assignment (`assign`: on the
@@ -17,6 +16,9 @@ pipeline's bubbles):
 2. the LLM's forward and backward, pipelined or not, on detached leaves of those rows;
 3. `EncoderStep.backward`: the leaves' gradients go back through the mirrored all-to-all, the encoders run
    backward, and their gradients are summed over the world (the weights are replicated).
+
+Under `joint` (`parallel.joint`) the start of phase 1 is the same (metadata, assignment, inputs), then the
+encoders run per micro-batch in each rank's idle time and hand their rows off point to point as they are made.
 
 Every rank calls every collective each step, with empty buffers when it has nothing to send or encode, so
 a rank without images or audio never hangs the others. Frozen encoders (and projectors) skip phase 3's
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from omni_core.common.batch import PackedBatch, audio_tokens, video_tokens
-from omni_core.common.plan import EncoderSpec, ParallelPlan
+from omni_core.common.plan import EncoderSpec, ParallelPlan, PlanError
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flops import audio_forward_flops, vision_forward_flops
@@ -46,6 +48,7 @@ from omni_core.models.omni import OmniModel
 from omni_core.models.projector import merged_grid
 from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 from omni_core.parallel.context import cp_token_index
+from omni_core.parallel.joint import JointStep
 from omni_core.parallel.lssp import SequenceShard, lssp_splits
 
 ENCODER_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -275,8 +278,16 @@ class EncoderStep:
         self.encoder_group = dist.new_group(list(plan.encoder_ranks)) if plan.encoders.ranks else None
         self.params = [p for name in ("vision", "audio", "projectors") if getattr(model, name, None) is not None
                        for p in getattr(model, name).parameters() if p.requires_grad]
+        if plan.encoders.joint:
+            if device.type != "cpu":
+                raise PlanError(f"plan {plan.name}: the joint encoder schedule is built for CPU ranks (its encoder "
+                                "thread at idle priority fills their waits); on CUDA it needs a low-priority stream")
+            world = list(range(self.world))  # the handoff's own groups: rows, and their gradients back
+            self.rows_group, self.grads_group = dist.new_group(world), dist.new_group(world)
         self._received: torch.Tensor | None = None
         self._leaf: torch.Tensor | None = None
+        self._joint: JointStep | None = None
+        self._outside_s = 0.0
         self.metrics: dict[str, float] = {}
 
     def _domains(self, group: int) -> dict[int, tuple[int, ...]] | None:
@@ -292,20 +303,46 @@ class EncoderStep:
 
     def forward(self, batches: list[PackedBatch], compute_dtype: torch.dtype) -> list[torch.Tensor | None]:
         """This rank's encoded rows per micro-batch, sorted by packed position within its CP share (leaves
-        that collect the LLM's gradients), or None per micro-batch on ranks outside pipeline stage 0."""
+        that collect the LLM's gradients), or None per micro-batch on ranks outside pipeline stage 0. Under
+        `joint` the list fetches each micro-batch's rows when the LLM first asks for them.
+
+        Metrics: `encoder_s`, the seconds this rank's encoders computed (forward and backward); the wall time
+        spent outside the LLM's phase is kept for the step's idle share (`outside_s`)."""
         start = time.perf_counter()
         mine = describe_items(batches, self.shard_of[self.rank], self.model.args) if self._owns_shard() else []
-        gathered: list[list[Item]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, mine)
-        pieces = assign([it for part in gathered for it in part], self.model.args, self.plan, self.domains)
+        gathered: list[tuple[int, list[Item]]] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(gathered, (len(batches), mine))
+        n_micro = max(n for n, _ in gathered)  # the encoders' own ranks load no batches
+        pieces = assign([it for _, part in gathered for it in part], self.model.args, self.plan, self.domains)
         inputs = self._ship_inputs(pieces, batches)
-        enabled = compute_dtype != torch.float32
-        with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
-            produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
-        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group}))}
-        encoded = self._hand_off(pieces, produced, len(batches), compute_dtype)
-        self.metrics["encoder_s"] = time.perf_counter() - start
+        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})), "encoder_s": 0.0,
+                        "handoff_bytes": self._handoff_bytes(pieces, compute_dtype)}
+        if self.plan.encoders.joint:
+            joint = self._joint = JointStep(self, pieces, inputs, n_micro, compute_dtype)
+            encoded = [None] * len(batches) if not self._consumes() else _Arrivals(joint, n_micro)
+        else:
+            computing = time.perf_counter()
+            enabled = compute_dtype != torch.float32
+            with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
+                produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
+            self.metrics["encoder_s"] = time.perf_counter() - computing
+            encoded = self._hand_off(pieces, produced, len(batches), compute_dtype)
+        self._outside_s = time.perf_counter() - start
         return encoded
+
+    def _consumes(self) -> bool:
+        """Whether this rank's LLM takes encoder rows (pipeline stage 0 of the LLM's ranks)."""
+        return self.rank < self.plan.llm_world_size and self.coords[self.rank]["pp"] == 0
+
+    def sends_gradient(self, consumer: int) -> bool:
+        """Whether a consumer returns its rows' gradient: TP rank 0 only (its peers hold the same rows)."""
+        return self.coords[consumer]["tp"] == 0
+
+    def _handoff_bytes(self, pieces: list[Piece], dtype: torch.dtype) -> float:
+        """Bytes of embedding rows this rank sends (and, when the encoders train, their gradients back)."""
+        rows = sum(end - first for _, piece, first, end in self._transfers(pieces) if piece.rank == self.rank)
+        element = torch.finfo(dtype).bits // 8
+        return float(rows * self.model.args.llm.dim * element * (2 if self.trains else 1))
 
     def _owns_shard(self) -> bool:
         return self.rank < self.plan.llm_world_size and self.owner_of_shard[self.shard_of[self.rank]] == self.rank
@@ -443,7 +480,6 @@ class EncoderStep:
                                                             incoming[i][1].item.start + incoming[i][2]))
         spans = list(received.split([end - first for _, _, first, end in incoming])) if incoming else []
         rows = torch.cat([spans[i] for i in order]) if incoming else received
-        self.metrics["handoff_bytes"] = float(send.numel() * send.element_size()) * (2 if trains else 1)
         self._received = rows
         self._leaf = rows.detach().requires_grad_(rows.requires_grad)
         if self.rank >= self.plan.llm_world_size or self.coords[self.rank]["pp"] != 0:
@@ -456,16 +492,21 @@ class EncoderStep:
     # --- phase 3 -------------------------------------------------------------------------------------------
 
     def backward(self) -> None:
-        """Send the LLM's gradients of the received rows back and run the encoders' backward; then sum the
-        encoders' gradients over the world (their weights are replicated)."""
+        """Send the LLM's gradients of the received rows back and run the encoders' backward (`joint`: await the
+        encoder thread's); then sum the encoders' gradients over the world (their weights are replicated)."""
         start = time.perf_counter()
+        if self._joint is not None:
+            self.metrics["encoder_s"] = self._joint.finish()
+            self._joint = None
         received, leaf = self._received, self._leaf
         self._received = self._leaf = None
         if received is not None and received.requires_grad:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if self.rank < self.plan.llm_world_size and self.coords[self.rank]["tp"] != 0:
+            if self.rank < self.plan.llm_world_size and not self.sends_gradient(self.rank):
                 grad = torch.zeros_like(grad)  # the same full gradient as TP rank 0's: counted once
+            computing = time.perf_counter()
             torch.autograd.backward(received, grad)
+            self.metrics["encoder_s"] += time.perf_counter() - computing
         if self.params:
             for param in self.params:
                 if param.grad is None:
@@ -476,4 +517,18 @@ class EncoderStep:
             for param in self.params:
                 param.grad.copy_(flat[offset:offset + param.numel()].view_as(param))
                 offset += param.numel()
-        self.metrics["encoder_s"] += time.perf_counter() - start
+        self._outside_s += time.perf_counter() - start
+        self.metrics["outside_s"] = self._outside_s
+
+
+class _Arrivals:
+    """A consumer's encoded rows per micro-batch under `joint`: indexing waits for that micro-batch's rows."""
+
+    def __init__(self, joint: JointStep, n_micro: int):
+        self.joint, self.n_micro = joint, n_micro
+
+    def __len__(self) -> int:
+        return self.n_micro
+
+    def __getitem__(self, micro: int) -> torch.Tensor:
+        return self.joint.rows(micro)

@@ -53,8 +53,8 @@ def layer_costs(args: LLMArgs) -> list[float]:
     parameters (flops.py's per-token FLOPs; attention's quadratic term, the same in every block and dependent
     on the documents, is left out). The token embedding is a lookup (no FLOPs by flops.py's convention). The
     encoders, on the first stage, are not counted: their cost changes with each step's images and audio while
-    the split is fixed for the run (and DESIGN §3's joint schedule is to spread them over all stages); ties in
-    the split lighten the first stage instead (see `balance_layers`)."""
+    the split is fixed for the run (and the `omni` layout spreads them over all stages); ties in the split
+    lighten the first stage instead (see `balance_layers`)."""
     costs = [1.0] * args.n_layers
     costs[-1] += args.dim * args.vocab_size / llm_block_matmul_params(args, active=True)
     return costs
@@ -185,6 +185,7 @@ class _ChunkHooks:
         dtype = runner.compute_dtype
         self.autocast = torch.autocast(runner.device.type, dtype=dtype, enabled=dtype != torch.float32)
         self.autocast.__enter__()
+        # `omni` and `disaggregated`: the micro-batch's encoded rows (under the joint schedule, waited for here)
         encoded = runner.encoded[self.micro] if self.first and runner.encoded else None
         return (runner.batches[self.micro], hidden, encoded), {}
 

@@ -277,13 +277,14 @@ class ModelConfig(Strict):
 
 
 ENCODER_LAYOUTS = ("coupled", "omni", "disaggregated")
+ENCODER_SCHEDULES = ("phased", "joint")
 PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep")
 
 
 ENCODER_SPEC_DEFAULTS = {"lssp": 1, "long_tokens": 0, "long_mb": 0, "fsdp": False}
 
 
-def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict]) -> list[str]:
+def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict], schedule: str = "phased") -> list[str]:
     """Every problem of an encoder layout, each naming its `encoders.` field; shared by the recipe and by
     `common.plan.EncoderPlan` (a plan read back from its name)."""
     if layout not in ENCODER_LAYOUTS:
@@ -301,6 +302,11 @@ def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict]) -> 
         out.append("encoders.ranks must be >= 1 under layout disaggregated (the encoders' own ranks)")
     if layout != "disaggregated" and ranks:
         out.append(f"encoders.ranks={ranks} needs layout disaggregated (layout is {layout})")
+    if schedule not in ENCODER_SCHEDULES:
+        out.append(f"encoders.schedule={schedule!r} must be one of {', '.join(ENCODER_SCHEDULES)}")
+    elif schedule == "joint" and layout == "coupled":
+        out.append("encoders.schedule=joint needs layout omni or disaggregated: coupled encoders already run inside "
+                   "the first pipeline stage, per micro-batch")
     return out
 
 
@@ -323,11 +329,14 @@ class EncodersConfig(Strict):
     ranks: StrictInt = Field(0, ge=0, description="disaggregated: ranks the encoders get (the LLM gets the rest)")
     vision: EncoderSpecConfig = EncoderSpecConfig()
     audio: EncoderSpecConfig = EncoderSpecConfig()
+    schedule: Literal["phased", "joint"] = Field(
+        "phased", description="phased: the step's encoder forward, the LLM, the encoder backward; joint: the "
+        "encoders per micro-batch in the ranks' idle time, embeddings handed off as they are made (omni, disaggregated)")
 
     @model_validator(mode="after")
     def _consistent(self) -> EncodersConfig:
         problems = encoder_layout_problems(self.layout, self.ranks, {
-            "vision": self.vision.model_dump(), "audio": self.audio.model_dump()})
+            "vision": self.vision.model_dump(), "audio": self.audio.model_dump()}, self.schedule)
         if problems:
             raise ValueError("; ".join(problems))
         return self

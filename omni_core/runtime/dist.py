@@ -40,6 +40,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInf
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        pin_to_own_cores(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         timeout = timedelta(seconds=timeout_s)
@@ -47,6 +49,16 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInf
                                 world_size=world_size, timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def pin_to_own_cores(local_rank: int, local_world: int) -> None:
+    """A CPU rank's threads on its own share of the cores, as a GPU rank has its own device: what a rank leaves
+    idle (a pipeline bubble) is then its own time, not a peer's, which matters to the joint encoder schedule's
+    idle-priority thread. Left alone when there are more local ranks than cores (they share cores anyway)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // local_world
+    if share >= 1:
+        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
 
 
 def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:

@@ -78,13 +78,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                                start_method="fork")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, written below, says more
-        results = []
+        results, failures = [], []
         for rank in range(world):
             path = Path(out_dir, f"rank{rank}.pkl")
             if not path.is_file():
-                raise RankError(f"rank {rank} of {world} died without a result")
+                failures.append(f"rank {rank} of {world} died without a result")
+                continue
             status, value = pickle.loads(path.read_bytes())
             if status == "error":
-                raise RankError(f"rank {rank} of {world} failed:\n{value}")
+                failures.append(f"rank {rank} of {world} failed:\n{value}")
             results.append(value)
+        if failures:  # every rank's: the first to fail is often not rank 0 (its peers then lose their connection)
+            raise RankError("\n".join(failures))
         return results

@@ -311,13 +311,16 @@ class StepStats:
 def layout_values(replica: ModelReplica, batches: list[PackedBatch], llm_s: float) -> torch.Tensor:
     """This rank's [encoder seconds, LLM seconds, predicted encoder, LLM and total FLOPs, balancing seconds,
     pipeline bubble share, handoff bytes]: summed over the world with the loss statistics (one all-reduce), the
-    first six also maxed (`layout_metrics`). The pipeline's bubble is the idle share of the LLM phase; the LLM
-    seconds of a coupled step include its encoders (they run inside stage 0). The predictions are the loader's
-    cost model on this rank's batches (`data.balance`)."""
+    first six also maxed (`layout_metrics`). The pipeline's bubble is the idle share of the rank's span of
+    encoder and LLM work: 1 - (stage compute + encoder compute) / (LLM phase + the encoders' time outside it),
+    the same measure for every layout and encoder schedule (a coupled step's encoders run inside stage 0's
+    compute; a joint schedule's run inside the LLM phase's waits). The predictions are the loader's cost model
+    on this rank's batches (`data.balance`)."""
     encoder = replica.encoders.metrics if replica.encoders else {}
     bubble = 0.0
     if replica.pipeline is not None and llm_s > 0:
-        bubble = max(0.0, 1.0 - replica.pipeline.busy_s / llm_s)
+        busy = replica.pipeline.busy_s + encoder.get("encoder_s", 0.0)
+        bubble = max(0.0, 1.0 - busy / (llm_s + encoder.get("outside_s", 0.0)))
     predicted = [sum(b.predicted_flops[k] for b in batches) for k in (0, 1)]
     return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, *predicted, sum(predicted),
                          sum(b.balance_s for b in batches), bubble, encoder.get("handoff_bytes", 0.0)],

@@ -107,3 +107,29 @@ def test_frozen_encoders_skip_their_backward(freeze):
     assert not any(name.startswith(freeze) for name in merged)
     for name, expected in ref_grads.items():
         torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_joint_schedule_trains_like_one_process(tmp_path):
+    """The joint schedule (encoders per micro-batch in the ranks' idle time, rows handed off point to point as
+    they are made): 1F1B and GPipe pipelines, LSSP inside the encoder thread, TP consumers, and DistTrain's
+    pipelined encoders on a rank of their own. The bubble is measured on every pipelined step."""
+    metrics = check_plans(tmp_path, 2, [("debug", name) for name in (
+        "dp1-pp2+omni-joint", "dp1-pp2g+omni-joint", f"dp1-pp2+{LSSP.replace('omni', 'omni-joint')}",
+        "dp1-tp2+omni-joint", "dp2+omni-joint")], balanced=True)
+    for (_, name), steps in metrics.items():
+        assert all(m["handoff_bytes"] > 0 and m["encoder_s_max"] > 0 for m in steps), name
+        assert all((m["bubble_pct"] > 0) == ("pp2" in name) for m in steps), name
+    check_plans(tmp_path, 3, [("debug", "dp1-pp2+disagg1-joint")])
+
+
+@pytest.mark.parametrize("plan", ["dp2+omni-joint", "dp2+omni-joint.v-sp2-t8.a-sp2-t8", "dp1+disagg1-joint"])
+def test_joint_schedule_where_only_one_shard_holds_images_and_audio(plan):
+    """Rank 1's encoder thread encodes rank 0's items (or nothing) and sends their rows as they are made."""
+    (ref_loss, ref_grads), = run_ranks(_partial_worker, 1, "dp1")
+    merged: dict[str, torch.Tensor] = {}
+    for loss, grads in run_ranks(_partial_worker, 2, plan):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        merged.update(grads)
+    assert merged.keys() == ref_grads.keys()
+    for name, expected in ref_grads.items():
+        torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)

@@ -134,6 +134,7 @@ def test_pipeline_schedules_need_enough_microbatches():
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp1-tp2+omni", "dp2+omni.v-sp2-t256.a-fsdp", "dp1+disagg1",
+                                  "dp1-pp2+omni-joint.v-sp2-t64", "dp1+disagg1-joint",
                                   "dp1-pp2+omni.a-sp2-m64-fsdp", "dp2x2-tp2-pp4v2-cp2r-ep2+omni.v-t64"])
 def test_plan_names_with_encoders_round_trip(name):
     assert ParallelPlan.parse(name).name == name
@@ -153,6 +154,7 @@ def test_encoder_plan_sizes_and_ranks():
     ("dp2+omni.v-sp2", r"encoders.vision.lssp=2 needs a long-item threshold"),
     ("dp2+omni.v-x3", "unknown setting 'x3'"),
     ("dp2+disagg0", "encoders.ranks must be >= 1"),
+    ("dp2+coupled-joint", "encoders.schedule=joint needs layout omni or disaggregated"),
 ])
 def test_bad_encoder_plans_are_named(name, message):
     with pytest.raises(PlanError, match=message):
@@ -164,3 +166,8 @@ def test_recipe_encoder_fields_are_checked_by_name():
         ParallelConfig(encoders={"layout": "omni", "ranks": 2})
     with pytest.raises(ValueError, match="encoders.audio.lssp=4 needs a long-item threshold"):
         ParallelConfig(encoders={"layout": "omni", "audio": {"lssp": 4}})
+    with pytest.raises(ValueError, match="encoders.schedule=joint needs layout omni or disaggregated"):
+        ParallelConfig(encoders={"schedule": "joint"})
+    joint = ParallelConfig(pp=2, encoders={"layout": "omni", "schedule": "joint"})
+    plan = ParallelPlan.from_config(joint, 2)
+    assert plan.name == "dp1-pp2+omni-joint" and ParallelConfig(**plan.recipe_fields()).encoders == joint.encoders

@@ -1,7 +1,9 @@
 """Encoder layouts side by side: `omni` (MegaScale-Omni: encoders over every rank, balanced, LSSP for long
-items), `coupled` (Megatron-LLaVA: encoders on the first stage, replicated over TP) and `disaggregated`
-(DistTrain: encoders on ranks of their own), on the same data, per image:text mix and plan, with the
-estimator's predicted omni / coupled speedup next to the measured one (this machine's stored calibration:
+items; the phased schedule), `omni_joint` (the same under the joint encoder-LLM schedule: encoders per
+micro-batch in the ranks' idle time), `coupled` (Megatron-LLaVA: encoders on the first stage, replicated over
+TP) and `disaggregated` (DistTrain: encoders on ranks of their own, pipelined with the LLM per micro-batch, the
+joint schedule), on the same data, per image:text mix and plan, with the estimator's predicted speedups over
+coupled next to the measured ones (this machine's stored calibration:
 `python -m omni_core.measure.calibrate cpu` first, else the catalogue's cpu entry; the report says which).
 Full runs add `omni_lssp`: omni with the images over LSSP_TOKENS patches split over 2 ranks.
 
@@ -13,10 +15,10 @@ GLOBAL_MICRO micro-batches for every plan, balanced over the data ranks by the d
 benchmarks/balance_bench.py compares the policies). One launch per (plan, layout) trains every mix in turn, `steps`
 warm-up then timed steps each; rounds interleave the launches, and each figure is the median over rounds
 (`spread_pct` = (max - min) / median of samples/s). A step lasts as long as its slowest rank. `encoder_s` /
-`llm_s` are the median over timed steps of the slowest rank's encoder phases (omni: metadata, input and
-embedding exchanges, encoder forward and backward; coupled: 0, its encoders run inside the LLM's stage 0) and
-of its LLM phase. `bubble_pct` is the pipeline's idle share of the LLM phase, measured per rank (see
-`parallel.pipeline.PipelineRunner.busy_s`), mean over ranks. On CPU `peak_mem_mb` is the peak resident set of
+`llm_s` are the median over timed steps of the busiest rank's encoder compute (forward and backward; coupled:
+0, its encoders run inside the LLM's stage 0) and of its LLM phase. `bubble_pct` is the idle share of a rank's
+span of encoder and LLM work (`runtime.step.layout_values`), mean over the LLM's ranks: for pipelined plans
+the bubble the joint schedule fills. On CPU `peak_mem_mb` is the peak resident set of
 the launch (all its mixes so far).
 
 Run it alone (it forks one rank per core at world 2); the report records the load average. On a GPU machine
@@ -52,6 +54,7 @@ from omni_core.runtime.trainer import resolve_dtype, resolve_plan
 
 FLAVOR = "debug-enc"
 SEQ_LEN = 1024
+QUICK_SEQ_LEN = 512
 GLOBAL_MICRO = 4  # micro-batches per step over all data shards
 IMAGE_SIDE_PX = (64, 160)  # 8..20 patches a side at patch 8: 64..400 patches, one LLM token each
 MIXES = {
@@ -61,7 +64,7 @@ MIXES = {
     "audio": {"text": 0.3, "audio": 0.7},
 }
 PLANS = {2: ["dp2", "dp1-tp2", "dp1-pp2"], 4: ["dp4", "dp2-tp2", "dp2-pp2"]}
-LAYOUTS = ("coupled", "omni", "disaggregated")
+LAYOUTS = ("coupled", "omni", "omni_joint", "disaggregated")
 LSSP_LAYOUT = "omni_lssp"  # full runs only: omni with images over LSSP_TOKENS patches split over 2 ranks
 LSSP_TOKENS = 256
 
@@ -72,8 +75,8 @@ def layout_plan(llm: str, layout: str, world: int) -> ParallelPlan:
     plan = ParallelPlan.parse(llm)
     if layout == "coupled":
         return plan
-    if layout == "omni":
-        return ParallelPlan.parse(f"{llm}+omni")
+    if layout in ("omni", "omni_joint"):
+        return ParallelPlan.parse(f"{llm}+omni{'-joint' if layout == 'omni_joint' else ''}")
     if layout == LSSP_LAYOUT:
         return ParallelPlan.parse(f"{llm}+omni.v-sp2-t{LSSP_TOKENS}")
     ranks = max(1, world // 4)
@@ -84,7 +87,7 @@ def layout_plan(llm: str, layout: str, world: int) -> ParallelPlan:
         plan = ParallelPlan()
     else:
         plan = ParallelPlan.parse(llm.replace(f"dp{plan.dp}", f"dp{dp}", 1))
-    return ParallelPlan(**{**plan.__dict__, "encoders": EncoderPlan("disaggregated", ranks=ranks)})
+    return ParallelPlan(**{**plan.__dict__, "encoders": EncoderPlan("disaggregated", ranks=ranks, schedule="joint")})
 
 
 def bench_recipe(root: Path, mix: dict[str, float], plan: ParallelPlan) -> Recipe:
@@ -223,11 +226,15 @@ def speedups(results: dict, layout: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="world 2, one round, fewer steps (< 2 min on CPU)")
+    parser.add_argument("--quick", action="store_true", help="world 2, one round, fewer steps, QUICK_SEQ_LEN-token "
+                        "micro-batches, half as many per step (< 2 min on CPU)")
     parser.add_argument("--out", default="layout.json")
     args = parser.parse_args()
     # the targets are at world 2 (one rank per core): its rounds are the medians; world 4 is one round
     rounds, steps = ({2: 1}, (1, 1)) if args.quick else ({2: 3, 4: 1}, (1, 3))
+    if args.quick:  # half the tokens per micro-batch, half the micro-batches: every case within two minutes
+        global SEQ_LEN, GLOBAL_MICRO
+        SEQ_LEN, GLOBAL_MICRO = QUICK_SEQ_LEN, GLOBAL_MICRO // 2
     layouts = LAYOUTS if args.quick else (*LAYOUTS, LSSP_LAYOUT)
     started = time.perf_counter()
     report: dict = {"load_average": {"start": os.getloadavg()},
@@ -245,9 +252,12 @@ def main() -> None:
                 predictions.setdefault(mix, {}).update(plans)
         report["results"], report["errors"] = measure(root, rounds, layouts, steps)
     report["speedup_vs_coupled"] = speedups(report["results"], "omni")
+    report["joint_vs_coupled"] = speedups(report["results"], "omni_joint")
     report["disaggregated_vs_coupled"] = speedups(report["results"], "disaggregated")
     report["predicted_speedup_vs_coupled"] = {mix: {llm: p.get("omni") for llm, p in plans.items()}
                                               for mix, plans in predictions.items()}
+    report["predicted_joint_vs_coupled"] = {mix: {llm: p.get("omni_joint") for llm, p in plans.items()}
+                                            for mix, plans in predictions.items()}
     report["predicted_disaggregated_vs_coupled"] = {mix: {llm: p.get("disaggregated") for llm, p in plans.items()}
                                                     for mix, plans in predictions.items()}
     report["prediction_error_pct"] = {
@@ -263,7 +273,9 @@ def main() -> None:
         for llm, ratio in plans.items():
             pred = report["predicted_speedup_vs_coupled"][mix].get(llm)
             disagg = report["disaggregated_vs_coupled"][mix].get(llm)
+            joint, joint_pred = report["joint_vs_coupled"][mix].get(llm), report["predicted_joint_vs_coupled"][mix].get(llm)
             print(f"{mix:6} {llm:8} omni/coupled measured {ratio or nan:.2f} predicted {pred or nan:.2f}   "
+                  f"joint/coupled measured {joint or nan:.2f} predicted {joint_pred or nan:.2f}   "
                   f"disaggregated/coupled measured {disagg or nan:.2f} "
                   f"predicted {report['predicted_disaggregated_vs_coupled'][mix].get(llm) or nan:.2f}")
 

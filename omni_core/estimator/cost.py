@@ -179,9 +179,8 @@ def llm_only(workload: Workload) -> Workload:
 def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
                        gpus_per_node: int, eff: Efficiency) -> Estimate:
     """A `disaggregated` plan: the LLM's plan on its ranks and the encoders on theirs, one after the other
-    within the step as the runtime runs them, less the overlap DistTrain's schedule would have
-    (`Efficiency.disaggregated_overlap` of the shorter side), plus the embeddings' handoff; memory is the
-    fuller side's."""
+    within the step (phased), or overlapped as DistTrain pipelines them (joint: `Efficiency.disaggregated_overlap`
+    of the shorter side's (m - 1) / m), plus the embeddings' handoff; memory is the fuller side's."""
     llm = estimate_step(llm_only(workload), gpu, replace(plan, encoders=EncoderPlan()), options,
                         gpus_per_node=gpus_per_node, eff=eff)
     est = Estimate(plan, options, peak_mem_bytes=llm.peak_mem_bytes, reason=llm.reason)
@@ -191,7 +190,8 @@ def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, opt
     encoders = disaggregated_encoders(workload, gpu, plan, eff, gpus_per_node)
     est.peak_mem_bytes, est.reason = max(llm.peak_mem_bytes, encoders.peak_bytes), encoders.reason
     if est.fits:
-        hidden = eff.disaggregated_overlap * min(encoders.seconds, llm.step_time_s)
+        micro = max(1, workload.global_batch // (plan.dp * options.micro_batch)) if plan.encoders.joint else 1
+        hidden = eff.disaggregated_overlap * min(encoders.seconds, llm.step_time_s) * (1 - 1 / micro)
         est.step_time_s = encoders.seconds + llm.step_time_s - hidden + encoders.handoff
         est.samples_per_s = workload.global_batch / est.step_time_s
         est.breakdown = {**llm.breakdown, "llm_s": llm.step_time_s, "encoder_s": encoders.seconds,

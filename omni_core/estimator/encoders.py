@@ -9,9 +9,10 @@ world is an encoder rank. Each step the items of all data shards are spread over
 processing time first on a cost a*L + b*L^2, so a rank takes its balanced share or the longest item,
 whichever is longer; an item over its encoder's threshold (`EncoderSpec.long_tokens` / `long_mb`) is split
 over the spec's LSSP group (Ulysses: four all-to-alls per attention layer forward, again in backward). The
-schedule has three phases: the whole step's encoder forward before the LLM, the LLM (1F1B with pp > 1) on
-detached embeddings, the encoder backward after it, so no pipeline bubble hides encoder work
-(`Efficiency.joint_pipeline` > 0 prices the joint schedule that would). Items' inputs travel from their data
+`phased` schedule has three phases: the whole step's encoder forward before the LLM, the LLM (1F1B with
+pp > 1) on detached embeddings, the encoder backward after it, so no pipeline bubble hides encoder work; the
+`joint` schedule runs them per micro-batch in the ranks' idle time and hides `Efficiency.joint_pipeline` of
+the bubble. Items' inputs travel from their data
 shard's rank to their encoder rank (forward), their embeddings to every stage-0 rank of their shard and the
 gradients back (variable-split all-to-alls, `handoff_seconds`). Weights are replicated over the world with one
 gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`).
@@ -192,9 +193,8 @@ def long_item_seconds(workload: Workload, net: Network, passes: float, per_sampl
 
 
 def encoder_rounds(terms: PlanTerms) -> int:
-    """How often a step runs the encoders: once (three phases, the runtime), or per micro-batch when the joint
-    schedule places them in the pipeline (`Efficiency.joint_pipeline` > 0)."""
-    return terms.micro_batches if terms.eff.joint_pipeline else 1
+    """How often a step runs the encoders: once (phased), or per micro-batch (joint)."""
+    return terms.micro_batches if terms.plan.encoders.joint else 1
 
 
 def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
@@ -232,7 +232,7 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     """(exposed, longest item, handoff) seconds of the encoders in the `omni` layout: a rank's balanced share
     of the step's items or its longest item, whichever is longer; the encoders' operators per round; their
     weights (`omni_weight_seconds`); the handoff; less the share of the pipeline's `bubble` a joint schedule
-    fills with them (none in the runtime's three phases)."""
+    fills with them (joint; none when phased)."""
     workload, plan, eff = terms.workload, terms.plan, terms.eff
     per_sample = terms.passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
     balanced = per_sample * workload.global_batch / plan.world_size
@@ -242,7 +242,8 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     handoff = handoff_seconds(terms)
     seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * terms.passes / 3 * rounds
                + omni_weight_seconds(terms, rounds) + handoff)
-    return max(seconds - eff.joint_pipeline * bubble, 0.0), long_item, handoff
+    filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
+    return max(seconds - filled, 0.0), long_item, handoff
 
 
 def omni_encoder_bytes(terms: PlanTerms) -> float:

@@ -64,17 +64,15 @@ class Efficiency:
     # What the implementation splits: True (Megatron-style), encoders are split by TP x CP like the LLM and
     # MoE experts by TP; False (omni_core's runtime today), both run replicated on every TP (and CP) rank.
     split_encoders_experts: bool = True
-    # `omni` layout: the share of the LLM pipeline's bubbles the encoders' forward and backward fill. 0 is what
-    # the runtime executes: three phases (the step's encoder forward, the LLM on detached embeddings, the
-    # encoder backward), nothing in a bubble. > 0 prices MegaScale-Omni's joint encoder-LLM pipeline instead
-    # (the encoders then run per micro-batch); not all of the bubbles even there: an encoder forward must end
-    # before stage 0 needs its embeddings, so late stages' warm-up bubbles host later micro-batches' encoders
-    # only (0.75 is a fair guess).
-    joint_pipeline: float = 0.0
-    # `disaggregated` layout: the share of the shorter side (encoder ranks or LLM ranks) hidden behind the
-    # longer. 0 is what the runtime executes: three phases, each side waiting for the other within the step;
-    # 1 prices DistTrain's schedule, whose encoder and LLM ranks work on different micro-batches at once.
-    disaggregated_overlap: float = 0.0
+    # `omni` layout under the joint encoder schedule (`EncoderPlan.schedule`): the share of the LLM pipeline's
+    # bubbles the encoders' forward and backward fill (they then run per micro-batch). Not all of them: an
+    # encoder forward must end before stage 0 needs its embeddings, so late stages' warm-up bubbles host
+    # later micro-batches' encoders only (0.75 is a fair guess). The phased schedule fills none.
+    joint_pipeline: float = 0.75
+    # `disaggregated` layout under the joint schedule (DistTrain's): the share of the shorter side (encoder
+    # ranks or LLM ranks) hidden behind the longer once the first micro-batch's encoders are done and until the
+    # last one's backward (a step of m micro-batches hides at most (m - 1) / m of it). Phased hides none.
+    disaggregated_overlap: float = 1.0
 
 
 @dataclass(frozen=True)

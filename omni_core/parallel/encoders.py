@@ -90,6 +90,9 @@ class Piece:
     splits: tuple[int, ...] = ()  # the group's chunks: encoder tokens (image, audio) or frames (video)
 
 
+Transfer = tuple[int, Piece, int, int]  # (consumer, piece, first, end): item rows one consumer gets from a piece
+
+
 def describe_items(batches: list[PackedBatch], shard: int, args: OmniModelArgs) -> list[Item]:
     """Items of one data shard's micro-batches, each with the position of its (contiguous) placeholders."""
     items = []
@@ -315,10 +318,11 @@ class EncoderStep:
         n_micro = max(n for n, _ in gathered)  # the encoders' own ranks load no batches
         pieces = assign([it for _, part in gathered for it in part], self.model.args, self.plan, self.domains)
         inputs = self._ship_inputs(pieces, batches)
+        transfers = self._transfers(pieces)
         self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})), "encoder_s": 0.0,
-                        "handoff_bytes": self._handoff_bytes(pieces, compute_dtype)}
+                        "handoff_bytes": self._handoff_bytes(transfers, compute_dtype)}
         if self.plan.encoders.joint:
-            joint = self._joint = JointStep(self, pieces, inputs, n_micro, compute_dtype)
+            joint = self._joint = JointStep(self, pieces, transfers, inputs, n_micro, compute_dtype)
             encoded = [None] * len(batches) if not self._consumes() else _Arrivals(joint, n_micro)
         else:
             computing = time.perf_counter()
@@ -326,7 +330,7 @@ class EncoderStep:
             with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
                 produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
             self.metrics["encoder_s"] = time.perf_counter() - computing
-            encoded = self._hand_off(pieces, produced, len(batches), compute_dtype)
+            encoded = self._hand_off(transfers, produced, len(batches), compute_dtype)
         self._outside_s = time.perf_counter() - start
         return encoded
 
@@ -338,9 +342,9 @@ class EncoderStep:
         """Whether a consumer returns its rows' gradient: TP rank 0 only (its peers hold the same rows)."""
         return self.coords[consumer]["tp"] == 0
 
-    def _handoff_bytes(self, pieces: list[Piece], dtype: torch.dtype) -> float:
+    def _handoff_bytes(self, transfers: list[Transfer], dtype: torch.dtype) -> float:
         """Bytes of embedding rows this rank sends (and, when the encoders train, their gradients back)."""
-        rows = sum(end - first for _, piece, first, end in self._transfers(pieces) if piece.rank == self.rank)
+        rows = sum(end - first for _, piece, first, end in transfers if piece.rank == self.rank)
         element = torch.finfo(dtype).bits // 8
         return float(rows * self.model.args.llm.dim * element * (2 if self.trains else 1))
 
@@ -442,7 +446,7 @@ class EncoderStep:
         starts = index[::chunk].tolist()
         return [(s, s + chunk) for s in starts]
 
-    def _transfers(self, pieces: list[Piece]) -> list[tuple[int, Piece, int, int]]:
+    def _transfers(self, pieces: list[Piece]) -> list[Transfer]:
         """(consumer, piece, first, end) of item rows, sorted by consumer, micro-batch and packed position:
         the order senders fill and receivers read the handoff buffers in."""
         out = []
@@ -456,11 +460,10 @@ class EncoderStep:
                         out.append((consumer, piece, first, end))
         return sorted(out, key=lambda t: (t[0], t[1].item.micro, t[1].item.start + t[2]))
 
-    def _hand_off(self, pieces: list[Piece], produced: dict[Piece, torch.Tensor], n_micro: int,
+    def _hand_off(self, transfers: list[Transfer], produced: dict[Piece, torch.Tensor], n_micro: int,
                   dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too)."""
         dim = self.model.args.llm.dim
-        transfers = self._transfers(pieces)
         outgoing = [t for t in transfers if t[1].rank == self.rank]
         chunks = [produced[piece][first - piece.rows[0]:end - piece.rows[0]] for _, piece, first, end in outgoing]
         send_splits, recv_splits = [0] * self.world, [0] * self.world

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from omni_core.parallel.encoders import EncoderStep, Piece
+    from omni_core.parallel.encoders import EncoderStep, Piece, Transfer
 
 Span = tuple["Piece", int, int]  # a piece and its [first, end) rows for one consumer
 
@@ -51,12 +51,13 @@ class JointStep:
     """One step of the joint schedule on this rank (module docstring). `rows(m)`: the consumer's leaf of
     micro-batch m's rows (blocks until they arrive); `finish()`: after the LLM's backward, the rest."""
 
-    def __init__(self, step: EncoderStep, pieces: list[Piece], inputs: dict, n_micro: int, dtype: torch.dtype):
+    def __init__(self, step: EncoderStep, pieces: list[Piece], transfers: list[Transfer], inputs: dict, n_micro: int,
+                 dtype: torch.dtype):
         self.step, self.pieces, self.inputs, self.n_micro, self.dtype = step, pieces, inputs, n_micro, dtype
         self.rank, self.dim = step.rank, step.model.args.llm.dim
         self.outgoing: dict[tuple[int, int], list[Span]] = defaultdict(list)  # (micro, consumer)
         self.incoming: dict[tuple[int, int], list[Span]] = defaultdict(list)  # (micro, source)
-        for consumer, piece, first, end in step._transfers(pieces):  # packed order within each key
+        for consumer, piece, first, end in transfers:  # packed order within each key
             if piece.rank == self.rank:
                 self.outgoing[(piece.item.micro, consumer)].append((piece, first, end))
             if consumer == self.rank:

@@ -118,7 +118,8 @@ def test_joint_schedule_trains_like_one_process(tmp_path):
         "dp1-tp2+omni-joint", "dp2+omni-joint")], balanced=True)
     for (_, name), steps in metrics.items():
         assert all(m["handoff_bytes"] > 0 and m["encoder_s_max"] > 0 for m in steps), name
-        assert all((m["bubble_pct"] > 0) == ("pp2" in name) for m in steps), name
+        # measured on pipelined steps (the joint schedule may fill it: no lower bound), none without a pipeline
+        assert all(0 <= m["bubble_pct"] < 100 if "pp2" in name else m["bubble_pct"] == 0 for m in steps), name
     check_plans(tmp_path, 3, [("debug", "dp1-pp2+disagg1-joint")])
 
 

@@ -16,7 +16,7 @@
 3. Speed: `plans_per_s` (cost-model evaluations) and `celltable_seconds` (every Cell of the Crius trace's
    model x batch mix on its 1,280-GPU A100/V100/A40/A10 cluster).
 4. `paper_workloads[A-D][image:text] = {omni_step_s, coupled_step_s, disaggregated_step_s,
-   speedup_vs_best_baseline}` on H100s, 8 per node, 400 Gb/s per GPU across nodes; `paper_assumptions`
+   speedup_vs_best_baseline}` on H100s, 8 per node, 8 x 400 Gb/s per node across nodes; `paper_assumptions`
    says what the layouts assume.
 --quick keeps every key with 10 validation cases of 5 steps in one round and three mixes of the paper's
 table (about two minutes on 2 cores).
@@ -88,7 +88,7 @@ def crius_cell_table() -> tuple[float, int, int]:
 
 
 def paper(quick: bool) -> dict:
-    h100 = replace(GpuCatalog()["h100"], inter_bw=50e9)  # 400 Gb/s per GPU across nodes
+    h100 = GpuCatalog()["h100"]
     shares = (0.1, 0.5, 0.9) if quick else tuple(i / 10 for i in range(1, 10))
     out: dict = {}
     for key, (_, gpus, _, _) in PAPER_WORKLOADS.items():

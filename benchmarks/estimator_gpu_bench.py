@@ -17,16 +17,29 @@ micro-batch (1-8, the fastest that fits). Reported:
   topologies (same model, different plans), or null with the reason when the table has fewer than three;
 - `oom`: published out-of-memory rows refused, and feasible rows refused (none may be);
 - `targets`: the issue's targets and whether each is met.
+
+`--independent DIR` adds a held-out check (`independent`) against the Crius/Arena artifact (a checkout of
+sjtu-epcc/arena, branch `ae-eurosys`, Apache-2.0; never shipped here). Its `database/prof_database.pkl` holds
+Alpa's measured iteration time of the best plan it found per (model, global batch, Cell) on the Crius testbed
+(HGX A100 40 GB, V100 32 GB, A40, A10; 1-16 GPUs, 1-8 nodes); the estimator's best plan for each Cell is held
+against it, with the same summaries and the rank correlation across a model's Cells. Entries the database
+records as failed (-1, cause not recorded) are counted with whether the estimator refuses them too. The
+testbed's links are not the datasheets': its own collective measurements (`runtime/jaxpr/comm_data`) give
+each GPU type's NIC bandwidth per node (`testbed_links`), which the check uses as catalogue overrides, as a
+recipe's `estimate.gpus` would; `datasheet_links` is the same check with the catalogue's figures.
 --quick prices the same rows (the cost model is fast); the keys are the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import math
 import os
+import pickle
+import re
 import statistics
 import sys
 import time
@@ -38,11 +51,16 @@ sys.path.insert(0, str(ROOT))
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
-from omni_core.estimator.cost import Estimate, Options, estimate_step
-from omni_core.estimator.workloads import transformer
+from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
+from omni_core.estimator.search import best_for_gpus
+from omni_core.estimator.workloads import trace_workload, transformer
 
 TABLE = ROOT / "benchmarks" / "data" / "published_gpu_training.csv"
 MICRO_BATCHES = (1, 2, 4, 8)
+# the Crius testbed's devices (the artifact's runtime/jaxpr/device_info/device_infos.json): HGX A100 40 GB
+ARENA_GPUS = {"a100": "a100-40gb", "v100": "v100", "a40": "a40", "a10": "a10"}
+ARENA_CELL = re.compile(r"^(?P<hosts>\d+)_(?P<gpu>[a-z0-9]+)_(?P=hosts)_n_(?P<per_host>\d+)_d$")
+ARENA_JOB = re.compile(r"^(?P<model>wide_resnet|bert|moe)_(?P<size>[0-9.]+[MB])_(?P<batch>\d+)$")
 TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_per_family": 0.9}
 
 
@@ -106,6 +124,129 @@ def family_spearman(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+class _PlainData(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers, numpy scalars): a third-party pickle must not
+    run code."""
+
+    SCALARS = {("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.SCALARS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: the artifact's tables hold plain data only")
+
+
+def load_plain(path: Path):
+    with path.open("rb") as f:
+        return _PlainData(f).load()
+
+
+def testbed_nic_bw(comm_dir: Path) -> dict[str, dict]:
+    """Per GPU type, the NIC bandwidth per node its multi-node collective measurements imply: per group of
+    ranks across nodes, the largest all-reduce's bus bandwidth (2(n-1)/n x bytes / seconds; a send's bytes /
+    seconds when the file has no all-reduce) x the node's ranks / the group's ranks per node (the group's
+    share of the node's NICs, as `communication.Network` prices it); the median over the files of the
+    InfiniBand network where the artifact measured one (`_ib`), else over the others."""
+    found: dict[str, dict[bool, list[tuple[str, float]]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(comm_dir.glob("*.pkl")):
+        c = ARENA_CELL.match(path.stem.removesuffix("_ib"))
+        if not c or int(c["hosts"]) < 2 or c["gpu"] not in ARENA_GPUS:
+            continue
+        per_node, ib = int(c["per_host"]), path.stem.endswith("_ib")
+        measured = {parse_kind(key, per_node): records for key, records in load_plain(path).items()}
+        kinds = [k for k in measured if k[0] == "all-reduce"] or [k for k in measured if k[0] == "send"]
+        for kind, groups in kinds:
+            n = len(groups[0])
+            nodes = len({rank // per_node for rank in groups[0]})
+            if nodes < 2 or not measured[kind, groups]:
+                continue
+            shape, _, seconds, _ = measured[kind, groups][-1]
+            nbytes = 4 * math.prod(shape)
+            bus = nbytes / seconds * (2 * (n - 1) / n if kind == "all-reduce" else 1.0)
+            found[ARENA_GPUS[c["gpu"]]][ib].append((path.name, bus * per_node / (n / nodes)))
+    links = {}
+    for gpu, by_network in found.items():
+        chosen = by_network[True] or by_network[False]
+        links[gpu] = {"nic_bw": float(statistics.median(bw for _, bw in chosen)),
+                      "files": sorted({name for name, _ in chosen})}
+    return links
+
+
+def parse_kind(key: str, per_node: int) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """A comm_data key, "('all-reduce', [[0, 2], [1, 3]])" or "send" (rank 0 to the next node's first), as
+    (kind, rank groups)."""
+    if key == "send":
+        return "send", ((0, per_node),)
+    kind, groups = ast.literal_eval(key)
+    return kind, tuple(tuple(g) for g in groups)
+
+
+def arena_rows(path: Path) -> list[dict]:
+    """(model, batch, GPU type, hosts, GPUs per host, measured seconds or None when it failed) per entry of the
+    artifact's `optimal` table."""
+    optimal = load_plain(path)["optimal"]
+    rows = []
+    for job, cells in optimal.items():
+        j = ARENA_JOB.match(job)
+        if not j:
+            raise ValueError(f"{path}: optimal.{job}: not <model>_<size>_<batch>")
+        for cell, seconds in cells.items():
+            c = ARENA_CELL.match(cell)
+            if not c or c["gpu"] not in ARENA_GPUS:
+                raise ValueError(f"{path}: optimal.{job}.{cell}: not <hosts>_<gpu>_<hosts>_n_<per host>_d of "
+                                 f"{sorted(ARENA_GPUS)}")
+            rows.append({"model": f"{j['model']}__{j['size']}", "family": j["model"], "batch": int(j["batch"]),
+                         "gpu": ARENA_GPUS[c["gpu"]], "nodes": int(c["hosts"]), "per_node": int(c["per_host"]),
+                         "measured_s": float(seconds) if seconds > 0 else None})
+    return rows
+
+
+def independent(artifact: Path, catalog: GpuCatalog) -> dict:
+    """The held-out check against the Crius/Arena artifact (module docstring), on the testbed's links and on
+    the datasheets'."""
+    entries = arena_rows(artifact / "database" / "prof_database.pkl")
+    links = testbed_nic_bw(artifact / "runtime" / "jaxpr" / "comm_data")
+    testbed = catalog.with_overrides({gpu: {"nic_bw": link["nic_bw"]} for gpu, link in links.items()})
+    report = held_out(entries, testbed)
+    datasheet = held_out(entries, catalog)
+    return {**report, "testbed_links": links,
+            "datasheet_links": {k: datasheet[k] for k in ("median_abs_log2", "within_1_5x_share", "by_gpu", "by_nodes",
+                                                          "by_family", "spearman_by_family") if k in datasheet}}
+
+
+def held_out(entries: list[dict], catalog: GpuCatalog) -> dict:
+    rows, failed = [], []
+    for entry in entries:
+        gpus = entry["nodes"] * entry["per_node"]
+        cell = best_for_gpus(trace_workload(entry["model"], entry["batch"]), catalog[entry["gpu"]], gpus,
+                             entry["per_node"], eff=Efficiency())
+        predicted_s = cell.best.step_time_s if cell else None
+        if entry["measured_s"] is None:
+            failed.append({**entry, "refused": cell is None})
+            continue
+        rows.append({**entry, "gpus": gpus, "plan": cell.best.plan.name if cell else None, "predicted_s": predicted_s,
+                     "log2_error": math.log2(predicted_s / entry["measured_s"]) if cell else None})
+    priced = [r for r in rows if r["log2_error"] is not None]
+    groups = {"by_gpu": "gpu", "by_nodes": "nodes", "by_family": "family"}
+    report = {"source": "sjtu-epcc/arena@ae-eurosys database/prof_database.pkl (optimal)", "entries": rows,
+              **{name: grouped_summary(priced, key) for name, key in groups.items()},
+              "spearman_by_family": family_spearman(
+                  [{**r, "model": f"{r['model']}_{r['batch']}"} for r in priced]),
+              "refused_measured": [f"{r['model']} b{r['batch']} on {r['nodes']}x{r['per_node']} {r['gpu']}"
+                                   for r in rows if r["log2_error"] is None],
+              "failed_entries": len(failed), "failed_refused": sum(f["refused"] for f in failed)}
+    if priced:
+        report.update(summary([r["log2_error"] for r in priced]))
+    return report
+
+
+def grouped_summary(rows: list[dict], key: str) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r[key]].append(r["log2_error"])
+    return {k: summary(e) for k, e in sorted(groups.items())}
+
+
 def run() -> dict:
     catalog = GpuCatalog()
     rows, refused_feasible, oom_rows, oom_refused = [], [], 0, 0
@@ -126,13 +267,9 @@ def run() -> dict:
                      "log2_error": math.log2(est.step_time_s / measured) if est.fits else None})
     priced = [r for r in rows if r["log2_error"] is not None]
     errors = [r["log2_error"] for r in priced]
-    by_gpu, by_nodes = defaultdict(list), defaultdict(list)
-    for r in priced:
-        by_gpu[r["gpu"]].append(r["log2_error"])
-        by_nodes[r["nodes"]].append(r["log2_error"])
     overall = summary(errors)
     spear = family_spearman(priced)
-    per_gpu = {g: summary(e) for g, e in sorted(by_gpu.items())}
+    per_gpu = grouped_summary(priced, "gpu")
     targets = {
         "median_abs_log2_per_gpu_le_0.25": all(s["median_abs_log2"] <= TARGETS["median_abs_log2_per_gpu"]
                                                for s in per_gpu.values()),
@@ -144,7 +281,7 @@ def run() -> dict:
         "no_feasible_row_refused": not refused_feasible,
     }
     return {"table": str(TABLE.relative_to(ROOT)), "sources": sorted({r["source"] for r in rows}), "rows": rows,
-            "by_gpu": per_gpu, "by_nodes": {n: summary(e) for n, e in sorted(by_nodes.items())},
+            "by_gpu": per_gpu, "by_nodes": grouped_summary(priced, "nodes"),
             "mape_pct": 100 * statistics.fmean(abs(2**e - 1) for e in errors),
             "within_1_5x_share": overall["within_1_5x_share"], "median_abs_log2": overall["median_abs_log2"],
             "spearman_by_family": spear,
@@ -156,9 +293,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the same rows (the cost model is fast)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--independent", type=Path, help="a checkout of sjtu-epcc/arena, branch ae-eurosys")
     args = parser.parse_args()
     started = time.perf_counter()
     report = {"quick": args.quick, "loadavg": os.getloadavg(), **run()}
+    if args.independent:
+        report["independent"] = independent(args.independent, GpuCatalog())
     report["seconds"] = time.perf_counter() - started
     args.out.write_text(json.dumps(report, indent=2))
     for gpu, s in report["by_gpu"].items():
@@ -167,6 +307,19 @@ def main() -> None:
     for nodes, s in report["by_nodes"].items():
         print(f"  {nodes:4d} nodes: median log2 {s['median_log2']:+.3f} ({s['rows']} rows)")
     print(f"MAPE {report['mape_pct']:.1f}%; targets: {report['targets']}")
+    held_out = report.get("independent")
+    if held_out:
+        print(f"independent ({held_out['source']}): {len(held_out['entries'])} entries, "
+              f"median |log2| {held_out.get('median_abs_log2', float('nan')):.3f}, "
+              f"within 1.5x {held_out.get('within_1_5x_share', 0):.0%}")
+        for name in ("by_gpu", "by_nodes", "by_family"):
+            for key, s in held_out[name].items():
+                print(f"  {name[3:]} {key}: {s['rows']} rows, median log2 {s['median_log2']:+.3f}, "
+                      f"median |log2| {s['median_abs_log2']:.3f}, within 1.5x {s['within_1_5x_share']:.0%}")
+        print(f"  spearman: {held_out['spearman_by_family']}; refused measured: {len(held_out['refused_measured'])}; "
+              f"failed entries refused: {held_out['failed_refused']}/{held_out['failed_entries']}")
+        print(f"  testbed links: { {g: round(v['nic_bw'] / 1e9, 2) for g, v in held_out['testbed_links'].items()} } GB/s "
+              f"per node; with the datasheets' instead: median |log2| {held_out['datasheet_links']['median_abs_log2']:.3f}")
 
 
 if __name__ == "__main__":

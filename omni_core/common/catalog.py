@@ -3,7 +3,8 @@
 Peaks are dense (no 2:4 sparsity) datasheet figures (TF32 too: the datasheets' "TF32 tensor core" line
 without sparsity); what a training step reaches of them is the
 `Efficiency` of the cost model, corrected per device by the micro-profile (`calibrate.py`). Link figures
-are per GPU and per direction. Latencies (alpha of the alpha-beta model) are typical NCCL per-hop
+are per direction: inside a node per GPU, across nodes per node (all of a node's NICs together, which its
+GPUs share: a 100 Gb/s NIC is 12.5 GB/s for the whole node). Latencies (alpha of the alpha-beta model) are typical NCCL per-hop
 latencies (nccl-tests on NVLink ~ 3-5 us, PCIe ~ 10 us, InfiniBand ~ 5-10 us), not datasheet values.
 Recipes add or override types through `estimate.gpus` (see `GpuCatalog.with_overrides`).
 """
@@ -31,7 +32,7 @@ class GpuSpec:
     intra_link: str  # "nvlink3", "pcie4", ... (for humans)
     intra_bw: float  # bytes/s per GPU per direction inside a node
     intra_lat: float  # seconds per collective step inside a node
-    inter_bw: float  # bytes/s per GPU per direction across nodes
+    nic_bw: float  # bytes/s per direction across nodes, per node: all its NICs, shared by its GPUs
     inter_lat: float
     source: str = ""
     reserved_gb: float = 2.0  # context, allocator fragmentation and workspaces, never available to tensors
@@ -57,9 +58,9 @@ class GpuSpec:
 _NVLINK3 = {"intra_link": "nvlink3", "intra_bw": 300 * GBps, "intra_lat": 5e-6}  # A100: 600 GB/s bidirectional
 _NVLINK4 = {"intra_link": "nvlink4", "intra_bw": 450 * GBps, "intra_lat": 4e-6}  # H100/H200: 900 GB/s bidirectional
 _PCIE4 = {"intra_link": "pcie4", "intra_bw": 25 * GBps, "intra_lat": 10e-6}  # x16: 32 GB/s/dir theoretical, ~25 achieved
-_HDR_IB = {"inter_bw": 25 * GBps, "inter_lat": 8e-6}  # 200 Gb/s HDR InfiniBand per GPU
-_NDR_IB = {"inter_bw": 50 * GBps, "inter_lat": 8e-6}  # 400 Gb/s NDR InfiniBand per GPU
-_ETH100 = {"inter_bw": 12.5 * GBps, "inter_lat": 15e-6}  # 100 Gb/s Ethernet/EDR per node (PCIe servers)
+_HDR_IB = {"nic_bw": 8 * 25 * GBps, "inter_lat": 8e-6}  # DGX/HGX A100: 8 x 200 Gb/s HDR InfiniBand per node
+_NDR_IB = {"nic_bw": 8 * 50 * GBps, "inter_lat": 8e-6}  # DGX/HGX H100, H200: 8 x 400 Gb/s NDR InfiniBand per node
+_ETH100 = {"nic_bw": 12.5 * GBps, "inter_lat": 15e-6}  # PCIe servers: one 100 Gb/s Ethernet NIC per node
 
 BUILTIN: dict[str, GpuSpec] = {
     spec.name: spec
@@ -81,9 +82,9 @@ BUILTIN: dict[str, GpuSpec] = {
                 "NVLink4 900 GB/s",
                 tf32_flops=494.7 * TFLOPS),
         GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 32, 900 * GBps, 8, intra_link="nvlink2",
-                intra_bw=150 * GBps, intra_lat=6e-6, inter_bw=12.5 * GBps, inter_lat=10e-6,
+                intra_bw=150 * GBps, intra_lat=6e-6, nic_bw=4 * 12.5 * GBps, inter_lat=10e-6,
                 source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
-                "NVLink2 300 GB/s; no bf16; 100 Gb/s EDR IB per GPU"),
+                "NVLink2 300 GB/s; no bf16; DGX-1: 4 x 100 Gb/s EDR IB per node"),
         GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
                 "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
@@ -110,7 +111,7 @@ BUILTIN: dict[str, GpuSpec] = {
         # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real
         # ones. Ranks are processes, "links" are gloo over loopback shared memory.
         GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,
-                intra_link="gloo-loopback", intra_bw=1 * GBps, intra_lat=50e-6, inter_bw=0.1 * GBps,
+                intra_link="gloo-loopback", intra_bw=1 * GBps, intra_lat=50e-6, nic_bw=0.1 * GBps,
                 inter_lat=1e-3, reserved_gb=4.0,
                 source="placeholder; replaced by the on-device micro-profile (omni_core.measure.calibrate)"),
     )
@@ -138,7 +139,7 @@ class GpuCatalog(Mapping[str, GpuSpec]):
         return len(self._specs)
 
     def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]]) -> GpuCatalog:
-        """A catalogue with types added or fields changed, e.g. {"a100": {"inter_bw": 50e9}} or a new
+        """A catalogue with types added or fields changed, e.g. {"a100": {"nic_bw": 4e11}} or a new
         type with every field; unknown fields are refused by name."""
         known = {f.name for f in fields(GpuSpec)}
         specs = dict(self._specs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,14 @@ def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
     stored = json.loads(path.read_text())
     eff = stored["efficiency"]
     eff["collectives"] = tuple(tuple(c) for c in eff.get("collectives", ()))
-    return GpuSpec(**stored["spec"]), Efficiency(**eff)
+    spec = stored["spec"]
+    if "inter_bw" in spec:  # stored before links across nodes were per node: it was each GPU's share of one
+        spec["nic_bw"] = spec.pop("inter_bw") * spec["gpus_per_node"]
+    unknown = set(spec) - {f.name for f in fields(GpuSpec)}
+    if unknown:
+        raise ValueError(f"{path}: spec.{sorted(unknown)[0]} is not a GpuSpec field; calibrate again "
+                         f"(python -m omni_core.measure.calibrate {device})")
+    return GpuSpec(**spec), Efficiency(**eff)
 
 
 def calibrated(gpu: GpuSpec) -> tuple[GpuSpec, Efficiency]:

@@ -2,13 +2,17 @@
 
 A collective over n ranks takes latency steps x the link's latency plus the share of the buffer each rank
 moves over the link's bandwidth (ring algorithms, `ring_volume`). A group whose ranks lie within one node
-uses the intra-node link, otherwise the inter-node one; the calibration's per-kind factors
+uses the intra-node link. A group across nodes gets the nodes' NICs' share of its ranks: the node's GPUs
+all run the same collective at once (SPMD), so a group with g of a node's k ranks gets g/k of the NICs'
+bandwidth (a ring through the node carries its traffic over them), never more than the intra-node link;
+the calibration's per-kind factors
 (`Efficiency.collectives`, e.g. gloo's all-to-all) scale the link's all-reduce figures. It knows links and
 ranks only, nothing of plans, so the calibration (`omni_core.measure.calibrate`) fits its figures with it.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from omni_core.common.catalog import GpuSpec
@@ -45,21 +49,28 @@ def kind_scales(collectives: tuple[tuple[str, float, float], ...]) -> dict[str, 
 class Network:
     """Collective times on one Cell: the link by the group's span (intra- or inter-node), per-kind factors."""
 
-    __slots__ = ("inter", "intra", "per_node", "scales")
+    __slots__ = ("inter_lat", "intra", "nic_bw", "per_node", "scales")
 
     def __init__(self, gpu: GpuSpec, gpus_per_node: int, link: float = 1.0,
                  collectives: tuple[tuple[str, float, float], ...] = ()):
         """`link`: the share of the links' bandwidth collectives reach (`Efficiency.link`); `collectives`:
         per-kind (kind, latency, bandwidth) multipliers (`Efficiency.collectives`)."""
         self.intra = (gpu.intra_bw * link, gpu.intra_lat)
-        self.inter = (gpu.inter_bw * link, gpu.inter_lat)
+        self.nic_bw, self.inter_lat = gpu.nic_bw * link, gpu.inter_lat
         self.per_node = gpus_per_node
         self.scales = kind_scales(collectives)
 
     def time(self, kind: str, nbytes: float, n: int, span: int, calls: float = 1.0) -> float:
-        """`calls` collectives of `kind` over n ranks lying within `span` consecutive ranks."""
+        """`calls` collectives of `kind` over n ranks lying within `span` consecutive ranks (evenly spaced)."""
         if n <= 1 and kind != "p2p":
             return 0.0
-        bw, lat = self.intra if span <= self.per_node else self.inter
+        bw, lat = self.intra if span <= self.per_node else self.across_nodes(n, span)
         lat_scale, bw_scale = self.scales.get(kind, _UNSCALED)
         return collective_time(kind, nbytes, n, bw * bw_scale, lat * lat_scale, calls)
+
+    def across_nodes(self, n: int, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of n ranks spread over the nodes its `span` covers: its share of
+        each node's NICs (its ranks there over the node's ranks), at most the intra-node link."""
+        nodes = math.ceil(span / self.per_node)
+        ranks_here = math.ceil(n / nodes)
+        return min(self.intra[0], self.nic_bw * ranks_here / self.per_node), self.inter_lat

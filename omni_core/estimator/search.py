@@ -3,7 +3,7 @@
 A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
 DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
 size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
-checkpointing (only for plans that fit no micro-batch without it) and, for MLLMs, the encoders' half of the
+checkpointing (with and without, unless the job fixes it) and, for MLLMs, the encoders' half of the
 plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP group with its long-item
 threshold and replicated or FSDP weights, `disaggregated` also how many ranks the encoders get); it drops
 plans that do not fit memory and plans the runtime would refuse (the plan object's `check_model`, the pipeline
@@ -131,12 +131,13 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
         sizes = [mb for mb in powers_of_two(min(local, max_micro_batch)) if local % mb == 0]
         # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
         # try them from 1 up until memory runs out or the step gets slower. Without, the largest that fits is
-        # fastest (per-op costs amortise): try from the top down. Checkpointing only costs time: tried only
-        # when nothing fits without it.
+        # fastest (per-op costs amortise): try from the top down. Checkpointing is searched like the rest (it
+        # costs a forward but can fit a larger micro-batch) unless the job fixes it (`Workload.recompute`).
         descending = plan.pp == 1
         variants = [replace(plan, encoders=e) for e in encoders]
         options: list[Estimate] = []
-        for checkpoint in (False, True):
+        for checkpoint in ((False, True) if workload.recompute is None else (workload.recompute,)):
+            tried: list[Estimate] = []
             for mb in (sizes[::-1] if descending else sizes):
                 # an encoder half the runtime refuses (sharded weights) only where no replicated one fits
                 est = min((estimate_step(workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node,
@@ -148,14 +149,14 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
                     if descending:
                         continue
                     break
-                if options and est.step_time_s > options[-1].step_time_s:
+                if tried and est.step_time_s > tried[-1].step_time_s:
                     break  # past the best micro-batch: bubbles shrink no more than per-micro-batch costs grow
-                options.append(est)
-                if checkpoint or descending:
+                tried.append(est)
+                if descending:
                     break
-            if options:
-                fits.append(min(options, key=lambda e: e.step_time_s))  # one entry per plan
-                break
+            options += tried
+        if options:
+            fits.append(min(options, key=lambda e: e.step_time_s))  # one entry per plan
     fits.sort(key=lambda e: e.step_time_s)
     return fits, ("" if fits else (closest.reason if closest else NO_PLAN))
 

@@ -216,42 +216,49 @@ def rank_params(terms: PlanTerms, st: Sums) -> tuple[float, float]:
             st.expert_params / (terms.plan.ep * (tp if eff.split_encoders_experts else 1)))
 
 
-def exposed_dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, span: int, calls: float) -> float:
-    """A data-parallel collective's latency (per unit and call: it waits for every rank) and the share of its
-    volume not hidden behind compute (`dp_overlap`)."""
+def dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, span: int, calls: float) -> tuple[float, float]:
+    """A data-parallel collective's (latency, volume) seconds: its latency per unit and call (it waits for
+    every rank), and the time its bytes take, of which compute can hide `dp_overlap`."""
     latency = terms.net.time(kind, 0.0, ranks, span, calls)
-    return latency + (1 - terms.eff.dp_overlap) * (terms.net.time(kind, nbytes, ranks, span, calls) - latency)
+    return latency, terms.net.time(kind, nbytes, ranks, span, calls) - latency
+
+
+def exposed_dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, span: int, calls: float) -> float:
+    """A data-parallel collective's latency and the share of its volume not hidden (`dp_overlap`)."""
+    latency, volume = dp_seconds(terms, kind, nbytes, ranks, span, calls)
+    return latency + (1 - terms.eff.dp_overlap) * volume
 
 
 def fsdp_seconds(terms: PlanTerms, params: float, units: float, tensors: float, expert_params: float,
-                 expert_units: float) -> tuple[float, float]:
-    """(per micro-batch, per step) seconds of FSDP over a rank's units: each unit's wrapper (hooks, copies)
-    and its collectives: the parameter all-gathers (forward and backward) per micro-batch, the gradients'
-    reduce-scatter (+ HSDP all-reduce) once per step, after the last micro-batch. Experts under EP form
-    their own units, sharded over `expert_shards`."""
+                 expert_units: float) -> tuple[float, tuple[float, float]]:
+    """(per micro-batch seconds, (latency, volume) per step) of FSDP over a rank's units: each unit's wrapper
+    (hooks, copies) and its collectives: the parameter all-gathers (forward and backward) per micro-batch,
+    the gradients' reduce-scatter (+ HSDP all-reduce) once per step, in the last micro-batch's backward.
+    Experts under EP form their own units, sharded over `expert_shards`."""
     if not terms.fsdp:
-        return 0.0, 0.0
+        return 0.0, (0.0, 0.0)
     plan, eff, wbytes = terms.plan, terms.eff, terms.weight_bytes
     shards, span = terms.shards, terms.rank_span
     all_units = units + expert_units
     gather = 2 * exposed_dp_seconds(terms, "all_gather", params * wbytes, shards, span, units)
-    reduce = (exposed_dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units)
-              + exposed_dp_seconds(terms, "all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
-                                   span * plan.dp_replicate, all_units))
+    reduces = [dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units),
+               dp_seconds(terms, "all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
+                          span * plan.dp_replicate, all_units)]
     if expert_units:
         experts = terms.expert_shards
         gather += 2 * exposed_dp_seconds(terms, "all_gather", expert_params * wbytes, experts, span, expert_units)
-        reduce += exposed_dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span,
-                                     expert_units)
+        reduces.append(dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span,
+                                  expert_units))
+    reduce = (sum(latency for latency, _ in reduces), sum(volume for _, volume in reduces))
     return all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s + gather, reduce
 
 
 def optimizer_seconds(terms: PlanTerms, params: float, tensors: float) -> float:
-    """AdamW and the gradient norm over a rank's parameters: per tensor (plain, or DTensor when sharded by
-    FSDP or TP) and per byte."""
+    """The optimizer's update and the gradient norm over a rank's parameters: per tensor (plain, or DTensor
+    when sharded by FSDP or TP) and per byte."""
     eff = terms.eff
     per_tensor = eff.dtensor_s if terms.fsdp or terms.plan.tp > 1 else eff.tensor_s
-    return tensors * per_tensor + params * eff.optimizer_bytes_per_param / terms.mem_rate
+    return tensors * per_tensor + params * terms.optimizer_traffic / terms.mem_rate
 
 
 def param_group_seconds(terms: PlanTerms) -> float:
@@ -262,9 +269,9 @@ def param_group_seconds(terms: PlanTerms) -> float:
     return 2 * (1 + (plan.tp > 1) + (plan.ep > 1)) * (eff.dtensor_group_s if sharded else eff.tensor_group_s)
 
 
-def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[float, float, float]:
-    """(FSDP per micro-batch, FSDP per step, optimizer per step) of a stage's weights; stage 0 (`first`) also
-    holds the root FSDP unit."""
+def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[float, tuple[float, float], float]:
+    """(FSDP per micro-batch, FSDP's gradient reduction per step as (latency, volume), optimizer per step) of a
+    stage's weights; stage 0 (`first`) also holds the root FSDP unit."""
     ep = terms.plan.ep
     dense_params, expert_params = rank_params(terms, st)
     expert_units = st.moe_layers * st.routed_experts / ep if ep > 1 else 0.0
@@ -285,7 +292,10 @@ def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: b
     comm = collectives_seconds(terms, ring, st)
     wrappers = st.tp_modules * terms.eff.tp_module_s if terms.plan.tp > 1 else 0.0
     send = send_seconds(terms, st)
-    fsdp_micro_batch, fsdp_step, optimizer = weights_seconds(terms, st, first)
+    fsdp_micro_batch, (reduce_latency, reduce_volume), optimizer = weights_seconds(terms, st, first)
+    # the gradients are reduced during the last micro-batch's backward: at most that much of them is hidden
+    backward = compute * (terms.passes - 1) / terms.passes
+    fsdp_step = reduce_latency + reduce_volume - min(terms.eff.dp_overlap * reduce_volume, backward)
     if extra is not None:
         compute += extra.compute
         host += extra.host

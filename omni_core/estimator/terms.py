@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.communication import Network
-from omni_core.estimator.workloads import BYTES, Workload
+from omni_core.estimator.workloads import BYTES, OPTIMIZERS, Workload
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class Efficiency:
     attention_full: bool = False  # attention computes whole score matrices (no causal skipping): CPU SDPA
     step_overhead_s: float = 0.0  # host work per step not in the model (data loading, bookkeeping)
     optimizer_bytes_per_param: float = 36.0  # fused AdamW: read p, g, m, v (fp32), write p, m, v, bf16 copy
-    dp_overlap: float = 0.8  # share of DP gradient traffic hidden behind backward (0: the CPU runtime's)
+    # share of DP gradient traffic hidden behind backward (0: the CPU runtime's); at most the backward of the
+    # step's last micro-batch, during which the gradients are reduced (`stage.price_stage`)
+    dp_overlap: float = 0.8
     tp_overlap: float = 0.0  # share of TP collectives hidden
     ep_overlap: float = 0.0
     cp_overlap: float = 0.5  # ring CP: share of the K/V passing hidden behind block attention
@@ -112,7 +114,8 @@ class PlanTerms:
     recompute: float  # 1 with activation checkpointing (one more forward in backward), else 0
     passes: float  # forward, backward (2x), recomputed forward: in forward-pass units
     weight_bytes: int  # bytes per weight at the workload's precision
-    state_bytes: float  # model-state bytes per parameter: weights, gradients, AdamW (+ fp32 master copy)
+    state_bytes: float  # model-state bytes per parameter: weights, gradients, optimizer (+ fp32 master copy)
+    optimizer_traffic: float  # bytes the optimizer's update streams per parameter
     shards: int  # FSDP shards model states over dp_shard x cp; dp_replicate copies them
     fsdp: bool  # the runtime wraps every block in FSDP (HSDP) whenever there is more than one replica
     expert_shards: int  # the experts' own FSDP group: the ranks with the same EP index
@@ -131,6 +134,7 @@ class PlanTerms:
         split = plan.tp * plan.cp
         recompute = 1.0 if options.checkpoint else 0.0
         weight_bytes = BYTES[workload.precision]
+        optimizer_states, traffic = OPTIMIZERS[workload.optimizer]
         shards = plan.dp_shard * plan.cp
         return cls(
             workload=workload, gpu=gpu, plan=plan, options=options, eff=eff,
@@ -138,7 +142,8 @@ class PlanTerms:
             micro_batches=workload.global_batch // (plan.dp * options.micro_batch),
             mm_rate=peak * eff.matmul, attn_rate=peak * eff.attention, mem_rate=gpu.mem_bw * eff.memory,
             split=split, recompute=recompute, passes=3.0 + recompute, weight_bytes=weight_bytes,
-            state_bytes=weight_bytes + eff.grad_bytes + (12.0 if weight_bytes == 2 else 8.0),
+            state_bytes=weight_bytes + eff.grad_bytes + optimizer_states + (4.0 if weight_bytes == 2 else 0.0),
+            optimizer_traffic=eff.optimizer_bytes_per_param * traffic,
             shards=shards, fsdp=plan.dp * plan.cp > 1, expert_shards=max(1, shards // plan.ep),
             tokens=workload.tokens_per_sample * options.micro_batch, rank_span=split * plan.dp_shard,
             ep_split=split if eff.split_encoders_experts else plan.cp, bubble_ranks=plan.world_size // plan.pp + 1,

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
     from omni_core.data.profile import DatasetProfile
     from omni_core.models.args import OmniModelArgs
 
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}  # tf32: fp32 tensors, matmuls on TF32 tensor cores
+# Optimizer states per parameter (fp32), beside the weights, their gradients and (for 2-byte weights) an fp32
+# master copy; and the bytes its update streams per parameter relative to AdamW's (`Efficiency.
+# optimizer_bytes_per_param` is AdamW's): AdamW reads p, g, m, v and writes p, m, v; SGD with momentum reads
+# p, g, m and writes p, m; Adafactor (optax's default: no momentum, factored second moments of rows and
+# columns) reads p, g and writes p.
+OPTIMIZERS = {"adamw": (8.0, 1.0), "sgd": (4.0, 5 / 7), "adafactor": (0.0, 3 / 7)}
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class Workload:
     items: EncoderItems = EncoderItems()
     head_dim: int = 0  # the LLM's (ring attention's tiles)
     doc_span: float = 0.0  # E[L^2] / E[L] of the LLM's documents: the length of the one a random token is in
+    optimizer: str = "adamw"  # a key of OPTIMIZERS: its states are part of the job's memory and its step
+    recompute: bool | None = None  # activation recomputation the job fixes (True / False); None: searched
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # stage partitions and sums by pp
 
     @property
@@ -136,11 +144,14 @@ BLOCK_TP_MODULES, MOE_TP_MODULES = 11, 8  # norms, attention input, q/k/v/o, FFN
 def transformer_block(
     name: str, *, dim: int, heads: int, kv_heads: int, ffn: int, tokens: float, sum_sq: float, docs: float,
     causal: bool, gated: bool, bias: bool, dtype_bytes: int = 2, experts: int = 0, top_k: int = 1,
-    shared_expert: bool = False,
+    shared_expert: bool = False, expert_group: int = 0,
 ) -> Layer:
     """A pre-norm attention + MLP block over `tokens` per sample, `docs` documents whose squared lengths
     sum to `sum_sq`. MoE: `experts` routed FFNs, `top_k` of them per token (GShard: 2), plus an optional
-    shared FFN every token goes through."""
+    shared FFN every token goes through. `expert_group` > 0: GShard's dense dispatch (Alpa's MoE layer), which
+    routes groups of that many tokens by einsums with one-hot [group, experts, capacity] masks at capacity
+    top_k x group / experts: dispatch and combine each cost 2 x top_k x group x dim FLOPs per token, and the
+    masks' elements are activations (0: index-based routing, the runtime's, whose cost is its operators)."""
     head_dim = dim // heads
     attn_params = dim * (heads + 2 * kv_heads) * head_dim + heads * head_dim * dim
     mats = 3 if gated else 2
@@ -159,18 +170,20 @@ def transformer_block(
         ops = BLOCK_OPS if gated else ENCODER_BLOCK_OPS
     # matmul operands per token: q/k/v/o in and out, each FFN matrix's in and out (x routes), the router
     io_per_token = 4 * dim + 2 * (heads + kv_heads) * head_dim + routes * mats * (dim + ffn) + (dim + experts)
+    dispatch = 2 * 2 * top_k * expert_group * dim if experts else 0.0  # einsum dispatch + combine, per token
+    masks = 2 * top_k * expert_group if experts else 0.0  # the dispatch and combine masks' elements per token
     return Layer(
         name=name,
         params=attn_params + ffn_params * ffns + bias_params + norm_params + router,
-        flops=2 * tokens * (attn_params + ffn_params * routes + router),
+        flops=2 * tokens * (attn_params + ffn_params * routes + router) + tokens * dispatch,
         attn_flops=4 * head_dim * heads * attn_pairs,
         attn_scores=heads * sum_sq,
         causal=causal,
         mm_bytes=b * tokens * io_per_token, mm_weight_bytes=b * (attn_params + ffn_params * ffns + router),
         # Korthikanti et al. 2022 (flash attention: no s^2 term): inputs of each matmul, norm and activation
-        act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * routes),
+        act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * routes + masks),
         out_bytes=b * tokens * dim,
-        mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * routes),
+        mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * routes + 2 * masks),
         tp_bytes=2 * b * tokens * dim,  # all-gather + reduce-scatter around attention and around the FFN
         a2a_bytes=b * tokens * dim * top_k if experts else 0.0,
         expert_params=ffn_params * experts,
@@ -182,7 +195,7 @@ def transformer_block(
         tp_modules=MOE_TP_MODULES if experts else BLOCK_TP_MODULES,
         expert_ops=EXPERT_OPS * experts,
         expert_tensors=mats * experts,
-        expert_flops=2 * tokens * (ffn_params * routes + router) if experts else 0.0,
+        expert_flops=2 * tokens * (ffn_params * routes + router) + tokens * dispatch if experts else 0.0,
     )
 
 
@@ -207,23 +220,29 @@ def transformer(
     name: str, *, n_layers: int, dim: int, heads: int, vocab: int, seq_len: int, global_batch: int,
     kv_heads: int | None = None, ffn: int | None = None, gated: bool = False, bias: bool = True,
     experts: int = 0, top_k: int = 2, doc_len: float | None = None, precision: str = "bf16", tied: bool = False,
+    moe_every: int = 1, expert_group: int = 0, optimizer: str = "adamw", recompute: bool | None = None,
 ) -> Workload:
     """A decoder-only LM (GPT with `gated=False, bias=True`; Llama with `gated=True, bias=False`), dense or
-    MoE (`experts` > 0: every block's FFN is a mixture, as in the Alpa/Crius `moe__*` models). Samples are
-    sequences of `seq_len` tokens made of documents of `doc_len` (default: one document per sequence)."""
+    MoE (`experts` > 0: the FFN of every `moe_every`-th block, from the first, is a mixture; the Alpa/Crius
+    `moe__*` models alternate, with GShard's einsum dispatch over `expert_group` tokens). Samples are
+    sequences of `seq_len` tokens made of documents of `doc_len` (default: one document per sequence);
+    `optimizer` and `recompute` as the job fixes them (`Workload`)."""
     kv_heads = kv_heads or heads
     ffn = ffn or 4 * dim
     doc_len = min(doc_len or seq_len, seq_len)
     docs = seq_len / doc_len
     b = BYTES[precision]
-    block = transformer_block(
-        "block", dim=dim, heads=heads, kv_heads=kv_heads, ffn=ffn, tokens=seq_len, sum_sq=docs * doc_len**2,
-        docs=docs, causal=True, gated=gated, bias=bias, dtype_bytes=b, experts=experts, top_k=top_k,
-    )
-    layers = (embedding("embed", vocab, dim, seq_len, b), *([block] * n_layers), lm_head("head", vocab, dim, seq_len, tied, b))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"{name}: optimizer={optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    common = dict(dim=dim, heads=heads, kv_heads=kv_heads, ffn=ffn, tokens=seq_len, sum_sq=docs * doc_len**2,
+                  docs=docs, causal=True, gated=gated, bias=bias, dtype_bytes=b)
+    block = transformer_block("block", **common, experts=experts, top_k=top_k, expert_group=expert_group)
+    dense = transformer_block("block", **common) if experts and moe_every > 1 else block
+    blocks = [block if i % moe_every == 0 else dense for i in range(n_layers)]
+    layers = (embedding("embed", vocab, dim, seq_len, b), *blocks, lm_head("head", vocab, dim, seq_len, tied, b))
     shape = ModelShape(n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, num_experts=experts, seq_len=seq_len)
     return Workload(name, layers, global_batch, shape, precision=precision, tokens_per_sample=seq_len,
-                    head_dim=dim // heads, doc_span=doc_len)
+                    head_dim=dim // heads, doc_span=doc_len, optimizer=optimizer, recompute=recompute)
 
 
 def vit(name: str, *, n_layers: int, dim: int, heads: int, patches: float, sum_sq: float, images: float,
@@ -256,7 +275,8 @@ def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, 
 
 
 def wide_resnet(name: str, *, depth: int, base_channels: int, width_factor: int, global_batch: int,
-                image: int = 224, classes: int = 1024, precision: str = "fp32") -> Workload:
+                image: int = 224, classes: int = 1024, precision: str = "fp32", optimizer: str = "sgd",
+                recompute: bool | None = None) -> Workload:
     """Alpa's Wide-ResNet (alpa/model/wide_resnet.py): a 7x7 stem, bottleneck blocks with 1x1 (f),
     3x3 (f * width_factor), 1x1 (4f) convolutions and a projection on each stage's first block; f doubles
     per stage. One pipeline layer per residual block; the convolutions are data/pipeline parallel only."""
@@ -292,12 +312,17 @@ def wide_resnet(name: str, *, depth: int, base_channels: int, width_factor: int,
                         mem_bytes=b * cin * side**2, ops=4))
     # n_heads=1: the plan object then refuses tp > 1 (convolutions are not tensor-parallel here)
     shape = ModelShape(n_layers=len(layers), n_heads=1, n_kv_heads=1)
-    return Workload(name, tuple(layers), global_batch, shape, precision=precision)
+    return Workload(name, tuple(layers), global_batch, shape, precision=precision, optimizer=optimizer,
+                    recompute=recompute)
 
 
 # --- the Crius trace's models --------------------------------------------------------------------------
 
-# Alpa benchmark suite shapes (README of shared/data): (hidden, layers, heads) and MoE (hidden, layers, experts)
+# Alpa benchmark suite shapes (README of shared/data): (hidden, layers, heads) and MoE (hidden, layers, experts).
+# The jobs are Alpa's benchmark cases (alpa/benchmark/alpa): GPT in fp16 with AdamW; MoE in fp16 with
+# Adafactor, 16 heads, FFN 8 x hidden, every other layer a GShard MoE over expert groups of 2,048 tokens
+# (suite_*_moe.py, alpa/model/moe.py); Wide-ResNet in fp32 with SGD + momentum, which XLA runs on TF32 tensor
+# cores where the GPU has them (JAX's default matmul precision); all with rematerialisation (use_remat=True).
 GPT_SPECS = {"760M": (1536, 24, 16), "1.3B": (2048, 24, 32), "2.6B": (2560, 32, 32), "6.7B": (4096, 32, 32),
              "15B": (5120, 48, 40), "39B": (8192, 48, 64)}
 MOE_SPECS = {"690M": (768, 8, 16), "1.3B": (768, 16, 16), "2.4B": (1024, 16, 16), "10B": (1536, 16, 32),
@@ -321,13 +346,15 @@ def trace_workload(model: str, global_batch: int) -> Workload:
     if family in ("bert", "gpt"):
         dim, layers, heads = specs[size]
         return transformer(model, n_layers=layers, dim=dim, heads=heads, vocab=51200, seq_len=1024,
-                           global_batch=global_batch, tied=True)
+                           global_batch=global_batch, tied=True, precision="fp16", recompute=True)
     if family == "moe":
         dim, layers, experts = specs[size]
-        return transformer(model, n_layers=layers, dim=dim, heads=dim // 64, vocab=32000, seq_len=1024,
-                           global_batch=global_batch, experts=experts, top_k=2)
+        return transformer(model, n_layers=layers, dim=dim, heads=16, vocab=32000, seq_len=1024,
+                           global_batch=global_batch, experts=experts, top_k=2, ffn=8 * dim, moe_every=2,
+                           expert_group=2048, precision="fp16", optimizer="adafactor", recompute=True, tied=True)
     depth, channels, width = specs[size]
-    return wide_resnet(model, depth=depth, base_channels=channels, width_factor=width, global_batch=global_batch)
+    return wide_resnet(model, depth=depth, base_channels=channels, width_factor=width, global_batch=global_batch,
+                       recompute=True)
 
 
 # --- OmniModel flavors on profiled data ----------------------------------------------------------------

@@ -423,7 +423,7 @@ class EstimateConfig(Strict):
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision of the recipe's model")
     gpus: dict[str, dict[str, StrictFloat]] = Field(
         default_factory=dict,
-        description="GPU catalogue overrides or new types, e.g. {a100: {inter_bw: 5.0e10}} (fields of GpuSpec)",
+        description="GPU catalogue overrides or new types, e.g. {a100: {nic_bw: 4.0e11}} (fields of GpuSpec)",
     )
     validation: Literal["quick", "full"] = Field(
         "quick", description="`omni validate`: 10 plans in one round (~2 min) or 30 plans in three rounds (~20 min)"

@@ -71,7 +71,7 @@ def test_checkpointing_cuts_activation_memory_and_costs_time():
 
 def test_faster_links_never_increase_step_time():
     w = trace_workload("moe__10B", 512)
-    slow, fast = A100, replace(A100, intra_bw=A100.intra_bw * 4, inter_bw=A100.inter_bw * 4)
+    slow, fast = A100, replace(A100, intra_bw=A100.intra_bw * 4, nic_bw=A100.nic_bw * 4)
     for pp in (1, 2, 4):
         for plan in candidate_plans(w, 32, 4, pp):
             for options in (Options(1), Options(2, checkpoint=True)):
@@ -136,8 +136,8 @@ def test_oracle_protocol_memoises_and_answers_none_when_nothing_fits():
 
 
 def test_catalog_overrides_name_unknown_fields_and_need_full_new_types():
-    faster = CATALOG.with_overrides({"a100": {"inter_bw": 1e11}})
-    assert faster["a100"].inter_bw == 1e11 and CATALOG["a100"].inter_bw != 1e11
+    faster = CATALOG.with_overrides({"a100": {"nic_bw": 1e12}})
+    assert faster["a100"].nic_bw == 1e12 and CATALOG["a100"].nic_bw != 1e12
     with pytest.raises(ValueError, match="estimate.gpus.a100: unknown field.*nvlink"):
         CATALOG.with_overrides({"a100": {"nvlink": 1.0}})
     with pytest.raises(ValueError, match="estimate.gpus.b200: a new GPU type needs"):

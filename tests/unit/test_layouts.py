@@ -85,7 +85,7 @@ def test_the_chosen_plan_carries_lssp_as_an_encoder_spec_and_cell_rows_round_tri
 
 def test_disaggregated_is_priced_through_the_plan():
     """The LLM's plan on its ranks and the encoders on theirs side by side, plus the embeddings' handoff."""
-    gpu = replace(H100, inter_bw=50e9)
+    gpu = H100
     w = paper_workload("A", 0.5)
     plan = ParallelPlan.parse("dp4x2-tp2-cp2u+disagg32")
     plan.check_world(64)

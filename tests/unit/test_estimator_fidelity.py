@@ -1,0 +1,142 @@
+"""Estimator fidelity on GPU clusters: NICs shared per node, the DP overlap bounded by the backward that hides
+it, optimizer states, MoE layouts, recomputation as a choice, stale calibrations, and the published-table
+benchmark's keys (issue #20)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from omni_core.common.catalog import GpuCatalog
+from omni_core.common.plan import ParallelPlan
+from omni_core.estimator.communication import Network, collective_time
+from omni_core.estimator.cost import Efficiency, Options, estimate_step
+from omni_core.estimator.search import search_cell
+from omni_core.estimator.workloads import trace_workload, transformer
+
+CATALOG = GpuCatalog()
+A100, A40 = CATALOG["a100"], CATALOG["a40"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_group_across_nodes_gets_its_share_of_each_nodes_nics():
+    net = Network(A100, 8)
+    nbytes = 1e9
+    one_per_node = net.time("all_reduce", nbytes, 2, 16)  # TP 8 inside, DP 2 across: 8 such groups per node
+    assert one_per_node == pytest.approx(collective_time("all_reduce", nbytes, 2, A100.nic_bw / 8, A100.inter_lat))
+    whole_nodes = net.time("all_reduce", nbytes, 16, 16)  # one group holds every rank of both nodes
+    assert whole_nodes == pytest.approx(collective_time("all_reduce", nbytes, 16, min(A100.intra_bw, A100.nic_bw),
+                                                        A100.inter_lat))
+    # a PCIe server's one NIC: two GPUs of a node that talk across nodes at once share its 12.5 GB/s
+    pcie = Network(A40, 2)
+    assert pcie.time("all_reduce", nbytes, 2, 4) == pytest.approx(
+        collective_time("all_reduce", nbytes, 2, A40.nic_bw / 2, A40.inter_lat))
+
+
+def test_dp_traffic_is_hidden_only_behind_the_last_micro_batchs_backward():
+    """With every byte overlappable, a step still pays what the last backward cannot cover: slower NICs cost
+    time (before, `dp_overlap=1` hid any volume)."""
+    w = transformer("t", n_layers=4, dim=2048, heads=16, vocab=32000, seq_len=256, global_batch=16)
+    eff = Efficiency(dp_overlap=1.0)
+    plan = ParallelPlan(dp_replicate=2, dp_shard=8)
+    fast = estimate_step(w, A100, plan, Options(1), gpus_per_node=8, eff=eff)
+    slow = estimate_step(w, replace(A100, nic_bw=A100.nic_bw / 100), plan, Options(1), gpus_per_node=8, eff=eff)
+    assert fast.fits and slow.step_time_s > fast.step_time_s * 1.5
+
+
+@pytest.mark.parametrize("optimizer,state_bytes", [("adamw", 18), ("sgd", 14), ("adafactor", 10)])
+def test_the_jobs_optimizer_sets_its_state_memory(optimizer, state_bytes):
+    # bf16 weights 2 + fp32 gradients 4 + fp32 master 4 + the optimizer's fp32 states (AdamW 8, momentum 4, none)
+    w = transformer("t", n_layers=4, dim=1024, heads=16, vocab=32000, seq_len=1024, global_batch=64,
+                    optimizer=optimizer)
+    est = estimate_step(w, A100, ParallelPlan(dp_shard=4), Options(1), gpus_per_node=8)
+    assert est.breakdown["states_gb"] == pytest.approx(w.params * state_bytes / 4 / 1e9)
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        transformer("t", n_layers=1, dim=64, heads=4, vocab=100, seq_len=8, global_batch=1, optimizer="lamb")
+
+
+def test_moe_every_other_layer_with_gshard_dispatch_matches_alpas_counts():
+    """Alpa's MoE (benchmark/alpa/util.py's parameter and FLOP counts): FFN 8 x hidden, every other layer a
+    mixture, top-2 routing by einsums over expert groups (dispatch + combine 8 x group x hidden per token)."""
+    m, layers, experts, group, seq = 768, 16, 16, 2048, 1024
+    w = transformer("moe", n_layers=layers, dim=m, heads=16, vocab=32000, seq_len=seq, global_batch=8,
+                    experts=experts, top_k=2, ffn=8 * m, moe_every=2, expert_group=group, tied=True)
+    blocks = w.llm[1:-1]
+    assert [bool(b.expert_params) for b in blocks] == [i % 2 == 0 for i in range(layers)]
+    dense, moe = blocks[1], blocks[0]
+    assert moe.flops - dense.flops == pytest.approx(
+        2 * seq * (8 * m * m * 2 * (2 - 1) + m * experts) + seq * 8 * group * m)  # one more FFN route, router, einsums
+    assert w.params == pytest.approx(1.34e9, rel=0.02)  # Alpa's compute_moe_parameter_count for "1.3B"
+    assert trace_workload("moe__1.3B", 256).llm[2].expert_params == 0  # the trace's MoE alternates too
+
+
+def test_recomputation_is_searched_unless_the_job_fixes_it():
+    searched = trace_workload("bert__760M", 128)
+    assert searched.recompute is True  # Alpa's benchmark rematerialises
+    free = replace(searched, recompute=None, cache={})
+    never = replace(searched, recompute=False, cache={})
+    cells = {name: search_cell(w, A100, 2, 2, 1, eff=Efficiency()) for name, w in
+             (("always", searched), ("free", free), ("never", never))}
+    assert cells["always"].best.options.checkpoint and not cells["never"].best.options.checkpoint
+    assert cells["free"].best.step_time_s == pytest.approx(
+        min(cells["always"].best.step_time_s, cells["never"].best.step_time_s))
+
+
+def test_a_calibration_stored_with_per_gpu_links_loads_as_per_node(tmp_path, monkeypatch):
+    from dataclasses import asdict
+
+    from omni_core.estimator.calibration import load_calibration
+
+    monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path))
+    spec = asdict(CATALOG["cpu"])
+    spec["inter_bw"] = spec.pop("nic_bw") / spec["gpus_per_node"]
+    (tmp_path / "cpu.json").write_text(json.dumps({"spec": spec, "efficiency": {}}))
+    loaded, _ = load_calibration("cpu")
+    assert loaded.nic_bw == pytest.approx(CATALOG["cpu"].nic_bw)
+    spec["warp"] = 1
+    (tmp_path / "cpu.json").write_text(json.dumps({"spec": spec, "efficiency": {}}))
+    with pytest.raises(ValueError, match=r"cpu\.json: spec\.warp is not a GpuSpec field"):
+        load_calibration("cpu")
+
+
+@pytest.fixture
+def gpu_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import estimator_gpu_bench
+        yield estimator_gpu_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_published_table_benchmark_writes_its_keys(gpu_bench):
+    report = gpu_bench.run()
+    assert report["sources"] == ["narayanan2021"] and len(report["rows"]) >= 10
+    assert {"by_gpu", "by_nodes", "mape_pct", "within_1_5x_share", "median_abs_log2", "spearman_by_family", "oom",
+            "targets"} <= set(report)
+    assert all(math.isfinite(r["log2_error"]) for r in report["rows"])
+
+
+def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, tmp_path):
+    (tmp_path / "database").mkdir()
+    comm = tmp_path / "runtime" / "jaxpr" / "comm_data"
+    comm.mkdir(parents=True)
+    optimal = {"bert_760M_128": {"1_a100_1_n_2_d": 3.4, "2_a40_2_n_1_d": 7.8, "2_a100_2_n_2_d": -1.0}}
+    (tmp_path / "database" / "prof_database.pkl").write_bytes(pickle.dumps({"optimal": optimal}))
+    # a pair of ranks across two A40 nodes: 1 GB all-reduced in 0.25 s is 4 GB/s of bus bandwidth, one rank
+    # of the node's one: the NIC's 4 GB/s
+    (comm / "2_a40_2_n_1_d_ib.pkl").write_bytes(pickle.dumps(
+        {"('all-reduce', [[0, 1]])": [[(1,), "float32", 1e-4, None], [(250_000_000,), "float32", 0.25, None]]}))
+    report = gpu_bench.independent(tmp_path, GpuCatalog())
+    assert report["testbed_links"]["a40"]["nic_bw"] == pytest.approx(4e9)
+    assert len(report["entries"]) == 2 and report["failed_entries"] == 1
+    assert set(report["by_gpu"]) == {"a100-40gb", "a40"} and "datasheet_links" in report
+    (tmp_path / "database" / "prof_database.pkl").write_bytes(pickle.dumps({"optimal": {"x": Path("/")}}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        gpu_bench.independent(tmp_path, GpuCatalog())

@@ -38,6 +38,10 @@ class GpuSpec:
     reserved_gb: float = 2.0  # context, allocator fragmentation and workspaces, never available to tensors
     cores: int = 0  # compute units a node's ranks share (CPU "devices": cores); 0: each GPU is its own
     tf32_flops: float = 0.0  # dense TF32 tensor-core peak: fp32 matmuls with TF32 allowed (0: none, or unlisted)
+    # GA10x / AD10x SMs: the datasheet's fp32 counts two datapaths, one of them shared with INT32 (NVIDIA's
+    # Ampere GA102 and Ada whitepapers); a kernel's integer work (addresses, loop counters) takes that one,
+    # so plain-fp32 compute is priced at the dedicated datapath's half (`compute_flops`)
+    fp32_shared_datapath: bool = False
 
     def peak_flops(self, precision: str) -> float:
         """Peak matmul FLOP/s at a precision; bf16 falls back to fp16 on GPUs without bf16 (V100), tf32 to
@@ -49,6 +53,13 @@ class GpuSpec:
         if precision == "bf16" and self.bf16_flops:
             return self.bf16_flops
         return self.fp16_flops
+
+    def compute_flops(self, precision: str) -> float:
+        """The peak the cost model prices compute against: `peak_flops`, but plain fp32 on the dedicated
+        fp32 datapath only where the datasheet counts one shared with INT32 (`fp32_shared_datapath`). MFU
+        stays against the datasheet's `peak_flops`."""
+        plain = precision == "fp32" or (precision == "tf32" and not self.tf32_flops)
+        return self.fp32_flops / 2 if plain and self.fp32_shared_datapath else self.peak_flops(precision)
 
     @property
     def usable_bytes(self) -> float:
@@ -88,26 +99,32 @@ BUILTIN: dict[str, GpuSpec] = {
         GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
                 "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=74.8 * TFLOPS),
+                tf32_flops=74.8 * TFLOPS,
+                fp32_shared_datapath=True),
         GpuSpec("a10", 125 * TFLOPS, 125 * TFLOPS, 31.2 * TFLOPS, 24, 600 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA A10 datasheet: 125 TF bf16/fp16 tensor dense (250 sparse), 31.2 TF fp32, "
                 "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=62.5 * TFLOPS),
+                tf32_flops=62.5 * TFLOPS,
+                fp32_shared_datapath=True),
         GpuSpec("l20", 119.5 * TFLOPS, 119.5 * TFLOPS, 59.8 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA L20 product brief: 119.5 TF bf16/fp16 tensor dense (239 sparse), 59.8 TF fp32, "
-                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16"),
+                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16",
+                fp32_shared_datapath=True),
         GpuSpec("l40s", 362.05 * TFLOPS, 362.05 * TFLOPS, 91.6 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA L40S datasheet: 362 TF bf16/fp16 tensor dense (733 sparse), 91.6 TF fp32, "
                 "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=183 * TFLOPS),
+                tf32_flops=183 * TFLOPS,
+                fp32_shared_datapath=True),
         GpuSpec("rtx3090", 71 * TFLOPS, 71 * TFLOPS, 35.6 * TFLOPS, 24, 936 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 TF fp16/bf16 tensor with fp32 accumulate "
                 "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4",
-                tf32_flops=35.6 * TFLOPS),
+                tf32_flops=35.6 * TFLOPS,
+                fp32_shared_datapath=True),
         GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 24, 1008 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
                 "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4",
-                tf32_flops=82.6 * TFLOPS),
+                tf32_flops=82.6 * TFLOPS,
+                fp32_shared_datapath=True),
         # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real
         # ones. Ranks are processes, "links" are gloo over loopback shared memory.
         GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,

@@ -68,6 +68,13 @@ class Network:
         lat_scale, bw_scale = self.scales.get(kind, _UNSCALED)
         return collective_time(kind, nbytes, n, bw * bw_scale, lat * lat_scale, calls)
 
+    def send(self, nbytes: float, across: bool, senders: int, calls: float = 1.0) -> float:
+        """`calls` point-to-point messages moving `nbytes` in all, inside a node, or across nodes while
+        `senders` of the node's ranks send across at once (they share its NICs)."""
+        bw, lat = (min(self.intra[0], self.nic_bw / senders), self.inter_lat) if across else self.intra
+        lat_scale, bw_scale = self.scales.get("p2p", _UNSCALED)
+        return collective_time("p2p", nbytes, 2, bw * bw_scale, lat * lat_scale, calls)
+
     def across_nodes(self, n: int, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group of n ranks spread over the nodes its `span` covers: its share of
         each node's NICs (its ranks there over the node's ranks), at most the intra-node link."""

@@ -116,8 +116,8 @@ def coupled_encoder_work(terms: PlanTerms) -> ExtraWork | None:
         return None
     enc = encoder_sums(terms.workload)
     params = enc.params / terms.encoder_split
-    fsdp_micro_batch, (latency, volume) = fsdp_seconds(terms, params, enc.units, enc.tensors, 0.0, 0.0)
-    fsdp_step = latency + (1 - terms.eff.dp_overlap) * volume
+    fsdp_micro_batch, fsdp_step = fsdp_seconds(terms, params, enc.units, enc.tensors, 0.0, 0.0).exposed(
+        terms.eff.dp_overlap)
     optimizer = optimizer_seconds(terms, params / (terms.shards if terms.fsdp else 1), enc.tensors)
     compute, host = coupled_encoder_seconds(terms, enc)
     return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer)

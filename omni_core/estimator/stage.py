@@ -62,7 +62,7 @@ class RingAttention:
 def device_seconds(sums: Sums, gpu: GpuSpec, eff: Efficiency, precision: str) -> tuple[float, float]:
     """(per sample, per call) forward seconds of some layers on the device: matmul FLOPs and operands,
     attention (the whole score matrices where the kernel computes them), memory-bound traffic."""
-    peak = gpu.peak_flops(precision)
+    peak = gpu.compute_flops(precision)
     attn = sums.attn_flops + (sums.causal_attn_flops if eff.attention_full else 0.0)
     mm_bw = eff.matmul_bw or gpu.mem_bw * eff.memory
     per_sample = (sums.flops / (peak * eff.matmul) + sums.mm_bytes / mm_bw + attn / (peak * eff.attention)
@@ -204,8 +204,9 @@ def send_seconds(terms: PlanTerms, st: Sums) -> float:
     if plan.pp <= 1:
         return 0.0
     message = st.boundary * terms.options.micro_batch / terms.split
-    return plan.virtual_stages * ((1 - eff.pp_overlap) * 2 * terms.net.time(
-        "p2p", message, 2, terms.bubble_ranks, 0) + eff.pp_microbatch_s)
+    senders = terms.pipeline_senders_across
+    send = terms.net.send(message, bool(senders), senders or 1, calls=0)  # latency: in `pp_microbatch_s`
+    return plan.virtual_stages * ((1 - eff.pp_overlap) * 2 * send + eff.pp_microbatch_s)
 
 
 def rank_params(terms: PlanTerms, st: Sums) -> tuple[float, float]:
@@ -229,28 +230,62 @@ def exposed_dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, s
     return latency + (1 - terms.eff.dp_overlap) * volume
 
 
+@dataclass(frozen=True)
+class FsdpTimes:
+    """FSDP's seconds over a rank's units: `wrappers` (hooks, copies) per micro-batch, the parameter
+    all-gathers per micro-batch (forward and backward) and the gradients' reduction once per step, each as
+    (latency, volume): compute can hide some of a volume (`dp_overlap`), never a latency."""
+
+    wrappers: float
+    gather: tuple[float, float]
+    reduce: tuple[float, float]
+
+    def exposed(self, ov: float) -> tuple[float, float]:
+        """(per micro-batch, per step) seconds with `ov` of each volume hidden, whatever compute there is."""
+        (gl, gv), (rl, rv) = self.gather, self.reduce
+        return self.wrappers + gl + (1 - ov) * gv, rl + (1 - ov) * rv
+
+
+NO_FSDP = FsdpTimes(0.0, (0.0, 0.0), (0.0, 0.0))
+
+
+def _summed(parts: list[tuple[float, float]], times: float = 1.0) -> tuple[float, float]:
+    return times * sum(latency for latency, _ in parts), times * sum(volume for _, volume in parts)
+
+
 def fsdp_seconds(terms: PlanTerms, params: float, units: float, tensors: float, expert_params: float,
-                 expert_units: float) -> tuple[float, tuple[float, float]]:
-    """(per micro-batch seconds, (latency, volume) per step) of FSDP over a rank's units: each unit's wrapper
-    (hooks, copies) and its collectives: the parameter all-gathers (forward and backward) per micro-batch,
-    the gradients' reduce-scatter (+ HSDP all-reduce) once per step, in the last micro-batch's backward.
-    Experts under EP form their own units, sharded over `expert_shards`."""
+                 expert_units: float) -> FsdpTimes:
+    """FSDP over a rank's units: each unit's wrapper and its collectives, the parameter all-gathers
+    (forward and backward) per micro-batch, the gradients' reduce-scatter (+ HSDP all-reduce) once per step,
+    in the last micro-batch's backward. Experts under EP form their own units, sharded over `expert_shards`."""
     if not terms.fsdp:
-        return 0.0, (0.0, 0.0)
+        return NO_FSDP
     plan, eff, wbytes = terms.plan, terms.eff, terms.weight_bytes
     shards, span = terms.shards, terms.rank_span
     all_units = units + expert_units
-    gather = 2 * exposed_dp_seconds(terms, "all_gather", params * wbytes, shards, span, units)
+    gathers = [dp_seconds(terms, "all_gather", params * wbytes, shards, span, units)]
     reduces = [dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units),
                dp_seconds(terms, "all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
                           span * plan.dp_replicate, all_units)]
     if expert_units:
         experts = terms.expert_shards
-        gather += 2 * exposed_dp_seconds(terms, "all_gather", expert_params * wbytes, experts, span, expert_units)
+        gathers.append(dp_seconds(terms, "all_gather", expert_params * wbytes, experts, span, expert_units))
         reduces.append(dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span,
                                   expert_units))
-    reduce = (sum(latency for latency, _ in reduces), sum(volume for _, volume in reduces))
-    return all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s + gather, reduce
+    return FsdpTimes(all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s, _summed(gathers, 2.0),
+                     _summed(reduces))
+
+
+def hidden_dp_seconds(terms: PlanTerms, fsdp: FsdpTimes, compute: float) -> tuple[float, float]:
+    """(per micro-batch, per step) FSDP seconds a stage pays when only its own compute hides DP traffic: a
+    micro-batch's gathers hide behind at most its compute, the step's reduction behind what the gathers left
+    of the last micro-batch's backward, each at most `dp_overlap` of its volume."""
+    ov = terms.eff.dp_overlap
+    (gl, gv), (rl, rv) = fsdp.gather, fsdp.reduce
+    hidden_gather = min(ov * gv, compute)
+    backward = compute * (terms.passes - 1) / terms.passes
+    left = backward * (1 - hidden_gather / compute) if compute else 0.0
+    return fsdp.wrappers + gl + gv - hidden_gather, rl + rv - min(ov * rv, left)
 
 
 def optimizer_seconds(terms: PlanTerms, params: float, tensors: float) -> float:
@@ -269,18 +304,18 @@ def param_group_seconds(terms: PlanTerms) -> float:
     return 2 * (1 + (plan.tp > 1) + (plan.ep > 1)) * (eff.dtensor_group_s if sharded else eff.tensor_group_s)
 
 
-def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[float, tuple[float, float], float]:
-    """(FSDP per micro-batch, FSDP's gradient reduction per step as (latency, volume), optimizer per step) of a
-    stage's weights; stage 0 (`first`) also holds the root FSDP unit."""
+def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[FsdpTimes, float]:
+    """(FSDP's times, optimizer per step) of a stage's weights; stage 0 (`first`) also holds the root FSDP
+    unit."""
     ep = terms.plan.ep
     dense_params, expert_params = rank_params(terms, st)
     expert_units = st.moe_layers * st.routed_experts / ep if ep > 1 else 0.0
     tensors = st.tensors - st.expert_tensors * (1 - 1 / ep)
-    fsdp_micro_batch, fsdp_step = fsdp_seconds(terms, dense_params + (expert_params if ep == 1 else 0.0),
-                                               st.units + first, tensors, expert_params, expert_units)
+    fsdp = fsdp_seconds(terms, dense_params + (expert_params if ep == 1 else 0.0), st.units + first, tensors,
+                        expert_params, expert_units)
     sharded_params = (dense_params + expert_params) / (terms.shards if terms.fsdp else 1)
     optimizer = param_group_seconds(terms) + optimizer_seconds(terms, sharded_params, tensors)
-    return fsdp_micro_batch, fsdp_step, optimizer
+    return fsdp, optimizer
 
 
 def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: bool,
@@ -292,10 +327,8 @@ def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: b
     comm = collectives_seconds(terms, ring, st)
     wrappers = st.tp_modules * terms.eff.tp_module_s if terms.plan.tp > 1 else 0.0
     send = send_seconds(terms, st)
-    fsdp_micro_batch, (reduce_latency, reduce_volume), optimizer = weights_seconds(terms, st, first)
-    # the gradients are reduced during the last micro-batch's backward: at most that much of them is hidden
-    backward = compute * (terms.passes - 1) / terms.passes
-    fsdp_step = reduce_latency + reduce_volume - min(terms.eff.dp_overlap * reduce_volume, backward)
+    fsdp, optimizer = weights_seconds(terms, st, first)
+    fsdp_micro_batch, fsdp_step = hidden_dp_seconds(terms, fsdp, compute)
     if extra is not None:
         compute += extra.compute
         host += extra.host

@@ -122,7 +122,9 @@ class PlanTerms:
     tokens: float  # packed tokens per micro-batch
     rank_span: int  # ranks of one FSDP group lie within this many consecutive ranks
     ep_split: int  # tokens an EP rank holds are its own: split over cp, or tp x cp when experts are split
-    bubble_ranks: int  # a pipeline send crosses this many ranks
+    # a pipeline spanning nodes has a stage boundary across them (stages are the outermost mesh dimension),
+    # which its slowest send rules; this many of a node's ranks send over it at once
+    pipeline_senders_across: int  # 0: the pipeline stays in one node
     straggle: float  # a rank's own work x this in a multi-rank step (`Efficiency.straggle`)
     encoder_split: int  # `coupled`: ranks an encoder's work is split over, tp x cp, or 1 when they run replicated
 
@@ -130,7 +132,7 @@ class PlanTerms:
     def of(cls, workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, eff: Efficiency,
            gpus_per_node: int) -> PlanTerms:
         eff = node_efficiency(eff, gpu, plan, gpus_per_node)
-        peak = gpu.peak_flops(workload.precision)
+        peak = gpu.compute_flops(workload.precision)
         split = plan.tp * plan.cp
         recompute = 1.0 if options.checkpoint else 0.0
         weight_bytes = BYTES[workload.precision]
@@ -146,7 +148,8 @@ class PlanTerms:
             optimizer_traffic=eff.optimizer_bytes_per_param * traffic,
             shards=shards, fsdp=plan.dp * plan.cp > 1, expert_shards=max(1, shards // plan.ep),
             tokens=workload.tokens_per_sample * options.micro_batch, rank_span=split * plan.dp_shard,
-            ep_split=split if eff.split_encoders_experts else plan.cp, bubble_ranks=plan.world_size // plan.pp + 1,
+            ep_split=split if eff.split_encoders_experts else plan.cp, pipeline_senders_across=(
+                min(gpus_per_node, plan.world_size // plan.pp) if plan.world_size > gpus_per_node else 0),
             straggle=eff.straggle if plan.world_size > 1 else 1.0,
             encoder_split=split if eff.split_encoders_experts else 1,
         )

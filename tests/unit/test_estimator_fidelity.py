@@ -140,3 +140,24 @@ def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, t
     (tmp_path / "database" / "prof_database.pkl").write_bytes(pickle.dumps({"optimal": {"x": Path("/")}}))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         gpu_bench.independent(tmp_path, GpuCatalog())
+
+
+def test_plain_fp32_on_ga10x_and_ad10x_is_priced_on_the_dedicated_datapath():
+    a40, a100, rtx3090 = CATALOG["a40"], CATALOG["a100"], CATALOG["rtx3090"]
+    assert a40.compute_flops("fp32") == a40.fp32_flops / 2 and a40.peak_flops("fp32") == a40.fp32_flops  # MFU: datasheet
+    assert a40.compute_flops("bf16") == a40.bf16_flops and a40.compute_flops("tf32") == a40.tf32_flops
+    assert rtx3090.compute_flops("tf32") == rtx3090.tf32_flops  # tensor cores, not the shared datapath
+    assert a100.compute_flops("fp32") == a100.fp32_flops
+    # so an fp32 CNN is no longer faster on an A40 than on an A100 (the datasheets' fp32: 37.4 vs 19.5 TF)
+    w = trace_workload("wide_resnet__500M", 32)
+    on = {g.name: estimate_step(w, g, ParallelPlan(), Options(4, True), gpus_per_node=1).step_time_s for g in (a40, a100)}
+    assert on["a40"] > on[a100.name]
+
+
+def test_a_pipeline_across_nodes_sends_over_the_nics():
+    w = transformer("t", n_layers=8, dim=2048, heads=16, vocab=32000, seq_len=2048, global_batch=32)
+    plan = ParallelPlan(pp=4)  # one rank per stage, two per node: the send from stage 1 to 2 crosses nodes
+    slow = replace(A100, nic_bw=A100.nic_bw / 1000)
+    across = [estimate_step(w, g, plan, Options(1), gpus_per_node=2).step_time_s for g in (A100, slow)]
+    inside = [estimate_step(w, g, plan, Options(1), gpus_per_node=4).step_time_s for g in (A100, slow)]
+    assert across[1] > across[0] * 1.2 and inside[0] == inside[1]

@@ -38,7 +38,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omni_core.common.catalog import GpuSpec
@@ -65,6 +65,50 @@ COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repea
 SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe
 BIG_PARAM = 4 << 20  # elements of the optimizer's per-element probe
 STREAM = 8 << 20  # elements of the memory bandwidth probe's buffers
+
+
+@dataclass(frozen=True)
+class ProbeDevice:
+    """Where the kernel micro-profile runs: the torch device type, the compute dtype of its matmuls and
+    attention, and shapes large enough for that device to reach its peaks (a GPU's kernels at a CPU's shapes
+    would time their launches)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    matmul_shapes: tuple[tuple[int, int, int], ...] = MATMUL_SHAPES
+    attn_shapes: tuple[tuple[int, int, int, int], ...] = ATTN_SHAPES
+    stream: int = STREAM
+    big_param: int = BIG_PARAM
+
+    @property
+    def element_bytes(self) -> float:
+        return 2.0 if self.dtype == "bfloat16" else 4.0
+
+    @property
+    def precision(self) -> str:
+        """The cost model's name for the dtype."""
+        return "bf16" if self.dtype == "bfloat16" else "fp32"
+
+    def wall_clock(self) -> Callable[[], float]:
+        """perf_counter, after the device's queued work (a GPU's kernels run asynchronously)."""
+        if self.device != "cuda":
+            return time.perf_counter
+        import torch
+
+        def synced() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+        return synced
+
+
+CPU_PROBES = ProbeDevice()
+# a GPU in bf16, as the runtime trains there: matmuls up to 8k x 8k, attention over 1k-4k documents, memory and
+# the optimizer over buffers well past its caches
+CUDA_PROBES = ProbeDevice(
+    "cuda", "bfloat16",
+    matmul_shapes=tuple((t, k, n) for t in (512, 2048, 8192) for k, n in ((1024, 4096), (4096, 4096), (4096, 8192))),
+    attn_shapes=((16, 64, 2048, 1), (16, 128, 2048, 1), (16, 128, 128, 32)), stream=256 << 20, big_param=64 << 20)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -140,28 +184,30 @@ def _sample(probes: dict[Any, Callable[[], Any]], passes: int, clock=time.perf_c
     return {key: total / (passes * runs[key]) for key, total in totals.items()}
 
 
-def kernel_probes() -> dict[Any, Callable[[], Any]]:
-    """The kernel micro-profile's probes (`profile_compute`), forward + backward where there is one; built once
-    (their buffers, models and optimizers take a second), sampled as often as needed."""
+def kernel_probes(at: ProbeDevice = CPU_PROBES) -> dict[Any, Callable[[], Any]]:
+    """The kernel micro-profile's probes (`profile_compute`) on `at`'s device, forward + backward where there
+    is one; built once (their buffers, models and optimizers take a second), sampled as often as needed."""
     import torch
 
     from omni_core.models.attention import varlen_attention
 
     torch.manual_seed(0)
+    dev, dtype = torch.device(at.device), getattr(torch, at.dtype)
     probes: dict[Any, Callable[[], Any]] = {}
-    for m, k, n in MATMUL_SHAPES:
-        a, w = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+    for m, k, n in at.matmul_shapes:
+        a, w = (torch.randn(r, c, device=dev, dtype=dtype, requires_grad=True) for r, c in ((m, k), (k, n)))
         probes[("matmul", m, k, n)] = lambda a=a, w=w: (a @ w).sum().backward()
-    for heads, dim, length, docs in ATTN_SHAPES:
-        q, k, v = (torch.randn(docs * length, heads, dim, requires_grad=True) for _ in range(3))
+    for heads, dim, length, docs in at.attn_shapes:
+        q, k, v = (torch.randn(docs * length, heads, dim, device=dev, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
         bounds = list(range(0, docs * length + 1, length))
         probes[("attention", heads, dim, length, docs)] = (
             lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward())
-    probes["tiny"] = _tiny_block()
-    for n, update in _parameter_probes(lambda n: [torch.randn(32, 32) for _ in range(n)]).items():
+    probes["tiny"] = _tiny_block(dev)
+    for n, update in _parameter_probes(lambda n: [torch.randn(32, 32, device=dev) for _ in range(n)]).items():
         probes[("optimizer", n)] = update
-    big = torch.nn.Parameter(torch.randn(BIG_PARAM))
-    big.grad = torch.randn(BIG_PARAM)
+    big = torch.nn.Parameter(torch.randn(at.big_param, device=dev))
+    big.grad = torch.randn(at.big_param, device=dev)
     big_optimizer = torch.optim.AdamW([big], lr=1e-3, foreach=True)
 
     def update_big() -> None:  # the step's clipping (norm, scaling) and AdamW, per element
@@ -170,14 +216,15 @@ def kernel_probes() -> dict[Any, Callable[[], Any]]:
         big_optimizer.step()
 
     probes["update_big"] = update_big
-    x, y = torch.randn(STREAM), torch.randn(STREAM)
+    x, y = torch.randn(at.stream, device=dev), torch.randn(at.stream, device=dev)
     out = torch.empty_like(x)
     probes["add"] = lambda: torch.add(x, y, out=out)
     return probes
 
 
-def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | None = None) -> dict[str, float]:
-    """The device's kernels (`kernel_probes`, built here unless given), fitted to the cost model's terms:
+def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | None = None,
+                    at: ProbeDevice = CPU_PROBES) -> dict[str, float]:
+    """The device's kernels (`kernel_probes(at)`, built here unless given), fitted to the cost model's terms:
 
     matmul      seconds ~ FLOPs / peak + operand bytes / bandwidth (small matmuls are bound by their operands)
     attention   per document, as the runtime calls it (`varlen_attention`): seconds ~ a call's overhead + FLOPs
@@ -187,25 +234,27 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
                 tensor: seconds per parameter group, per tensor and per element
     memory      elementwise add over a large buffer -> bandwidth
 
-    Every probe is sampled in COMPUTE_PASSES x `repeat` interleaved passes (`_sample`), a few seconds in all."""
-    probes = probes or kernel_probes()
+    Every probe is sampled in COMPUTE_PASSES x `repeat` interleaved passes (`_sample`), a few seconds in all.
+    On a GPU `clock` must wait for the device (`ProbeDevice.wall_clock`)."""
+    probes = probes or kernel_probes(at)
     secs = _sample(probes, COMPUTE_PASSES * repeat, clock)
-    matmul_flops = [6.0 * m * k * n for m, k, n in MATMUL_SHAPES]
-    matmul_s = [secs[("matmul", *shape)] for shape in MATMUL_SHAPES]
-    inv_peak, inv_bw, _ = fit_costs([(f, 3 * 4.0 * (m * k + k * n + m * n), 1.0)
-                                     for f, (m, k, n) in zip(matmul_flops, MATMUL_SHAPES)], matmul_s)
+    size = at.element_bytes
+    matmul_flops = [6.0 * m * k * n for m, k, n in at.matmul_shapes]
+    matmul_s = [secs[("matmul", *shape)] for shape in at.matmul_shapes]
+    inv_peak, inv_bw, _ = fit_costs([(f, 3 * size * (m * k + k * n + m * n), 1.0)
+                                     for f, (m, k, n) in zip(matmul_flops, at.matmul_shapes)], matmul_s)
     if not inv_peak:  # a loaded host's noise made the FLOP term negative: the best rate a shape reached
         inv_peak = min(t / f for t, f in zip(matmul_s, matmul_flops))
     call_s, inv_attn, score_s = fit_costs(
         [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
-         for heads, dim, length, docs in ATTN_SHAPES], [secs[("attention", *shape)] for shape in ATTN_SHAPES])
+         for heads, dim, length, docs in at.attn_shapes], [secs[("attention", *shape)] for shape in at.attn_shapes])
     op_s = secs["tiny"] / _count_ops(probes["tiny"])
     group_s, tensor_s = _per_group_and_tensor([secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
-    mem_bw = 3 * STREAM * 4 / secs["add"]
+    mem_bw = 3 * at.stream * 4 / secs["add"]
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
             "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
-            "optimizer_bytes_per_param": secs["update_big"] / BIG_PARAM * mem_bw}
+            "optimizer_bytes_per_param": secs["update_big"] / at.big_param * mem_bw}
 
 
 def _parameter_probes(make: Callable[[int], list]) -> dict[int, Callable[[], None]]:
@@ -243,16 +292,17 @@ def _per_group_and_tensor(seconds: list[float]) -> tuple[float, float]:
     return group_s, max(tensor_s, 0.0)
 
 
-def _tiny_block():
-    """Forward + backward of a tiny LLM block (4 tokens): nothing but operator overhead."""
+def _tiny_block(device=None):
+    """Forward + backward of a tiny LLM block (4 tokens): nothing but operator overhead (on a GPU: launches)."""
     import torch
 
     from omni_core.models.args import LLMArgs
     from omni_core.models.llm import TransformerBlock, rope_cos_sin
 
+    device = device or torch.device("cpu")
     args = LLMArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=8)
-    block, x = TransformerBlock(args), torch.randn(4, 32, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(4), args)
+    block, x = TransformerBlock(args).to(device), torch.randn(4, 32, device=device, requires_grad=True)
+    cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(4), args))
 
     def tiny() -> None:
         block(x, cos, sin, [0, 4]).sum().backward()
@@ -260,18 +310,22 @@ def _tiny_block():
     return tiny
 
 
-def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
-    """Wall seconds of each collective (and a neighbour exchange) per buffer size on the default group."""
+def _collective_times(world: int, repeat: int, at: ProbeDevice = CPU_PROBES,
+                      sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> dict[str, dict[int, float]]:
+    """Wall seconds of each collective (and a neighbour exchange) per buffer size on the default group, with
+    buffers on `at`'s device (rank r's GPU r under NCCL)."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    dev = torch.device(at.device, rank) if at.device == "cuda" else torch.device("cpu")
     probes = {}
-    for size in COLLECTIVE_BYTES:
+    for size in sizes:
         n = size // 4
-        buf, out, scattered = torch.ones(n), torch.empty(n * world), torch.empty(n // world)
-        a2a_out = torch.empty(n)
-        recv = torch.empty(n)
+        buf, out, scattered = (torch.ones(n, device=dev), torch.empty(n * world, device=dev),
+                               torch.empty(n // world, device=dev))
+        a2a_out = torch.empty(n, device=dev)
+        recv = torch.empty(n, device=dev)
 
         def exchange(buf=buf, recv=recv) -> None:
             ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
@@ -284,7 +338,7 @@ def _collective_times(world: int, repeat: int) -> dict[str, dict[int, float]]:
                  "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
                  "p2p": exchange}
         probes.update({(kind, size): call for kind, call in calls.items()})
-    secs = _sample(probes, COLLECTIVE_REPEATS * repeat, sync=dist.barrier)
+    secs = _sample(probes, COLLECTIVE_REPEATS * repeat, clock=at.wall_clock(), sync=dist.barrier)
     times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
     for (kind, size), seconds in secs.items():
         times[kind][size] = seconds
@@ -454,6 +508,20 @@ def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[floa
     return alpha_steps / steps, 1 / inv_beta if inv_beta > 0 else 1e12
 
 
+# NCCL over NVLink moves megabytes in microseconds: buffers up to 256 MB (divisible by 4-byte floats x 1-8 ranks)
+GPU_COLLECTIVE_BYTES = (3 << 16, 3 << 20, 3 << 23, 3 << 26)
+
+
+def _link_probe(rank: int, world: int, repeat: int, at: ProbeDevice) -> dict:
+    return {"collectives": _collective_times(world, repeat, at, GPU_COLLECTIVE_BYTES)}
+
+
+def profile_links(world: int, repeat: int, at: ProbeDevice) -> dict:
+    """The collectives alone on `world` GPU ranks under NCCL (spawned: a forked process cannot use CUDA):
+    rank 0's measurements. The runtime's wrappers (FSDP, TP, pipeline) keep their default costs there."""
+    return run_ranks(_link_probe, world, repeat, at, backend="nccl")[0]
+
+
 def profile_ranks(world: int = 2, repeat: int = 5) -> dict:
     """Collectives, per-parameter and per-wrapper costs on `world` forked ranks (wall clock: they wait for
     each other): rank 0's measurements."""
@@ -472,17 +540,24 @@ def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> 
     return 2 * seconds("all_gather") + seconds("reduce_scatter")
 
 
-def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
-    """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
-    on `world` ranks, and their summary: all-reduce gives the link's alpha and beta, the other kinds factors
-    of them. An FSDP unit's cost is kept without its collectives (`stage.fsdp_seconds` prices those per plan, by
-    the size of its shard and replica groups)."""
-    fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
+def with_links(spec: GpuSpec, eff: Efficiency, collectives: dict, world: int
+               ) -> tuple[GpuSpec, Efficiency, dict[str, tuple[float, float]]]:
+    """`spec` and `eff` with the links a collectives probe measured on `world` ranks of one node, and the
+    fits: all-reduce gives the link's alpha and beta, the other kinds factors of them."""
+    fits = {kind: fit_collective(kind, times, world) for kind, times in collectives.items()}
     base_alpha, base_beta = fits["all_reduce"]
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
     eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
-                                         for kind, (a, b) in fits.items() if kind != "all_reduce"),
-                  dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"],
+                                         for kind, (a, b) in fits.items() if kind != "all_reduce"))
+    return spec, eff, fits
+
+
+def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
+    """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
+    on `world` ranks, and their summary (`with_links`). An FSDP unit's cost is kept without its collectives
+    (`stage.fsdp_seconds` prices those per plan, by the size of its shard and replica groups)."""
+    spec, eff, fits = with_links(spec, eff, ranks["collectives"], world)
+    eff = replace(eff, dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"],
                   fsdp_unit_s=max(0.0, ranks["wrappers"]["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
                   fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
                   tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
@@ -492,33 +567,39 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
     return spec, eff, summary
 
 
-def with_compute(spec: GpuSpec, compute: dict[str, float]) -> tuple[GpuSpec, Efficiency]:
-    """The catalogue entry with the peaks a kernel profile (`profile_compute`) measured, and the Efficiency
-    relative to it (links and wrappers keep the catalogue's and default values)."""
+def with_compute(spec: GpuSpec, compute: dict[str, float], at: ProbeDevice = CPU_PROBES) -> tuple[GpuSpec, Efficiency]:
+    """The catalogue entry with the peaks a kernel profile (`profile_compute`) measured on `at`, and the
+    Efficiency relative to it (links and wrappers keep the catalogue's and default values). CPU attention
+    computes whole score matrices; a GPU's fused kernels skip the causal half."""
     peak = compute["matmul_flops"]
     measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=compute["mem_bw"])
     eff = replace(Efficiency(), matmul=1.0, attention=compute["attn_flops"] / peak, memory=1.0, link=1.0,
                   op_overhead_s=compute["op_s"], attn_call_s=compute["attn_call_s"], matmul_bw=compute["matmul_bw"],
-                  score_s=compute["score_s"], attention_full=True, tensor_s=compute["tensor_s"],
+                  score_s=compute["score_s"], attention_full=at.device == "cpu", tensor_s=compute["tensor_s"],
                   tensor_group_s=compute["tensor_group_s"],
                   optimizer_bytes_per_param=compute["optimizer_bytes_per_param"])
     return measured, eff
 
 
 def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = True,
-              clock=time.perf_counter) -> tuple[GpuSpec, Efficiency, dict]:
+              clock=time.perf_counter, at: ProbeDevice = CPU_PROBES) -> tuple[GpuSpec, Efficiency, dict]:
     """Micro-profile this device: the catalogue entry with measured peaks and links, the Efficiency relative
-    to it, and the raw measurements. Saved per device type unless `save` is false. `clock` times the compute
-    kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants, whose
-    load would otherwise be measured instead of the device (what ranks do together is always timed on the
-    wall). `world` = 1 skips the ranks (links and wrappers keep the catalogue's and default values). A
-    shared host's speed drifts by tens of percent within minutes, and the fitted terms compensate each other
-    within one profile: repeat whole calibrations rather than averaging terms (`validate.validate` profiles
-    the kernels next to each run it compares with)."""
+    to it, and the raw measurements. Saved per device type unless `save` is false. `clock` times a CPU's
+    compute kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants,
+    whose load would otherwise be measured instead of the device (what ranks do together is always timed on
+    the wall); a GPU's are timed on the synchronised wall clock. `world` = 1 skips the ranks (links and
+    wrappers keep the catalogue's and default values); on GPUs, `world` of them measure NCCL's collectives
+    and the wrappers keep their defaults. A shared host's speed drifts by tens of percent within minutes,
+    and the fitted terms compensate each other within one profile: repeat whole calibrations rather than
+    averaging terms (`validate.validate` profiles the kernels next to each run it compares with)."""
     started = time.perf_counter()
-    raw: dict[str, Any] = profile_compute(repeat, clock)
-    measured, eff = with_compute(spec, raw)
-    if world > 1:
+    gpu = at.device == "cuda"
+    raw: dict[str, Any] = profile_compute(repeat, at.wall_clock() if gpu else clock, at=at)
+    measured, eff = with_compute(spec, raw, at)
+    if world > 1 and gpu:
+        measured, eff, fits = with_links(measured, eff, profile_links(world, repeat, at)["collectives"], world)
+        raw["collectives"] = {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()}
+    elif world > 1:
         measured, eff, summary = with_ranks(measured, eff, profile_ranks(world, repeat), world)
         raw.update(summary)
     raw["seconds"] = time.perf_counter() - started

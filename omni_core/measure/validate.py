@@ -9,8 +9,9 @@ collective's waiting are only there), with the seconds rank 0 waited for a core 
 waited much longer than the ranks' own sharing of the cores explains was measured on a loaded host.
 
 The prediction uses only the device's micro-profile (`calibrate.py`), the dataset's profile and the
-loader's own speed on that data (measured alone), never these step measurements. The micro-profile runs on
-CPU tensors only: GPU calibration is not implemented yet.
+loader's own speed on that data (measured alone), never these step measurements. On GPUs (`at` =
+`calibrate.CUDA_PROBES`, `gpu_validation_cases`) the same runs are spawned NCCL ranks, one per GPU, training
+in bf16; the kernels are profiled on the GPU and the links by NCCL collectives among the case's GPUs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from omni_core.common.results import Result
 from omni_core.estimator.calibration import runtime_efficiency
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.workloads import omni_workload
+from omni_core.measure.calibrate import CPU_PROBES, ProbeDevice
 from omni_core.runtime.ranks import run_ranks
 from omni_core.tracking import NullTracker
 
@@ -71,20 +73,21 @@ class Case:
         return self.parallel_plan.dp * self.micro_batch * self.grad_accum
 
 
-def case_recipe(case: Case, root: Path):
-    """The recipe the runtime trains for a case: its plan, float32, a metric call every step (`measure` saves
-    no checkpoint)."""
+def case_recipe(case: Case, root: Path, at: ProbeDevice = CPU_PROBES):
+    """The recipe the runtime trains for a case: its plan, the probed device's dtype (float32 on CPU, bfloat16
+    on GPUs), a metric call every step (`measure` saves no checkpoint)."""
     from omni_core.recipe import Recipe
 
     plan = case.parallel_plan
+    backend = "nccl" if at.device == "cuda" else "auto"
     return Recipe.model_validate({
         "experiment": {"name": f"val-{case.mix}-s{case.seq_len}", "output_dir": str(root), "seed": 0},
         "data": {"synthetic": {"num_samples": 400, "mix": MIXES[case.mix]}, "seq_len": case.seq_len,
                  "micro_batch": case.micro_batch, "path": str(root / "data" / f"{case.mix}")},
         "model": {"flavor": case.flavor},
-        "parallel": {"nproc": plan.world_size, **plan.recipe_fields()},
+        "parallel": {"nproc": plan.world_size, "backend": backend, **plan.recipe_fields()},
         "train": {"steps": case.steps, "grad_accum": case.grad_accum, "warmup_steps": 1, "log_every": 1,
-                  "ckpt_every": 0, "resume": False, "dtype": "float32", "ckpt_dir": str(root / "ckpt" / case.name)},
+                  "ckpt_every": 0, "resume": False, "dtype": at.dtype, "ckpt_dir": str(root / "ckpt" / case.name)},
     })
 
 
@@ -109,38 +112,41 @@ class _StepClock(NullTracker):
         self.stamps["delay_s"].append(_run_delay())
 
 
-def measure(case: Case, root: Path, info) -> dict[str, float]:
+def measure(case: Case, root: Path, info, at: ProbeDevice = CPU_PROBES) -> dict[str, float]:
     """Median per-step seconds of the case on this rank (every rank calls it) after WARMUP steps: on the wall
     clock, in this process's CPU time, and waiting for a core."""
     from omni_core.runtime.trainer import train
 
     clock = _StepClock()
-    train(case_recipe(case, root), info, tracker=clock, log=lambda _: None, save=False)
+    train(case_recipe(case, root, at), info, tracker=clock, log=lambda _: None, save=False)
     return {key: statistics.mean([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
             for key, stamps in clock.stamps.items()}
 
 
-def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: int) -> dict[str, dict]:
-    """On each forked rank: every case of this world size in turn, each from a collected heap and right after
-    rank 0 profiles the device's kernels (`calibrate.profile_compute`, in process CPU time; the other ranks
-    wait at a barrier): the host's speed drifts within minutes, so a prediction and the run it is compared
-    with are measured seconds apart."""
+def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: int,
+                   at: ProbeDevice = CPU_PROBES) -> dict[str, dict]:
+    """On each rank: every case of this world size in turn, each from a collected heap and right after rank 0
+    profiles the device's kernels (`calibrate.profile_compute`: on a CPU in process CPU time, on a GPU on the
+    synchronised wall clock; the other ranks wait at a barrier): the host's speed drifts within minutes, so a
+    prediction and the run it is compared with are measured seconds apart."""
     import torch
 
     from omni_core.measure.calibrate import kernel_probes, profile_compute
     from omni_core.runtime.dist import DistInfo, barrier
 
-    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    probes = kernel_probes() if rank == 0 else None
+    device = torch.device("cuda", rank) if at.device == "cuda" else torch.device("cpu")
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=device)
+    kernel_clock = at.wall_clock() if at.device == "cuda" else time.process_time
+    probes = kernel_probes(at) if rank == 0 else None
     out = {}
     for case in cases:
         # the previous case's model, meshes and graphs sit in reference cycles until a full collection, and the
         # threads of its (destroyed) process groups poll until then: left alive, they slowed the next case by
         # a third (debug dp2 mb2 right after small dp2: 0.34 -> 0.45 s, measured before train() released them)
         gc.collect()
-        kernels = profile_compute(repeat, clock=time.process_time, probes=probes) if rank == 0 else {}
+        kernels = profile_compute(repeat, clock=kernel_clock, probes=probes, at=at) if rank == 0 else {}
         barrier()
-        out[case.name] = {"kernels": kernels, **measure(case, Path(root), info)}
+        out[case.name] = {"kernels": kernels, **measure(case, Path(root), info, at)}
     return out
 
 
@@ -180,6 +186,28 @@ def validation_cases(quick: bool) -> list[Case]:
     return [replace(c, steps=10) for c in cases]
 
 
+def gpu_validation_cases(gpus: int, quick: bool) -> list[Case]:
+    """A dozen plans on one GPU (debug, small, debug-moe and debug-enc flavors at 1-4k tokens, micro-batches
+    and accumulation, four mixes), and on 2 and 4 GPUs where there are that many: DP (FSDP), TP, PP and the
+    encoders' omni and disaggregated layouts. Quick: four one-GPU cases and one per world size, 6 steps."""
+    d, small, moe, enc = "debug", "small", "debug-moe", "debug-enc"
+    one = [Case(small, "dp1", 2048, mix="text"), Case(small, "dp1", 2048, micro_batch=4), Case(d, "dp1", 4096),
+           Case(moe, "dp1", 2048), Case(small, "dp1", 4096, micro_batch=2, mix="image"),
+           Case(small, "dp1", 1024, grad_accum=4, mix="audio"), Case(d, "dp1", 1024, micro_batch=8, mix="text"),
+           Case(enc, "dp1", 2048, mix="image"), Case(small, "dp1", 1024, micro_batch=8, mix="mixed"),
+           Case(moe, "dp1", 4096, micro_batch=2, mix="text"), Case(d, "dp1", 2048, grad_accum=2, mix="audio"),
+           Case(small, "dp1", 4096, mix="mixed")]
+    two = [Case(small, "dp2", 2048), Case(small, "dp1-tp2", 2048, mix="text"),
+           Case(small, "dp1-pp2", 2048, grad_accum=4), Case(enc, "dp2+omni", 2048, mix="image"),
+           Case(enc, "dp1+disagg1", 2048, mix="image")]
+    four = [Case(small, "dp4", 2048), Case(small, "dp2-tp2", 2048), Case(small, "dp1-pp4g", 2048, grad_accum=4),
+            Case(enc, "dp2-tp2+omni", 2048, mix="image")]
+    if quick:
+        one, two, four = one[:4], two[:1], four[:1]
+    cases = one + two * (gpus >= 2) + four * (gpus >= 4)
+    return [replace(c, steps=6 if quick else 10) for c in cases]
+
+
 class CaseResult(Result):
     case: str
     world: int
@@ -208,16 +236,17 @@ class ValidationReport(Result):
     seconds: float
 
 
-def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0):
+def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0,
+            precision: str = "fp32"):
     """The cost model's Estimate for the case: its plan on the calibrated device (one node of `world`
-    ranks), encoders on the first pipeline stage with the LLM's data split (the `coupled` layout, what the
-    runtime executes), plus `loader_s` of host data path per micro-batch on every rank."""
+    ranks) at the `precision` it trains in, its encoders where the plan puts them, plus `loader_s` of host
+    data path per micro-batch on every rank."""
     from omni_core.models.flavors import get_flavor
 
     recipe_data = case_recipe(case, Path("/nonexistent")).data
     args = get_flavor(case.flavor, patch_size=recipe_data.patch_size, n_mels=recipe_data.n_mels)
     workload = omni_workload(args, seq_len=case.seq_len, global_batch=case.global_batch, profile=profile,
-                             precision="fp32", name=case.name)
+                             precision=precision, name=case.name)
     eff = replace(runtime_efficiency(eff), step_overhead_s=loader_s * case.grad_accum)
     options = Options(micro_batch=case.micro_batch)
     return estimate_step(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
@@ -250,7 +279,8 @@ def _spread(values: list[float]) -> float:
     return 100 * (max(values) - min(values)) / statistics.median(values)
 
 
-def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5) -> ValidationReport:
+def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5,
+             at: ProbeDevice = CPU_PROBES) -> ValidationReport:
     """Measure every case on the real runtime and predict each from a calibration of the device: its kernels
     profiled right before the case's run (`calibrate.profile_compute`, in the launched rank 0), links and the
     runtime's wrappers on two ranks once per round (`calibrate.profile_ranks`); report the errors.
@@ -261,7 +291,7 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
     whose fitted terms compensate each other) and its measurement the mean of its rounds' means (the host
     switches between a fast and a slow state within a second, and a run's time is what it averages to, as
     in `calibrate._sample`); the spread across rounds is reported."""
-    from omni_core.measure.calibrate import profile_ranks, with_compute, with_ranks
+    from omni_core.measure.calibrate import profile_links, profile_ranks, with_compute, with_links, with_ranks
 
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
@@ -272,24 +302,34 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
             profiles[key] = _profile(case, root)
         if (*key, case.micro_batch) not in loaders:
             loaders[(*key, case.micro_batch)] = loader_seconds(case, root)
+    gpu = at.device == "cuda"
+    link_world = 2 if not gpu else max(c.world for c in cases)  # CPU: the ranks probe's two cores
     multi_rank = any(c.world > 1 for c in cases)
     estimates: dict[str, list] = {c.name: [] for c in cases}
     measured: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
     calibrations = []
     for _ in range(rounds):
-        ranks = profile_ranks(2, repeat) if multi_rank else None
+        ranks = None
+        if multi_rank:
+            ranks = profile_links(link_world, repeat, at) if gpu else profile_ranks(link_world, repeat)
         kernels, links = {}, {}
         for world in sorted({c.world for c in cases}):
             batch = [c for c in cases if c.world == world]
-            results = run_ranks(_measure_cases, world, str(root), batch, repeat)[0]
+            results = run_ranks(_measure_cases, world, str(root), batch, repeat, at,
+                                backend="nccl" if gpu else "gloo")[0]
             for case in batch:
                 real = results[case.name]
                 kernels[case.name] = real.pop("kernels")
-                spec, eff = with_compute(replace(device, cores=os.cpu_count() or 1), kernels[case.name])
-                if case.world > 1:
-                    spec, eff, links = with_ranks(spec, eff, ranks, 2)
+                host = device if gpu else replace(device, cores=os.cpu_count() or 1)
+                spec, eff = with_compute(host, kernels[case.name], at)
+                if case.world > 1 and gpu:
+                    spec, eff, fits = with_links(spec, eff, ranks["collectives"], link_world)
+                    links = {"collectives": {k: {"alpha_s": a, "beta_bytes_s": b} for k, (a, b) in fits.items()}}
+                elif case.world > 1:
+                    spec, eff, links = with_ranks(spec, eff, ranks, link_world)
                 estimates[case.name].append(predict(case, profiles[(case.mix, case.seq_len)], spec, eff,
-                                                    loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)]))
+                                                    loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)],
+                                                    precision=at.precision))
                 measured[case.name].append(real)
         calibrations.append({"kernels": kernels, "ranks": links})
     rows = []

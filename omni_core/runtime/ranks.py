@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable[..., Any],
-               args: tuple) -> None:
+               args: tuple, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -38,7 +38,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    init_distributed("gloo", timeout_s)
+    init_distributed(backend, timeout_s)
     try:
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
@@ -66,16 +66,18 @@ def preimport() -> None:
         importlib.import_module(module)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` forked gloo ranks on loopback; the ranks' results in rank order.
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
+              backend: str = "gloo") -> list[Any]:
+    """`fn(rank, world, *args)` on `world` ranks on loopback; the ranks' results in rank order. gloo ranks are
+    forked; NCCL ranks (rank r on GPU r) are spawned, since a forked process cannot initialise CUDA.
 
-    `fn` must be a module-level function and its results picklable."""
+    `fn` must be a module-level function and its arguments and results picklable."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_rank_main, args=(world, free_port(), out_dir, timeout_s, fn, args), nprocs=world,
-                               start_method="fork")
+            mp.start_processes(_rank_main, args=(world, free_port(), out_dir, timeout_s, fn, args, backend),
+                               nprocs=world, start_method="spawn" if backend == "nccl" else "fork")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, written below, says more
         results, failures = [], []

@@ -161,3 +161,17 @@ def test_a_pipeline_across_nodes_sends_over_the_nics():
     across = [estimate_step(w, g, plan, Options(1), gpus_per_node=2).step_time_s for g in (A100, slow)]
     inside = [estimate_step(w, g, plan, Options(1), gpus_per_node=4).step_time_s for g in (A100, slow)]
     assert across[1] > across[0] * 1.2 and inside[0] == inside[1]
+
+
+def test_gpu_validation_cases_are_plans_the_runtime_accepts_at_bf16_on_nccl(tmp_path):
+    from omni_core.measure.calibrate import CUDA_PROBES
+    from omni_core.measure.validate import case_recipe, gpu_validation_cases
+
+    for gpus, count in ((1, 12), (2, 17), (4, 21)):
+        cases = gpu_validation_cases(gpus, quick=False)
+        assert len(cases) == count and max(c.world for c in cases) <= gpus
+    for case in gpu_validation_cases(4, quick=False):
+        recipe = case_recipe(case, tmp_path, CUDA_PROBES)
+        assert recipe.parallel.backend == "nccl" and recipe.train.dtype == "bfloat16"
+        case.parallel_plan.check_world(case.world)
+    assert CUDA_PROBES.precision == "bf16" and CUDA_PROBES.element_bytes == 2

@@ -5,7 +5,8 @@ DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, 
 size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
 checkpointing (with and without, unless the job fixes it) and, for MLLMs, the encoders' half of the
 plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP group with its long-item
-threshold and replicated or FSDP weights, `disaggregated` also how many ranks the encoders get); it drops
+threshold and replicated or FSDP weights, the schedule where the runtime runs both (`encoder_schedules`),
+`disaggregated` also how many ranks the encoders get); it drops
 plans that do not fit memory and plans the runtime would refuse (the plan object's `check_model`, the pipeline
 schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the fastest plus runners-up. `CellTable`
 is the stage's typed result; its plan names carry the encoders' half (`dp1-tp2+omni.v-sp2-t256`).
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.common.plan import EncoderLayout, EncoderPlan, EncoderSpec, ParallelPlan, PlanError
+from omni_core.common.plan import EncoderLayout, EncoderPlan, EncoderSchedule, EncoderSpec, ParallelPlan, PlanError
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
@@ -80,10 +81,11 @@ def lssp_groups(workload: Workload, ranks: int, gpus_per_node: int) -> list[int]
 
 
 def encoder_plans(workload: Workload, layout: EncoderLayout, ranks: int, encoder_ranks: int,
-                  gpus_per_node: int) -> list[EncoderPlan]:
+                  gpus_per_node: int, schedules: tuple[EncoderSchedule, ...] = ("phased",)) -> list[EncoderPlan]:
     """The encoder halves of `layout` on `encoder_ranks` ranks (`ranks` of them the encoders' own): each LSSP
     group of `lssp_groups` for the long-item encoder, with the threshold that splits what balancing cannot
-    even out (`encoders.long_tokens_threshold`), and every encoder's weights replicated or FSDP-sharded."""
+    even out (`encoders.long_tokens_threshold`), every encoder's weights replicated or FSDP-sharded, under
+    each of `schedules`."""
     threshold = long_tokens_threshold(workload, encoder_ranks)
     plans = []
     for group in lssp_groups(workload, encoder_ranks, gpus_per_node):
@@ -91,7 +93,7 @@ def encoder_plans(workload: Workload, layout: EncoderLayout, ranks: int, encoder
             specs = {key: EncoderSpec(fsdp=fsdp) for key in encoder_parts(workload)}
             if group > 1:
                 specs[workload.items.encoder] = EncoderSpec(lssp=group, long_tokens=threshold, fsdp=fsdp)
-            plans.append(EncoderPlan(layout, ranks=ranks, **specs))
+            plans += [EncoderPlan(layout, ranks=ranks, schedule=schedule, **specs) for schedule in schedules]
     return plans
 
 
@@ -102,17 +104,24 @@ def disaggregated_splits(num_gpus: int, gpus_per_node: int) -> list[int]:
     return sorted(e for e in splits if 0 < e < num_gpus and (num_gpus <= gpus_per_node or e % gpus_per_node == 0))
 
 
-def encoder_variants(workload: Workload, layout: EncoderLayout, num_gpus: int,
-                     gpus_per_node: int) -> list[tuple[int, list[EncoderPlan]]]:
-    """(encoder-only ranks, the encoder halves to try with LLM plans on the rest) for `layout`; a workload
-    without encoder items (text only: the encoders run a dummy input wherever they are) has the default half
-    only."""
+def encoder_variants(workload: Workload, layout: EncoderLayout, num_gpus: int, gpus_per_node: int,
+                     schedules: tuple[EncoderSchedule, ...] = ("phased",)) -> list[tuple[int, list[EncoderPlan]]]:
+    """(encoder-only ranks, the encoder halves to try with LLM plans on the rest) for `layout` under each of
+    `schedules`; a workload without encoder items (text only: the encoders run a dummy input wherever they
+    are) has the default half only."""
     if not workload.items.count or layout == "coupled":
         return [(0, [EncoderPlan()])]
     if layout == "omni":
-        return [(0, encoder_plans(workload, "omni", 0, num_gpus, gpus_per_node))]
-    return [(k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node))
+        return [(0, encoder_plans(workload, "omni", 0, num_gpus, gpus_per_node, schedules))]
+    return [(k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node, schedules))
             for k in disaggregated_splits(num_gpus, gpus_per_node)]
+
+
+def encoder_schedules(gpu: GpuSpec) -> tuple[EncoderSchedule, ...]:
+    """The encoder schedules the runtime runs on `gpu`: the joint one on the catalogue's CPU device only
+    (`parallel/joint.py`: on CUDA it needs a low-priority stream, not built), so GPU Cells are never handed a
+    plan the runtime refuses."""
+    return ("phased", "joint") if gpu.name == "cpu" else ("phased",)
 
 
 def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan],
@@ -192,7 +201,7 @@ def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: 
     nodes, per_node = cell_shape(num_gpus, gpus_per_node)
     fits: list[Estimate] = []
     reasons = []
-    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node):
+    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, encoder_schedules(gpu)):
         plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, dp_only=dp_only)
         found, reason = search_plans(workload, gpu, plans, encoders, gpus_per_node=per_node, eff=eff)
         fits += found

@@ -144,3 +144,17 @@ def test_predicted_step_times_price_a_recipes_plans_on_this_machine(tmp_path, mo
     assert times["dp1-tp2-pp2+omni"] < times["dp1-tp2-pp2"]  # stage 0's two ranks vs all four
     with pytest.raises(ValueError, match=r"dp4\+omni.v-sp8-t10: encoders.vision.lssp=8 exceeds the 4 encoder ranks"):
         predicted_step_times(recipe, [ParallelPlan.parse("dp4+omni.v-sp8-t10")], profile)
+
+
+def test_the_search_tries_the_joint_schedule_where_the_runtime_runs_it():
+    from omni_core.estimator.search import encoder_schedules, search_cell
+
+    catalog = GpuCatalog()
+    assert encoder_schedules(catalog["cpu"]) == ("phased", "joint") and encoder_schedules(H100) == ("phased",)
+    w = replace(paper_workload("A", 0.9), global_batch=16, cache={})
+    gpu_cell = search_cell(w, H100, 8, 8, 2, eff=Efficiency())
+    assert all(not e.plan.encoders.joint for e in [gpu_cell.best, *gpu_cell.runners_up])
+    cpu = replace(catalog["cpu"], mem_gb=1e6)  # the paper's model on CPU "devices": priced, not run
+    cpu_cell = search_cell(w, cpu, 4, 4, 2, eff=Efficiency())
+    names = [e.plan.name for e in [cpu_cell.best, *cpu_cell.runners_up]]
+    assert cpu_cell.best.plan.encoders.joint, names  # pp=2: the joint schedule fills the pipeline's bubbles

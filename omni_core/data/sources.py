@@ -46,6 +46,8 @@ SKIP_REASONS = {
     "empty_audio": "an audio clip without samples",
     "oversized_image": "an image over data.max_image_pixels",
     "truncated_shard": "a tar that ends mid-member: the rest of the shard is lost",
+    "lost_sample": "a sample of a truncated shard after where it broke off, counted where the dataset's "
+                   "shardindex.json (webdataset's wids format) says how many the shard holds",
     "too_long": "a sample longer than data.seq_len",
     "unsafe_path": "a media path that is absolute or climbs out of the manifest's folder (never read)",
 }
@@ -183,9 +185,10 @@ class _Raw(NamedTuple):
 
 
 class _Truncated(NamedTuple):
-    """A shard that ends early: what went wrong; the rest of it is lost."""
+    """A shard that ends early: what went wrong, and how many whole samples came before; the rest is lost."""
 
     detail: str
+    met: int
 
 
 @dataclass
@@ -244,6 +247,7 @@ class ShardedSource(Source):
         if not self.shards:
             raise FileNotFoundError(f"{location}: no *{self.suffix} shard found")
         self.identity = f"{location} ({len(self.shards)} shards)"
+        self.held: dict[str, int] = {}  # samples per shard, where an index says (a truncated shard's lost ones)
 
     def plan(self, view: View, epoch: int) -> tuple[list[int], int]:
         """(shard indices this consumer reads in `epoch`, record stride): whole shards when there are enough
@@ -335,8 +339,13 @@ class ShardedSource(Source):
 
         for raw in self._entries(shard, offset, index):
             if isinstance(raw, _Truncated):
-                log.warning("%s: truncated_shard: %s", shard, raw.detail)
+                held = self.held.get(shard)
+                lost = sum(map(keep, range(raw.met, held))) if held is not None else 0
+                log.warning("%s: truncated_shard: %s; %s", shard, raw.detail,
+                            f"{lost} samples lost" if held is not None else "no shardindex.json entry: lost samples "
+                            "not counted")
                 entries.append((None, -1, "truncated_shard"))
+                entries += [(None, -1, "lost_sample")] * lost
                 yield flush()
                 return
             if not keep(raw.index):
@@ -485,12 +494,36 @@ def split_member(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
+def shard_index(index: str, raw: bytes) -> dict[str, int]:
+    """Samples per shard location from a wids index's bytes; a malformed one is refused by file and field."""
+    try:
+        shardlist = orjson.loads(raw)["shardlist"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{index}: not a wids shard index (JSON with a 'shardlist' list)") from None
+    held = {}
+    for i, entry in enumerate(shardlist if isinstance(shardlist, list) else [None]):
+        url, count = (entry.get("url"), entry.get("nsamples")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(url, str) or type(count) is not int or count < 0:
+            raise ValueError(f"{index}: shardlist[{i}] needs a 'url' string and a non-negative integer 'nsamples'")
+        held[join(parent(index), url)] = count
+    return held
+
+
 class WdsSource(ShardedSource):
     """WebDataset shards (`*.tar`): a sample is the consecutive members sharing a key. `key.json` holds its
     metadata (segments name members by extension: "png", "txt"); without it the segments are inferred from the
-    member extensions and sized from the file headers (no pixel or sample is decoded)."""
+    member extensions and sized from the file headers (no pixel or sample is decoded). A `shardindex.json`
+    beside the shards (webdataset's wids format: {"shardlist": [{"url": ..., "nsamples": ...}]}, urls
+    relative to it) says how many samples each holds, so a truncated shard's lost ones are counted."""
 
     suffix = ".tar"
+    INDEX = "shardindex.json"
+
+    def __init__(self, location: str, cfg: DataConfig) -> None:
+        super().__init__(location, cfg)
+        index = join(location if not location.endswith(self.suffix) else parent(location), self.INDEX)
+        if self.storage.exists(index):
+            self.held = shard_index(index, self.storage.read(index))
 
     def _entries(self, shard: str, offset: int, index: int) -> Iterator[_Raw | _Truncated]:
         body = self.storage.open(shard, offset)
@@ -511,7 +544,7 @@ class WdsSource(ShardedSource):
             if key is not None:
                 yield _Raw(index, start, end, (key, members))
         except (tarfile.TarError, OSError, EOFError) as err:
-            yield _Truncated(f"{err} (after {index} samples; the rest of the shard is skipped)")
+            yield _Truncated(f"{err} (after {index} samples; the rest of the shard is skipped)", index)
         finally:
             body.close()
 

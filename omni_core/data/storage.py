@@ -95,7 +95,7 @@ class Storage:
         """The location itself if it ends with `suffix`, else the files ending with it directly inside the
         folder (or S3 prefix taken as a folder), sorted by name."""
         if location.endswith(suffix):
-            if not (self._exists_s3(location) if is_s3(location) else Path(location).is_file()):
+            if not self.exists(location):
                 raise FileNotFoundError(f"{location}: no such file")
             return [location]
         if not is_s3(location):
@@ -109,6 +109,10 @@ class Storage:
         for page in self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
             keys += [obj["Key"] for obj in page.get("Contents", []) if obj["Key"].endswith(suffix)]
         return [f"s3://{bucket}/{key}" for key in sorted(keys)]
+
+    def exists(self, location: str) -> bool:
+        """Whether a file (or S3 object) is there."""
+        return self._exists_s3(location) if is_s3(location) else Path(location).is_file()
 
     def _exists_s3(self, location: str) -> bool:
         bucket, key = _bucket_key(location)

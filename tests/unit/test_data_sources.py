@@ -168,3 +168,39 @@ def test_bad_members_and_shards_are_skipped_and_counted_never_fatal(tmp_path):
         if not in_heldout(key, cfg.heldout_fraction):
             expected[reason] = 1
     assert stream.stats == expected
+
+
+def truncated_shards(folder, index: dict | None) -> None:
+    """shard-0: 3 whole samples; shard-1: 5 samples, cut inside the third (2 whole ones come out)."""
+    folder.mkdir()
+    with tarfile.open(folder / "shard-0.tar", "w") as tar:
+        for i in range(3):
+            image_sample(tar, f"a{i}", 16, 16, png(16, 16))
+    with tarfile.open(folder / "shard-1.tar", "w") as tar:
+        for i in range(5):
+            image_sample(tar, f"b{i}", 16 + i, 16, png(16 + i, 16))
+    whole = (folder / "shard-1.tar").read_bytes()
+    with tarfile.open(folder / "shard-1.tar") as tar:
+        third = next(m for m in tar.getmembers() if m.name == "b2.png")
+    (folder / "shard-1.tar").write_bytes(whole[: third.offset_data + 10])
+    if index is not None:
+        (folder / "shardindex.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_a_truncated_shards_lost_samples_are_counted_where_an_index_says_how_many(tmp_path, with_index):
+    index = {"wids_version": 1, "shardlist": [{"url": "shard-0.tar", "nsamples": 3},
+                                              {"url": "shard-1.tar", "nsamples": 5}]}
+    truncated_shards(tmp_path / "wds", index if with_index else None)
+    cfg = DataConfig(source="wds", path=str(tmp_path / "wds"))
+    stream = ConsumerStream(ManifestDataset(tmp_path / "wds", cfg), cfg,
+                            View(0, 1, "all", 0, one_pass=True, shuffle=False), lambda b: b)
+    assert sum(b.num_samples for b in iter(stream.next_batch, None)) == 5  # 3 + the 2 before the cut
+    assert stream.stats == ({"truncated_shard": 1, "lost_sample": 3} if with_index else {"truncated_shard": 1})
+
+
+def test_a_malformed_shard_index_is_refused_by_file_and_field(tmp_path):
+    truncated_shards(tmp_path / "wds", {"shardlist": [{"url": "shard-0.tar", "nsamples": -1}]})
+    cfg = DataConfig(source="wds", path=str(tmp_path / "wds"))
+    with pytest.raises(ValueError, match=r"shardindex\.json: shardlist\[0\] needs .* 'nsamples'"):
+        ManifestDataset(tmp_path / "wds", cfg)

@@ -77,15 +77,17 @@ def test_moe_every_other_layer_with_gshard_dispatch_matches_alpas_counts():
 
 
 def test_recomputation_is_searched_unless_the_job_fixes_it():
-    searched = trace_workload("bert__760M", 128)
-    assert searched.recompute is True  # Alpa's benchmark rematerialises
-    free = replace(searched, recompute=None, cache={})
-    never = replace(searched, recompute=False, cache={})
-    cells = {name: search_cell(w, A100, 2, 2, 1, eff=Efficiency()) for name, w in
-             (("always", searched), ("free", free), ("never", never))}
-    assert cells["always"].best.options.checkpoint and not cells["never"].best.options.checkpoint
-    assert cells["free"].best.step_time_s == pytest.approx(
-        min(cells["always"].best.step_time_s, cells["never"].best.step_time_s))
+    assert trace_workload("bert__760M", 128).recompute is True  # Alpa's benchmark rematerialises
+    # 0.2 GB for a rank: without recomputation one sample per micro-batch fits, with it four, which amortise
+    # the per-operator costs better than the extra forward costs: the search takes it (before, recomputation
+    # was tried only when nothing fitted without it)
+    w = transformer("t", n_layers=4, dim=256, heads=4, vocab=1000, seq_len=2048, global_batch=16)
+    gpu, eff = replace(A100, mem_gb=A100.reserved_gb + 0.2), Efficiency(op_overhead_s=1e-4)
+    cells = {fixed: search_cell(replace(w, recompute=fixed, cache={}), gpu, 1, 1, 1, eff=eff).best
+             for fixed in (None, True, False)}
+    assert cells[None].options == Options(4, checkpoint=True) == cells[True].options
+    assert cells[False].options == Options(1, checkpoint=False)
+    assert cells[None].step_time_s < cells[False].step_time_s
 
 
 def test_a_calibration_stored_with_per_gpu_links_loads_as_per_node(tmp_path, monkeypatch):

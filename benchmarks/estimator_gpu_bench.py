@@ -144,8 +144,9 @@ def load_plain(path: Path):
 def testbed_nic_bw(comm_dir: Path) -> dict[str, dict]:
     """Per GPU type, the NIC bandwidth per node its multi-node collective measurements imply: per group of
     ranks across nodes, the largest all-reduce's bus bandwidth (2(n-1)/n x bytes / seconds; a send's bytes /
-    seconds when the file has no all-reduce) x the node's ranks / the group's ranks per node (the group's
-    share of the node's NICs, as `communication.Network` prices it); the median over the files of the
+    seconds when the file has no all-reduce) x the node's ranks at work in that measurement (its groups run
+    at once) / the group's ranks per node (the group's share of the node's NICs, as `communication.Network`
+    prices it); the median over the files of the
     InfiniBand network where the artifact measured one (`_ib`), else over the others."""
     found: dict[str, dict[bool, list[tuple[str, float]]]] = defaultdict(lambda: defaultdict(list))
     for path in sorted(comm_dir.glob("*.pkl")):
@@ -163,7 +164,8 @@ def testbed_nic_bw(comm_dir: Path) -> dict[str, dict]:
             shape, _, seconds, _ = measured[kind, groups][-1]
             nbytes = 4 * math.prod(shape)
             bus = nbytes / seconds * (2 * (n - 1) / n if kind == "all-reduce" else 1.0)
-            found[ARENA_GPUS[c["gpu"]]][ib].append((path.name, bus * per_node / (n / nodes)))
+            busy = sum(rank // per_node == 0 for group in groups for rank in group)  # node 0's ranks at work
+            found[ARENA_GPUS[c["gpu"]]][ib].append((path.name, bus * busy / (n / nodes)))
     links = {}
     for gpu, by_network in found.items():
         chosen = by_network[True] or by_network[False]

@@ -141,11 +141,15 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
         # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
         # try them from 1 up until memory runs out or the step gets slower. Without, the largest that fits is
         # fastest (per-op costs amortise): try from the top down. Checkpointing is searched like the rest (it
-        # costs a forward but can fit a larger micro-batch) unless the job fixes it (`Workload.recompute`).
+        # costs a forward but can fit a larger micro-batch) unless the job fixes it (`Workload.recompute`): it
+        # is tried when memory refused a micro-batch without it (otherwise each of its options only adds time).
         descending = plan.pp == 1
         variants = [replace(plan, encoders=e) for e in encoders]
         options: list[Estimate] = []
+        memory_bound = False
         for checkpoint in ((False, True) if workload.recompute is None else (workload.recompute,)):
+            if checkpoint and workload.recompute is None and not memory_bound:
+                break
             tried: list[Estimate] = []
             for mb in (sizes[::-1] if descending else sizes):
                 # an encoder half the runtime refuses (sharded weights) only where no replicated one fits
@@ -153,6 +157,7 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
                                          eff=eff) for variant in variants),
                           key=lambda e: (not e.fits, bool(e.plan.encoders.sharded), e.step_time_s))
                 if not est.fits:
+                    memory_bound |= est.reason.startswith("out of memory")
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
                         closest = est
                     if descending:
@@ -201,7 +206,10 @@ def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: 
     nodes, per_node = cell_shape(num_gpus, gpus_per_node)
     fits: list[Estimate] = []
     reasons = []
-    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, encoder_schedules(gpu)):
+    # one stage has no bubbles for the joint schedule to fill (`encoders.omni_encoder_seconds`): it could only
+    # add its per-micro-batch rounds; DistTrain's (disaggregated) overlaps the two sides at any depth
+    schedules = encoder_schedules(gpu) if pp > 1 or layout == "disaggregated" else ("phased",)
+    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, schedules):
         plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, dp_only=dp_only)
         found, reason = search_plans(workload, gpu, plans, encoders, gpus_per_node=per_node, eff=eff)
         fits += found

@@ -3,10 +3,11 @@
 A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
 DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
 size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
-checkpointing (with and without, unless the job fixes it) and, for MLLMs, the encoders' half of the
-plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP group with its long-item
-threshold and replicated or FSDP weights, the schedule where the runtime runs both (`encoder_schedules`),
-`disaggregated` also how many ranks the encoders get); it drops
+checkpointing (wherever memory refused a micro-batch without it, unless the job fixes it) and, for MLLMs, the
+encoders' half of the plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP
+group with its long-item threshold and replicated or FSDP weights, the joint schedule beside the phased one
+where the runtime runs it and it can gain (`encoder_schedules`, with pipeline stages or disaggregated
+encoders), `disaggregated` also how many ranks the encoders get); it drops
 plans that do not fit memory and plans the runtime would refuse (the plan object's `check_model`, the pipeline
 schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the fastest plus runners-up. `CellTable`
 is the stage's typed result; its plan names carry the encoders' half (`dp1-tp2+omni.v-sp2-t256`).

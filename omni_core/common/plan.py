@@ -111,7 +111,7 @@ class EncoderPlan:
 
     @property
     def sharded(self) -> list[str]:
-        """The encoders whose weights this plan FSDP-shards: priced by the estimator, refused by the runtime."""
+        """The encoders whose weights this plan FSDP-shards over their group (`parallel.encoder_shards`)."""
         return [key for key in ENCODER_KEYS if self.spec(key).fsdp]
 
     @property

@@ -15,7 +15,9 @@ Under the `phased` schedule (the design's reference) a step runs in three phases
    by one variable-split all-to-all (`AllToAll`) whose backward is the mirrored exchange of their gradients;
 2. the LLM's forward and backward, pipelined or not, on detached leaves of those rows;
 3. `EncoderStep.backward`: the leaves' gradients go back through the mirrored all-to-all, the encoders run
-   backward, and their gradients are summed over the world (the weights are replicated).
+   backward, and their gradients are summed over the encoders' group: all-reduced for replicated weights,
+   reduce-scattered into the shards of FSDP-sharded ones (`parallel.encoder_shards`, gathered whole at the
+   start of phase 1).
 
 Under `joint` (`parallel.joint`) the start of phase 1 is the same (metadata, assignment, inputs), then the
 encoders run per micro-batch in each rank's idle time and hand their rows off point to point as they are made.
@@ -48,6 +50,7 @@ from omni_core.models.omni import OmniModel
 from omni_core.models.projector import merged_grid
 from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 from omni_core.parallel.context import cp_token_index
+from omni_core.parallel.encoder_shards import EncoderShards, sharded_modules
 from omni_core.parallel.joint import JointStep
 from omni_core.parallel.lssp import SequenceShard, lssp_splits
 
@@ -276,11 +279,13 @@ class EncoderStep:
             for i in range(0, len(ranks) - size + 1, size):  # every rank creates every group, in one order
                 group = tuple(ranks[i:i + size])
                 self.lssp_groups[group] = dist.new_group(list(group))
-        # the encoders' gradient all-reduce: over the world (`omni`), or the encoders' own ranks (every rank
-        # creates the group, members or not)
+        # the encoders' group (gradient all-reduce of replicated weights, FSDP of sharded ones): the world
+        # (`omni`), or the encoders' own ranks (every rank creates the group, members or not)
         self.encoder_group = dist.new_group(list(plan.encoder_ranks)) if plan.encoders.ranks else None
+        self.shards = EncoderShards(sharded_modules(model, plan.encoders.sharded), self.encoder_group, device)
+        sharded = {id(p) for p in self.shards.params}
         self.params = [p for name in ("vision", "audio", "projectors") if getattr(model, name, None) is not None
-                       for p in getattr(model, name).parameters() if p.requires_grad]
+                       for p in getattr(model, name).parameters() if p.requires_grad and id(p) not in sharded]
         if plan.encoders.joint:
             if device.type != "cpu":
                 raise PlanError(f"plan {plan.name}: the joint encoder schedule is built for CPU ranks (its encoder "
@@ -312,6 +317,7 @@ class EncoderStep:
         Metrics: `encoder_s`, the seconds this rank's encoders computed (forward and backward); the wall time
         spent outside the LLM's phase is kept for the step's idle share (`outside_s`)."""
         start = time.perf_counter()
+        self.shards.gather()
         mine = describe_items(batches, self.shard_of[self.rank], self.model.args) if self._owns_shard() else []
         gathered: list[tuple[int, list[Item]]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(gathered, (len(batches), mine))
@@ -496,7 +502,8 @@ class EncoderStep:
 
     def backward(self) -> None:
         """Send the LLM's gradients of the received rows back and run the encoders' backward (`joint`: await the
-        encoder thread's); then sum the encoders' gradients over the world (their weights are replicated)."""
+        encoder thread's); then sum the encoders' gradients over their group: reduce-scattered into the shards of
+        sharded weights (`EncoderShards`), all-reduced for replicated ones."""
         start = time.perf_counter()
         if self._joint is not None:
             self.metrics["encoder_s"] = self._joint.finish()
@@ -510,6 +517,7 @@ class EncoderStep:
             computing = time.perf_counter()
             torch.autograd.backward(received, grad)
             self.metrics["encoder_s"] += time.perf_counter() - computing
+        self.shards.reduce()
         if self.params:
             for param in self.params:
                 if param.grad is None:

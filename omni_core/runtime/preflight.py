@@ -90,7 +90,7 @@ def _plan(recipe: Recipe) -> list[Finding]:
         return []
     try:
         plan = resolve_plan(recipe, recipe.parallel.nproc)
-        check_buildable(plan)
+        check_buildable(plan, recipe.train.compile)
     except PlanError as error:
         return [Finding("parallel", f"{error} (model {recipe.model.flavor}, {recipe.parallel.nproc} ranks)")]
     return _balance(recipe, plan)

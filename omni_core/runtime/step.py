@@ -83,19 +83,20 @@ def shards_per_node(plan: ParallelPlan, info: DistInfo) -> int:
     return max(1, min(plan.dp, local * plan.dp // plan.llm_world_size))
 
 
-def check_buildable(plan: ParallelPlan) -> None:
+def check_buildable(plan: ParallelPlan, compile: bool = False) -> None:
     """Refuse what the estimator prices but the runtime does not build (PlanError), before any rank starts."""
     sharded = plan.encoders.sharded
-    if sharded:
-        raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp is priced by the estimator but the runtime "
-                        "replicates the encoders' weights over their group (sharding them is not built)")
+    if sharded and compile:
+        raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp with train.compile is not built (a step "
+                        "installs the gathered weights in the encoder blocks, which compiled blocks were not tested "
+                        "with); set train.compile=false or replicate the encoder")
 
 
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
     `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM."""
-    check_buildable(plan)
+    check_buildable(plan, recipe.train.compile)
     meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
     model = build_model(
         recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,

@@ -1,6 +1,6 @@
-"""The `omni` encoder layout on gloo: encoders over every rank under their own plan (LSSP for long items),
-the handoff into the LLM's layout, and the three-phase step, all against one process; and the
-`disaggregated` baseline (encoders on ranks of their own) the same way.
+"""The `omni` encoder layout on gloo: encoders over every rank under their own plan (LSSP for long items,
+replicated or FSDP-sharded weights), the handoff into the LLM's layout, and the three-phase step, all against
+one process; and the `disaggregated` baseline (encoders on ranks of their own) the same way.
 
 Tolerances are those of `tests.helpers.plans.check_plans`: losses rel 1e-5, gradients rtol 1e-3 / atol 1e-6
 (fp32; the layouts sum the same terms in other orders)."""
@@ -79,7 +79,7 @@ def _partial_worker(rank: int, world: int, plan_name: str, freeze: tuple[str, ..
     return loss, optimizers.grads
 
 
-@pytest.mark.parametrize("plan", ["dp2+omni", "dp2+omni.v-sp2-t8.a-sp2-t8", "dp1+disagg1"])
+@pytest.mark.parametrize("plan", ["dp2+omni", "dp2+omni.v-sp2-t8.a-sp2-t8", "dp1+disagg1", "dp2+omni.v-fsdp.a-fsdp"])
 def test_a_step_where_only_one_shard_holds_images_and_audio(plan):
     """Rank 1 has nothing to encode from its own batch; under LSSP it still encodes chunks of rank 0's items
     (the video as frame groups). Either way every rank enters every collective and the gradients are those
@@ -100,7 +100,7 @@ def test_frozen_encoders_skip_their_backward(freeze):
     too, the handoff has no backward at all); what trains matches one process."""
     (ref_loss, ref_grads), = run_ranks(_partial_worker, 1, "dp1", freeze)
     merged: dict[str, torch.Tensor] = {}
-    for loss, grads in run_ranks(_partial_worker, 2, "dp2+omni", freeze):
+    for loss, grads in run_ranks(_partial_worker, 2, "dp2+omni.v-fsdp", freeze):  # sharded and replicated
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         merged.update(grads)
     assert merged.keys() == ref_grads.keys()
@@ -134,3 +134,39 @@ def test_joint_schedule_where_only_one_shard_holds_images_and_audio(plan):
     assert merged.keys() == ref_grads.keys()
     for name, expected in ref_grads.items():
         torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_sharded_encoder_weights_train_like_one_process(tmp_path):
+    """Encoder weights FSDP-sharded over the encoders' group (gathered once per step, gradients
+    reduce-scattered): beside replicated ones, under LSSP and TP consumers, in the joint schedule's thread, and
+    over the encoders' own two ranks (`disaggregated`)."""
+    check_plans(tmp_path, 2, [("debug", name) for name in (
+        "dp2+omni.v-fsdp.a-fsdp", "dp1-tp2+omni.v-sp2-t16-fsdp.a-sp2-t16", "dp1-pp2+omni-joint.v-fsdp")],
+        balanced=True)
+    check_plans(tmp_path, 3, [("debug", "dp1+disagg2.v-fsdp.a-fsdp")])
+
+
+def _shard_sizes_worker(rank: int, world: int) -> dict[str, int]:
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    replica = build_replica(_recipe(), ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32)
+    held = {name: 0 for name in ("vision", "projectors.image", "audio")}
+    for name, param in replica.parts[0].named_parameters():
+        for prefix in held:
+            if name.startswith(prefix + "."):
+                held[prefix] += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    return held
+
+
+def test_a_sharded_encoder_keeps_its_share_of_the_weights_at_rest():
+    """The vision encoder and its projector are sharded over the two ranks (their optimizer state follows the
+    registered shards); the replicated audio encoder is whole on both."""
+    from omni_core.models.omni import build_model
+
+    model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=3)
+    whole = {name: sum(p.numel() for p in module.parameters()) for name, module in
+             (("vision", model.vision), ("projectors.image", model.projectors["image"]), ("audio", model.audio))}
+    held = run_ranks(_shard_sizes_worker, 2)
+    for name in ("vision", "projectors.image"):
+        assert sum(rank[name] for rank in held) == whole[name]
+        assert all(rank[name] <= whole[name] * 0.6 for rank in held), name
+    assert all(rank["audio"] == whole["audio"] for rank in held)

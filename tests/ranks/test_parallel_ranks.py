@@ -92,7 +92,9 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
 
 @pytest.mark.parametrize("saved,resumed", [("dp4", "dp2-tp2"), ("dp2-tp2", "dp2-pp2"), ("dp2-pp2", "dp1-tp2-cp2r"),
                                           ("dp2-tp2", "dp2-pp2+omni"), ("dp4+omni.v-sp2-t16", "dp1-tp2-cp2r"),
-                                          ("dp2-tp2+omni", "dp1-tp2+disagg2")])
+                                          ("dp2-tp2+omni", "dp1-tp2+disagg2"),
+                                          ("dp4+omni.v-fsdp.a-fsdp", "dp1-tp2+disagg2.v-fsdp"),
+                                          ("dp1-tp2+disagg2.v-fsdp", "dp2-tp2+omni")])
 def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, resumed):
     ensure_dataset(recipe_for(tmp_path))
     for continued, after_resume in run_ranks(_resume_worker, 4, str(tmp_path), saved, resumed):

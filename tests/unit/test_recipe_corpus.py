@@ -157,9 +157,9 @@ LAUNCH = [
          sets=("parallel.ep=2",)),
     Case("cp-seq-len", "parallel: plan dp1-cp2u+omni does not fit the model: cp=2 (ulysses) x tp=1 needs seq_len=17 "
          "divisible by 2", sets=("parallel.cp=2", "data.seq_len=17"), at="--set parallel.cp=2"),
-    Case("encoder-fsdp", "parallel: plan dp2+omni.v-fsdp: encoders.vision.fsdp is priced by the estimator but the "
-         "runtime replicates the encoders' weights",
-         ("encoders: {layout: omni}", "encoders: {layout: omni, vision: {fsdp: true}}"), at="parallel:"),
+    Case("encoder-fsdp-compiled", "parallel: plan dp2+omni.v-fsdp: encoders.vision.fsdp with train.compile is not "
+         "built", ("encoders: {layout: omni}", "encoders: {layout: omni, vision: {fsdp: true}}"),
+         sets=("train.compile=true",), at="parallel:"),
     Case("group-size", "data.balance.group_size: data.balance.group_size=3 must divide the 2 data ranks of plan "
          "dp2+omni", ("micro_batch: 1", "micro_batch: 1\n  balance: {group_size: 3}"), at="balance:"),
     Case("data-missing", "data.path: data.source is 'jsonl' but {tmp}/missing does not exist",

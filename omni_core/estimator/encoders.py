@@ -15,7 +15,7 @@ pp > 1) on detached embeddings, the encoder backward after it, so no pipeline bu
 the bubble. Items' inputs travel from their data
 shard's rank to their encoder rank (forward), their embeddings to every stage-0 rank of their shard and the
 gradients back (variable-split all-to-alls, `handoff_seconds`). Weights are replicated over the world with one
-gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`).
+gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`: gathered whole once per step).
 
 `disaggregated` (DistTrain): the encoders on `plan.encoders.ranks` ranks of their own, data parallel, no
 rebalancing; the LLM on the others (`disaggregated_encoders`; `cost` composes the two sides).
@@ -42,6 +42,7 @@ from omni_core.estimator.workloads import Workload
 
 MIB = 2**20
 ADAM_STATE_BYTES = 18.0  # disaggregated encoder ranks: bf16 weights + fp32 grads, master weights and two moments
+GATHERED_BYTES = 4.0  # FSDP-sharded encoders gather their fp32 weights (autocast casts them per call)
 
 
 def encoder_sums(workload: Workload) -> Sums:
@@ -198,23 +199,31 @@ def encoder_rounds(terms: PlanTerms) -> int:
     return terms.micro_batches if terms.plan.encoders.joint else 1
 
 
-def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
-    """Per step, each encoder's weights over the world: replicated, one gradient all-reduce; FSDP
-    (`EncoderSpec.fsdp`), parameter all-gathers forward and backward per round, a gradient reduce-scatter and
-    the units' wrappers. Then the optimizer over the rank's share."""
+def omni_weight_seconds(terms: PlanTerms) -> float:
+    """Per step, each encoder's weights over the world: replicated, one gradient all-reduce; FSDP-sharded
+    (`EncoderSpec.fsdp`, as `parallel.encoder_shards` runs it), one all-gather of the fp32 weights before the
+    step's first encoder call and one gradient reduce-scatter after the last, whatever the schedule's rounds.
+    Then the optimizer over the rank's share."""
     plan, eff, world = terms.plan, terms.eff, terms.plan.world_size
     seconds = 0.0
     for key, st in encoder_parts(terms.workload).items():
         if plan.encoders.spec(key).fsdp:
-            gather = 2 * exposed_dp_seconds(terms, "all_gather", st.params * terms.weight_bytes, world, world, st.units)
-            seconds += (rounds * (gather + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s)
-                        + exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world,
-                                             st.units)
+            seconds += (exposed_dp_seconds(terms, "all_gather", st.params * GATHERED_BYTES, world, world, 1)
+                        + exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world, 1)
+                        + eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s
                         + optimizer_seconds(terms, st.params / world, st.tensors))
         else:
             seconds += (exposed_dp_seconds(terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1)
                         + optimizer_seconds(terms, st.params, st.tensors))
     return seconds
+
+
+def encoder_state_bytes(params: float, state_bytes: float, grad_bytes: float, ranks: int, sharded: bool) -> float:
+    """An encoder's model states on one of its `ranks`: whole when replicated; FSDP-sharded, its share at
+    rest plus the full fp32 weights and gradients a step gathers (`parallel.encoder_shards`)."""
+    if not sharded:
+        return params * state_bytes
+    return params * (state_bytes / ranks + GATHERED_BYTES + grad_bytes)
 
 
 def handoff_seconds(terms: PlanTerms) -> float:
@@ -242,19 +251,19 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(terms)
     seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * terms.passes / 3 * rounds
-               + omni_weight_seconds(terms, rounds) + handoff)
+               + omni_weight_seconds(terms) + handoff)
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
     return max(seconds - filled, 0.0), long_item, handoff
 
 
 def omni_encoder_bytes(terms: PlanTerms) -> float:
-    """The `omni` encoders' bytes on every rank: each encoder's states (its share under FSDP, else whole), the
+    """The `omni` encoders' bytes on every rank: each encoder's states (`encoder_state_bytes`), the
     activations of the rank's share of the items in flight (the whole step's under three phases, a
     micro-batch's under the joint schedule) or of its slice of the longest item, whichever is larger."""
     workload, plan = terms.workload, terms.plan
     enc, world = encoder_sums(workload), plan.world_size
-    states = sum(st.params * terms.state_bytes / (world if plan.encoders.spec(key).fsdp else 1)
-                 for key, st in encoder_parts(workload).items())
+    states = sum(encoder_state_bytes(st.params, terms.state_bytes, terms.eff.grad_bytes, world,
+                                     plan.encoders.spec(key).fsdp) for key, st in encoder_parts(workload).items())
     acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
     in_flight = max(workload.global_batch / world / encoder_rounds(terms),
                     long_item_share(workload, long_item_group(workload, plan.encoders)))  # samples' activations
@@ -284,7 +293,7 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     if refusal:
         return EncoderRanks(math.inf, 0.0, math.inf, refusal)
     enc, per_rank = encoder_sums(workload), workload.global_batch / ranks
-    states = sum(st.params * ADAM_STATE_BYTES / (ranks if plan.encoders.spec(key).fsdp else 1)
+    states = sum(encoder_state_bytes(st.params, ADAM_STATE_BYTES, eff.grad_bytes, ranks, plan.encoders.spec(key).fsdp)
                  for key, st in encoder_parts(workload).items())
     group = long_item_group(workload, plan.encoders)
     in_flight = max(min(per_rank, 1.0), long_item_share(workload, group))  # samples' activations at once

@@ -153,10 +153,9 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
                 break
             tried: list[Estimate] = []
             for mb in (sizes[::-1] if descending else sizes):
-                # an encoder half the runtime refuses (sharded weights) only where no replicated one fits
                 est = min((estimate_step(workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node,
                                          eff=eff) for variant in variants),
-                          key=lambda e: (not e.fits, bool(e.plan.encoders.sharded), e.step_time_s))
+                          key=lambda e: (not e.fits, e.step_time_s))
                 if not est.fits:
                     memory_bound |= est.reason.startswith("out of memory")
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:

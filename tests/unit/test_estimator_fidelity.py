@@ -169,7 +169,7 @@ def test_gpu_validation_cases_are_plans_the_runtime_accepts_at_bf16_on_nccl(tmp_
     from omni_core.measure.calibrate import CUDA_PROBES
     from omni_core.measure.validate import case_recipe, gpu_validation_cases
 
-    for gpus, count in ((1, 12), (2, 17), (4, 21)):
+    for gpus, count in ((1, 12), (2, 17), (4, 22)):
         cases = gpu_validation_cases(gpus, quick=False)
         assert len(cases) == count and max(c.world for c in cases) <= gpus
     for case in gpu_validation_cases(4, quick=False):

@@ -501,7 +501,7 @@ def _deployments_command(args: argparse.Namespace) -> int:
 def _render_command(args: argparse.Namespace) -> int:
     import yaml
 
-    from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, slurm_script
+    from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, run_name, slurm_script
 
     recipe = _checked(args)
     nproc = recipe.parallel.nproc
@@ -509,7 +509,7 @@ def _render_command(args: argparse.Namespace) -> int:
         print(f"omni: render: parallel.nproc={nproc} ranks do not split over --nodes {args.nodes}", file=sys.stderr)
         return USAGE_ERROR
     try:
-        spec = RunSpec(name=args.name or recipe.experiment.name.lower().replace("_", "-").replace(".", "-"),
+        spec = RunSpec(name=args.name or run_name(recipe.experiment.name),
                        recipe=str(args.recipe), result=args.result, nodes=args.nodes, ranks_per_node=nproc // args.nodes,
                        image=args.image, cpus_per_node=args.cpus_per_node, memory_gb=args.memory_gb,
                        gpus_per_node=args.gpus_per_node, max_restarts=recipe.train.max_restarts,

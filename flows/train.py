@@ -90,7 +90,8 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
     spool = run_dir / SPOOL_FILE  # what rank 0 could not send while the server was away
     try:
         result = run_torchrun.with_options(retries=r.train.launch_retries)(
-            str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s, r.train.max_restarts)
+            str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s, r.train.max_restarts,
+            r.launch, r.experiment.name)
     except BaseException:
         replay_when_reachable(run, spool, wait_s=0)
         raise

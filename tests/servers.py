@@ -74,3 +74,68 @@ def postgres_server(port: int, *, database: str = "mlflow") -> Iterator[str]:
             run(postgres_bin("pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "-w", "stop")
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+SLURM_DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def slurm_bin(name: str) -> str:
+    """A Slurm or MUNGE program (Debian: slurmctld, slurmd, slurm-client, munge; `.ci/run` installs them)."""
+    found = shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.path.exists(p)),
+                                       None)
+    if found is None:
+        raise RuntimeError(f"{name} not found: `apt-get install -y slurmctld slurmd slurm-client munge` (as .ci/run "
+                           "does)")
+    return found
+
+
+@contextmanager
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    """A one-node Slurm cluster on loopback: its own MUNGE daemon (socket in a temporary folder, the package's
+    key), slurmctld and slurmd on free ports, as the current user, with no cgroups (process tracking by
+    parentage). Yields the environment its clients need (SLURM_CONF) once the node is idle."""
+    import getpass
+    import socket
+
+    from omni_core.runtime.ranks import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="omni-slurm-"))
+    user, host = getpass.getuser(), socket.gethostname().split(".")[0]
+    for folder in ("state", "spool", "munge"):
+        (root / folder).mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=omni-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmUser={user}", f"SlurmdUser={user}",
+        "AuthType=auth/munge", f"AuthInfo=socket={root}/munge/munge.socket", f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool", f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=16000 State=UNKNOWN",
+        f"PartitionName=omni Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""]))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    munge = [slurm_bin("munged"), "--foreground", "--force", f"--socket={root}/munge/munge.socket",
+             f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munge/munged.log",
+             f"--seed-file={root}/munge/munged.seed"]
+    procs = []
+    try:
+        for cmd in (munge, [slurm_bin("slurmctld"), "-D", "-f", str(conf), "-L", str(root / "slurmctld.log")],
+                    [slurm_bin("slurmd"), "-D", "-f", str(conf), "-L", str(root / "slurmd.log")]):
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while True:
+            state = subprocess.run([slurm_bin("sinfo"), "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+            if state.stdout.strip() == "idle":
+                break
+            dead = [p.args[0] for p in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "\n".join(p.read_text()[-1500:] for p in root.glob("*.log"))
+                raise RuntimeError(f"slurm not ready (exited: {dead}; sinfo: {state.stdout or state.stderr}):\n{logs}")
+            time.sleep(0.5)
+        yield {"SLURM_CONF": str(conf)}
+    finally:
+        for proc in reversed(procs):
+            terminate_group(proc, grace_s=10)
+        shutil.rmtree(root, ignore_errors=True)

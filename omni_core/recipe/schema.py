@@ -513,6 +513,25 @@ class TrainConfig(Strict):
         return self
 
 
+class LaunchConfig(Strict):
+    """Where the train stage starts torchrun: on this machine (`local`), or as a Slurm batch job (`slurm`: the
+    `sbatch` of `runtime.targets.slurm_script`, on a cluster whose nodes share this filesystem)."""
+
+    target: Literal["local", "slurm"] = Field("local", description="local: a process group here; slurm: sbatch")
+    nodes: StrictInt = Field(1, ge=1, description="Nodes of the launch (slurm); parallel.nproc ranks split over them")
+    partition: NoCredentials = Field("", description="Slurm partition; empty: the cluster's default")
+    cpus_per_node: StrictInt = Field(2, ge=1)
+    memory_gb: StrictInt = Field(8, ge=1)
+    gpus_per_node: StrictInt = Field(0, ge=0)
+    poll_s: StrictFloat = Field(2.0, gt=0, description="How often a Slurm job's state and output are read")
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> LaunchConfig:
+        if self.target == "local" and self.nodes > 1:
+            raise ValueError(f"nodes={self.nodes} needs target slurm: a local launch is this one machine")
+        return self
+
+
 class EvalConfig(Strict):
     max_batches: StrictInt = Field(50, ge=1, description="Held-out packed sequences per rank to evaluate")
     generate_samples: StrictInt = Field(16, ge=0, description="Held-out documents per modality captioned greedily")
@@ -572,6 +591,14 @@ class Recipe(Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     replan: ReplanConfig = Field(default_factory=ReplanConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _ranks_split_over_nodes(self) -> Recipe:
+        if self.parallel.nproc % self.launch.nodes:
+            raise ValueError(f"launch.nodes={self.launch.nodes} must divide parallel.nproc={self.parallel.nproc} "
+                             "(ranks per node)")
+        return self
 
     @model_validator(mode="after")
     def _replan_has_stops(self) -> Recipe:

@@ -68,9 +68,20 @@ def _launch_findings(recipe: Recipe, written: Collection[str] = ()) -> tuple[lis
     args, flavor_problems = _model(recipe)
     problems = [
         *flavor_problems, *(_plan(recipe) if args else []), *_schedule(recipe, written), *_devices(recipe),
-        *_data(recipe), *_checkpoints(recipe, args), *_tracking(recipe),
+        *_data(recipe), *_checkpoints(recipe, args), *_tracking(recipe), *_launcher(recipe),
     ]
     return problems, _capacity_warnings(recipe)
+
+
+def _launcher(recipe: Recipe) -> list[Finding]:
+    """A Slurm launch needs Slurm's commands here (the job is submitted and followed from this machine)."""
+    if recipe.launch.target != "slurm":
+        return []
+    missing = [name for name in ("sbatch", "scontrol", "scancel") if shutil.which(name) is None]
+    if not missing:
+        return []
+    return [Finding("launch.target", f"slurm needs {', '.join(missing)} on PATH (Slurm's client commands, "
+                                     "configured for the cluster: SLURM_CONF)")]
 
 
 # --- model and plan --------------------------------------------------------------------------------------

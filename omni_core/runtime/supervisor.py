@@ -46,7 +46,7 @@ _LOST_PEER = re.compile(r"^(DistBackendError|DistNetworkError|DistStoreError)\b|
                         r"|Broken pipe|gloo/transport|NCCL (error|communicator)", re.I)
 
 
-def _with_tail(message: str, tail: Sequence[str]) -> str:
+def with_tail(message: str, tail: Sequence[str]) -> str:
     return f"{message}; last {len(tail)} lines of output:\n" + "\n".join(tail) if tail else message
 
 
@@ -119,7 +119,7 @@ def run_process_group(
     name = name or shlex.join(cmd)
 
     def timed_out() -> LaunchError:
-        return LaunchError(_with_tail(f"{name} exceeded its {timeout_s:g}s limit and was killed", tail))
+        return LaunchError(with_tail(f"{name} exceeded its {timeout_s:g}s limit and was killed", tail))
 
     try:
         while True:
@@ -143,7 +143,7 @@ def run_process_group(
         except subprocess.TimeoutExpired:
             raise timed_out() from None
         if returncode != 0:
-            raise LaunchError(_with_tail(f"{name} exited with code {returncode}", tail))
+            raise LaunchError(with_tail(f"{name} exited with code {returncode}", tail))
     finally:
         terminate_group(proc, grace_s)
 

@@ -4,10 +4,11 @@ torchrun's c10d rendezvous meets on the first node (pod index 0, the allocation'
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?")
@@ -31,6 +32,8 @@ class RunSpec:
     port: int = 29400  # the rendezvous
     max_restarts: int = 0  # torchrun restarts every rank after one fails; the launch resumes its last checkpoint
     overrides: tuple[str, ...] = ()  # the recipe's `--set key=value`s
+    time_limit_s: float = 0.0  # the cluster enforces it (Slurm --time, the Job's activeDeadlineSeconds); 0: none
+    partition: str = ""  # Slurm: the partition (empty: the cluster's default)
 
     def __post_init__(self) -> None:
         if not _LABEL.fullmatch(self.name):
@@ -39,10 +42,17 @@ class RunSpec:
         for key in ("nodes", "ranks_per_node", "cpus_per_node", "memory_gb"):
             if getattr(self, key) < 1:
                 raise ValueError(f"run {self.name}: {key}={getattr(self, key)} must be >= 1")
+        if self.time_limit_s < 0:
+            raise ValueError(f"run {self.name}: time_limit_s={self.time_limit_s} must be >= 0")
         if self.max_restarts < 0:
             raise ValueError(f"run {self.name}: max_restarts={self.max_restarts} must be >= 0")
         if self.gpus_per_node and self.gpus_per_node < self.ranks_per_node:
             raise ValueError(f"run {self.name}: {self.ranks_per_node} ranks per node on {self.gpus_per_node} GPUs")
+
+
+def run_name(text: str) -> str:
+    """`text` (an experiment's name) as a run name: lower case, other characters as '-', at most 52."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:52].strip("-") or "omni"
 
 
 def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
@@ -90,6 +100,7 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": spec.name, "labels": dict(labels)},
         "spec": {
             "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes, "backoffLimit": 0,
+            **({"activeDeadlineSeconds": math.ceil(spec.time_limit_s)} if spec.time_limit_s else {}),
             "template": {
                 "metadata": {"labels": dict(labels)},
                 "spec": {"subdomain": spec.name, "restartPolicy": "Never", "containers": [container]},
@@ -99,16 +110,20 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
     return [service, job]
 
 
-def slurm_script(spec: RunSpec) -> str:
-    """An sbatch script: one task per node, each running torchrun (from the README's set-up on the shared
-    filesystem, on PATH), meeting at the allocation's first host."""
+def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
+    """An sbatch script: one task per node, each running `torchrun` (by default the README's set-up on the
+    shared filesystem, on PATH), meeting at the allocation's first host."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={spec.cpus_per_node}",
              f"#SBATCH --mem={spec.memory_gb}G"]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    if spec.time_limit_s:
+        lines.append(f"#SBATCH --time={math.ceil(spec.time_limit_s / 60)}")  # minutes
+    if spec.partition:
+        lines.append(f"#SBATCH --partition={spec.partition}")
     lines += ["set -euo pipefail", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
               'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
     args = torchrun_args(spec, f"__HEAD__:{spec.port}")
-    command = shlex.join(["srun", "torchrun", *args]).replace("__HEAD__", '"$head"')
+    command = shlex.join(["srun", *torchrun, *args]).replace("__HEAD__", '"$head"')
     return "\n".join([*lines, command, ""])

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, slurm_script, torchrun_args
+from omni_core.runtime.targets import (
+    RunSpec,
+    kubernetes_manifests,
+    local_command,
+    run_name,
+    slurm_script,
+    torchrun_args,
+)
 
 SPEC = RunSpec(name="llava-12b", recipe="/omni/recipes/r.yaml", result="/out/train_result.json", nodes=2,
                ranks_per_node=8, gpus_per_node=8, cpus_per_node=64, memory_gb=512,
@@ -54,6 +61,30 @@ def test_slurm_script_parses_and_runs_one_torchrun_per_node(tmp_path):
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
     assert 'srun torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "$head":29400 --rdzv-id llava-12b --max-restarts 0' in script
     assert torchrun_args(SPEC, "h:1")[-4:] == ["--recipe", "/omni/recipes/r.yaml", "--result", "/out/train_result.json"]
+
+
+def test_the_wall_clock_limit_and_partition_reach_the_cluster():
+    """Slurm and the Job enforce the launch's limit themselves (the train stage's follower cancels too)."""
+    spec = RunSpec(name="r", recipe="r.yaml", result="o.json", time_limit_s=3601, partition="gpu-a100")
+    script = slurm_script(spec, ("/venv/bin/python", "-m", "torch.distributed.run"))
+    assert "#SBATCH --time=61" in script and "#SBATCH --partition=gpu-a100" in script
+    assert "srun /venv/bin/python -m torch.distributed.run --standalone" in script
+    assert kubernetes_manifests(spec)[1]["spec"]["activeDeadlineSeconds"] == 3601
+    assert "--time" not in slurm_script(RunSpec(name="r", recipe="r.yaml", result="o.json"))
+    assert run_name("Crius_Study.v2") == "crius-study-v2" and run_name("__") == "omni"
+
+
+def test_a_slurm_launch_without_slurm_is_refused_before_it_starts(tmp_path, monkeypatch):
+    from omni_core.recipe import Recipe, RecipeError
+    from omni_core.runtime.preflight import check_launch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    recipe = Recipe.model_validate({"experiment": {"name": "x", "output_dir": str(tmp_path)},
+                                    "launch": {"target": "slurm"}})
+    with pytest.raises(RecipeError, match="launch.target: slurm needs sbatch, scontrol, scancel on PATH"):
+        check_launch(recipe)
+    with pytest.raises(ValueError, match="launch.nodes=3 must divide parallel.nproc=1"):
+        Recipe.model_validate({"experiment": {"name": "x"}, "launch": {"target": "slurm", "nodes": 3}})
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,0 +1,88 @@
+"""The train stage on a real Slurm cluster (`launch.target: slurm`): a one-node cluster on loopback
+(tests.servers.slurm_cluster: MUNGE, slurmctld, slurmd), the job submitted with sbatch, followed, and cancelled
+when it must be."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from omni_core.runtime.slurm import job_state, run_slurm_job
+from omni_core.runtime.supervisor import LaunchError
+from omni_core.runtime.targets import RunSpec
+from tests.servers import slurm_cluster
+
+RECIPE = """\
+experiment: {{name: slurm_test, output_dir: {out}, seed: 0}}
+data: {{path: {data}, synthetic: {{num_samples: 60}}, seq_len: 256}}
+model: {{flavor: debug}}
+parallel: {{nproc: 2}}
+train: {{steps: {steps}, warmup_steps: 2, log_every: 2, ckpt_every: 0, timeout_s: 300, dist_timeout_s: 60}}
+eval: {{max_batches: 2}}
+launch: {{target: slurm, memory_gb: 2, poll_s: 0.5}}
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    with slurm_cluster() as env, pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield env
+
+
+def recipe_file(tmp_path: Path, steps: int, data: Path | None = None) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE.format(out=tmp_path / "out", data=data or tmp_path / "data", steps=steps))
+    return path
+
+
+def test_the_train_stage_trains_as_a_slurm_job(slurm, tmp_path, mlflow_uri, prefect_harness):
+    """sbatch of the rendered script, torchrun on the allocation, the result and checkpoint back on the shared
+    filesystem, rank 0's output streamed into the stage's log, the MLflow run finished."""
+    from mlflow import MlflowClient
+
+    from flows.train import train_flow
+
+    result = train_flow(str(recipe_file(tmp_path, steps=6)))
+    assert result.steps == 6 and result.world_size == 2 and Path(result.checkpoint).is_dir()
+    run_dir = next((tmp_path / "out").glob("slurm_test/runs/*"))  # flows.stage_dir
+    outputs = list(run_dir.glob("slurm-test-*.out"))
+    assert (run_dir / "slurm-test.sbatch").is_file() and len(outputs) == 1
+    assert "step 6/6" in outputs[0].read_text()
+    job = outputs[0].stem.removeprefix("slurm-test-")
+    assert job_state(job, os.environ)[0] == "COMPLETED"
+    client = MlflowClient(mlflow_uri)
+    run, = client.search_runs([client.get_experiment_by_name("slurm_test").experiment_id],
+                              "attributes.run_name = 'train'")
+    assert run.info.status == "FINISHED" and run.data.metrics["train/loss"] > 0  # the ranks logged into it
+
+
+def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tmp_path):
+    spec = RunSpec(name="too-long", recipe=str(recipe_file(tmp_path, steps=100_000)), result=str(tmp_path / "r.json"),
+                   ranks_per_node=2, memory_gb=2)
+    lines: list[str] = []
+    with pytest.raises(LaunchError, match="exceeded its 25s limit and was cancelled") as failure:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=25, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                      on_line=lines.append, poll_s=0.5)
+    assert not failure.value.infrastructure
+    job = lines[0].split()[2]
+    assert job_state(job, os.environ)[0] == "CANCELLED"
+    assert any(line.startswith("step ") for line in lines), "the job trained and its output was streamed"
+    left = subprocess.run(["pgrep", "-f", "omni_core.runtime.launch --recipe " + spec.recipe], capture_output=True)
+    assert left.returncode == 1, f"processes left behind: {left.stdout!r}"
+
+
+def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
+    """The ranks' own error reaches the LaunchError, which is not an infrastructure failure (no retry)."""
+    spec = RunSpec(name="fails", recipe=str(recipe_file(tmp_path, steps=4, data=tmp_path / "missing")),
+                   result=str(tmp_path / "r.json"), ranks_per_node=2, memory_gb=2)
+    spec_recipe = Path(spec.recipe)
+    spec_recipe.write_text(spec_recipe.read_text().replace("synthetic: {num_samples: 60}, ", "source: jsonl, "))
+    with pytest.raises(LaunchError, match=r"ended FAILED \(exit code [1-9]") as failure:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                      poll_s=0.5, on_line=lambda line: None)
+    assert "does not exist" in str(failure.value) and not failure.value.infrastructure

@@ -39,8 +39,9 @@ def run_torchrun(
     if os.path.exists(result_path):
         os.remove(result_path)  # never mistake an old result for this run's
     if launch is not None and launch.target == "slurm":
+        ranks = nproc // launch.nodes
         spec = RunSpec(name=run_name(name), recipe=recipe_path, result=result_path, nodes=launch.nodes,
-                       ranks_per_node=nproc // launch.nodes, cpus_per_node=launch.cpus_per_node,
+                       ranks_per_node=ranks, cpus_per_node=launch.cpus_per_node or ranks,
                        memory_gb=launch.memory_gb, gpus_per_node=launch.gpus_per_node, max_restarts=max_restarts,
                        time_limit_s=timeout_s, partition=launch.partition)
         run_slurm_job(spec, Path(result_path).parent, timeout_s=timeout_s, env=env, on_line=logger.info,

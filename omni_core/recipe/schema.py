@@ -520,7 +520,7 @@ class LaunchConfig(Strict):
     target: Literal["local", "slurm"] = Field("local", description="local: a process group here; slurm: sbatch")
     nodes: StrictInt = Field(1, ge=1, description="Nodes of the launch (slurm); parallel.nproc ranks split over them")
     partition: NoCredentials = Field("", description="Slurm partition; empty: the cluster's default")
-    cpus_per_node: StrictInt = Field(2, ge=1)
+    cpus_per_node: StrictInt = Field(0, ge=0, description="CPUs a node's task asks for; 0: one per rank")
     memory_gb: StrictInt = Field(8, ge=1)
     gpus_per_node: StrictInt = Field(0, ge=0)
     poll_s: StrictFloat = Field(2.0, gt=0, description="How often a Slurm job's state and output are read")

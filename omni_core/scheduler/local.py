@@ -62,9 +62,9 @@ def local_cluster(cfg: ClusterConfig) -> Cluster:
     cluster = Cluster.from_config(cfg)
     if list(cluster.groups) != [SLOT_TYPE] or cluster.groups[SLOT_TYPE].nodes != 1:
         shape = ", ".join(f"{g.nodes}x{g.gpus_per_node} {t}" for t, g in cluster.groups.items())
-        raise ValueError(f"cluster {cfg.name!r} is {shape}: `omni schedule` trains on this machine, so its cluster "
-                         f"is one node of {SLOT_TYPE} slots (cluster.slots, or one node group with gpu_type "
-                         f"{SLOT_TYPE} and nodes 1); `omni simulate` studies other clusters")
+        raise ValueError(f"cluster {cfg.name!r} is {shape}: `omni schedule` places jobs on one node of {SLOT_TYPE} "
+                         f"slots (this machine, or a Slurm node with launch.target: slurm; cluster.slots, or one node "
+                         f"group with gpu_type {SLOT_TYPE} and nodes 1); `omni simulate` studies other clusters")
     return cluster
 
 

@@ -65,8 +65,8 @@ def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tm
     spec = RunSpec(name="too-long", recipe=str(recipe_file(tmp_path, steps=100_000)), result=str(tmp_path / "r.json"),
                    ranks_per_node=2, memory_gb=2)
     lines: list[str] = []
-    with pytest.raises(LaunchError, match="exceeded its 25s limit and was cancelled") as failure:
-        run_slurm_job(spec, tmp_path / "job", timeout_s=25, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    with pytest.raises(LaunchError, match="exceeded its 18s limit and was cancelled") as failure:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=18, env={**os.environ, "OMP_NUM_THREADS": "1"},
                       on_line=lines.append, poll_s=0.5)
     assert not failure.value.infrastructure
     job = lines[0].split()[2]
@@ -86,3 +86,20 @@ def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
         run_slurm_job(spec, tmp_path / "job", timeout_s=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
                       poll_s=0.5, on_line=lambda line: None)
     assert "does not exist" in str(failure.value) and not failure.value.infrastructure
+
+
+@pytest.mark.usefixtures("uncalibrated")
+def test_the_schedule_stage_trains_its_jobs_as_slurm_jobs_side_by_side(slurm, tmp_path, mlflow_uri, prefect_harness):
+    """Real mode's two jobs (a shrinks to one slot when b arrives), each segment an sbatch job asking for a
+    CPU per rank: Slurm runs a's second segment and b's first at once on the node's two CPUs."""
+    from flows.schedule import schedule_flow
+    from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
+
+    recipe = write_recipe(tmp_path, launch="{target: slurm, memory_gb: 1, poll_s: 0.5}")
+    result = schedule_flow(str(recipe))
+    a1, a2, b1 = sorted(result.segments, key=lambda s: (s.job, s.segment))
+    assert (a1.num_gpus, a2.num_gpus, b1.num_gpus) == (2, 1, 1) and result.results["a"].steps == 6
+    assert a2.start_s < b1.end_s and b1.start_s < a2.end_s  # side by side on the cluster
+    assert_never_double_booked(result, 2)
+    outputs = sorted((tmp_path / "out").glob("sched-test-*/runs/*/sched-test-*.out"))  # a job is its experiment
+    assert len(outputs) == 3 and all("done: loss" in out.read_text() for out in outputs)

@@ -152,9 +152,9 @@ def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: 
 
 def validation_cases(quick: bool) -> list[Case]:
     """Plans over world 1-4: DP (FSDP, HSDP), TP, PP (1F1B, interleaved, GPipe), CP (Ulysses, ring), EP and
-    their combinations, and the encoders' omni and disaggregated layouts beside coupled ones, on the debug,
-    debug-moe and small flavors and four mixes. Quick: 12 short cases (5 steps); full: 38, with longer
-    sequences and 10 steps."""
+    their combinations, and the encoders' omni (sharded weights and the joint schedule too) and disaggregated
+    layouts beside coupled ones, on the debug, debug-moe and small flavors and four mixes. Quick: 12 short
+    cases (5 steps); full: 39, with longer sequences and 10 steps."""
     d, moe, small = "debug", "debug-moe", "small"
     if quick:  # one case per mechanism, short sequences: about a minute and a half on two cores
         cases = [
@@ -182,6 +182,7 @@ def validation_cases(quick: bool) -> list[Case]:
         Case(d, "dp1-pp2+omni", 256, grad_accum=4), Case(d, "dp2-tp2+omni", 256, mix="image"),
         Case(d, "dp1+disagg1", 256, mix="image"), Case(d, "dp2+disagg1", 256, mix="image"),
         Case(d, "dp1-tp2+disagg2", 256, mix="image"), Case(d, "dp2+omni.v-fsdp.a-fsdp", 256, mix="image"),
+        Case(d, "dp1-pp2+omni-joint", 256, grad_accum=4, mix="image"),
     ]
     return [replace(c, steps=10) for c in cases]
 

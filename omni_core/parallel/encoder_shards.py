@@ -73,6 +73,24 @@ class EncoderShards:
                 self.slots.append(_Slot(owner, name, shard, offset, chunk_rows))
                 offset += chunk_rows * param[0].numel()
         self.flat_numel = offset
+        self.grads = self._gradient_buffer()
+
+    def _gradient_buffer(self) -> list:
+        """The trainable shards' gradients, as DTensors over views of one flat buffer that each step's
+        reduce-scatter writes into (made once: DTensor's wrapping costs more than the collective on small
+        encoders)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        trains = [slot for slot in self.slots if slot.shard.requires_grad]
+        sizes = [slot.chunk_rows * slot.shard.shape[1:].numel() for slot in trains]
+        self.grad_flat = torch.zeros(sum(sizes), device=self.mesh.device_type) if trains else None
+        grads = []
+        for slot, chunk in zip(trains, self.grad_flat.split(sizes) if trains else [], strict=True):
+            rows = slot.shard.to_local().shape[0]
+            local = chunk.view(slot.chunk_rows, *slot.shard.shape[1:])[:rows]
+            grads.append(DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+                                            shape=slot.shard.shape, stride=slot.shard.stride()))
+        return grads
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -99,27 +117,16 @@ class EncoderShards:
     def reduce(self) -> None:
         """Reduce-scatter the full weights' gradients (summed over the group; zeros for a rank that ran no
         call) into the shards' gradients, and register the shards again."""
-        from torch.distributed.tensor import DTensor, Shard
-
         if not self.slots:
             return
-        trains = [slot for slot in self.slots if slot.shard.requires_grad]
+        trains = [(slot, full) for slot, full in zip(self.slots, self.full, strict=True) if slot.shard.requires_grad]
         if trains:
             by_rank = torch.cat([
                 _padded(full.grad if full.grad is not None else torch.zeros_like(full), self.ranks * slot.chunk_rows)
-                .reshape(self.ranks, -1)
-                for slot, full in zip(self.slots, self.full, strict=True) if slot.shard.requires_grad], dim=1)
-            mine = by_rank.new_empty(by_rank.shape[1])
-            dist.reduce_scatter_single(mine, by_rank.reshape(-1).contiguous(), group=self.group)
-            offset = 0
-            for slot in trains:
-                shard = slot.shard
-                size = slot.chunk_rows * shard.shape[1:].numel()
-                local_rows = shard.to_local().shape[0]
-                grad = mine[offset:offset + size].view(slot.chunk_rows, *shard.shape[1:])[:local_rows]
-                offset += size
-                shard.grad = DTensor.from_local(grad.clone(), self.mesh, [Shard(0)], run_check=False,
-                                                shape=shard.shape, stride=shard.stride())
+                .reshape(self.ranks, -1) for slot, full in trains], dim=1)
+            dist.reduce_scatter_single(self.grad_flat, by_rank.reshape(-1), group=self.group)
+            for (slot, _), grad in zip(trains, self.grads, strict=True):
+                slot.shard.grad = grad
         for slot in self.slots:
             slot.module._parameters[slot.name] = slot.shard
         self.full = []

@@ -81,7 +81,7 @@ def _slurm(cmd: list[str], env: Mapping[str, str]) -> str:
     except FileNotFoundError:
         raise LaunchError(f"{cmd[0]} not found: launch.target=slurm needs Slurm's commands on PATH") from None
     if done.returncode != 0:
-        raise LaunchError(f"{' '.join(cmd[:3])} failed ({done.returncode}): {done.stderr.strip()}")
+        raise LaunchError(f"{cmd[0]} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
 
 

@@ -265,15 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="work pool type when it is created (default: process)")
 
     render = sub.add_parser("render", formatter_class=raw, epilog=OVERRIDES_EPILOG,
-                            help="print one launch of RECIPE for a cluster: a Kubernetes Job or a Slurm script",
+                            help="print one launch of RECIPE for a cluster: a Kubernetes Job, a Kubeflow TrainJob "
+                            "or a Slurm script",
                             description="Render the launch of RECIPE (parallel.nproc ranks over --nodes nodes) as "
-                            "Kubernetes manifests (YAML: a headless Service and an Indexed Job), a Slurm sbatch "
-                            "script, or the local torchrun command. Paths are where the launch runs.")
+                            "Kubernetes manifests (YAML: a headless Service and an Indexed Job), a Kubeflow Trainer "
+                            "TrainJob (on the torch-distributed runtime), a Slurm sbatch script, or the local "
+                            "torchrun command. Paths are where the launch runs.")
     _add_recipe_args(render)
-    render.add_argument("--target", choices=["kubernetes", "slurm", "local"], required=True)
+    render.add_argument("--target", choices=["kubernetes", "trainjob", "slurm", "local"], required=True)
     render.add_argument("--nodes", type=int, default=1, help="nodes; parallel.nproc must be a multiple")
     render.add_argument("--name", help="run name (default: the experiment's name)")
-    render.add_argument("--image", default="omni-train:latest", help="Kubernetes: the training image")
+    render.add_argument("--image", default="omni-train:latest", help="Kubernetes, TrainJob: the training image")
     render.add_argument("--gpus-per-node", type=int, default=0)
     render.add_argument("--cpus-per-node", type=int, default=8)
     render.add_argument("--memory-gb", type=int, default=32)
@@ -501,7 +503,14 @@ def _deployments_command(args: argparse.Namespace) -> int:
 def _render_command(args: argparse.Namespace) -> int:
     import yaml
 
-    from omni_core.runtime.targets import RunSpec, kubernetes_manifests, local_command, run_name, slurm_script
+    from omni_core.runtime.targets import (
+        RunSpec,
+        kubernetes_manifests,
+        local_command,
+        run_name,
+        slurm_script,
+        trainjob_manifest,
+    )
 
     recipe = _checked(args)
     nproc = recipe.parallel.nproc
@@ -519,6 +528,8 @@ def _render_command(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     if args.target == "kubernetes":
         print(yaml.safe_dump_all(kubernetes_manifests(spec), sort_keys=False), end="")
+    elif args.target == "trainjob":
+        print(yaml.safe_dump(trainjob_manifest(spec), sort_keys=False), end="")
     elif args.target == "slurm":
         print(slurm_script(spec), end="")
     else:

@@ -1,6 +1,7 @@
 """One training launch rendered for where it runs, from one `RunSpec`: a local process group (what the train
-stage starts), a Kubernetes Indexed Job with a headless Service, or a Slurm batch script. Past one node,
-torchrun's c10d rendezvous meets on the first node (pod index 0, the allocation's first host)."""
+stage starts), a Kubernetes Indexed Job with a headless Service, a Kubeflow Trainer TrainJob, or a Slurm batch
+script. Past one node, torchrun's c10d rendezvous meets on the first node (pod index 0, the allocation's first
+host); under the TrainJob, Kubeflow Trainer's runtime sets it up."""
 
 from __future__ import annotations
 
@@ -64,8 +65,13 @@ def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
     else:
         where = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
-    return [*where, "--max-restarts", str(spec.max_restarts), "-m", "omni_core.runtime.launch",
-            "--recipe", spec.recipe, "--result", spec.result, *(a for o in spec.overrides for a in ("--set", o))]
+    return [*where, *entry_args(spec)]
+
+
+def entry_args(spec: RunSpec) -> list[str]:
+    """torchrun's restarts and the entry point with its arguments: what every target runs."""
+    return ["--max-restarts", str(spec.max_restarts), "-m", "omni_core.runtime.launch", "--recipe", spec.recipe,
+            "--result", spec.result, *(a for o in spec.overrides for a in ("--set", o))]
 
 
 def local_command(spec: RunSpec, log_dir: str | None = None) -> list[str]:
@@ -81,9 +87,7 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
     """A headless Service (stable host names for the pods) and an Indexed Job of one pod per node; pod 0 hosts
     the rendezvous. The Job does not retry pods (backoffLimit 0): torchrun restarts ranks, the run resumes."""
     labels = {"app.kubernetes.io/name": "omni", "omni/run": spec.name}
-    resources = {"cpu": str(spec.cpus_per_node), "memory": f"{spec.memory_gb}Gi"}
-    if spec.gpus_per_node:
-        resources["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    resources = _node_resources(spec)
     endpoint = f"{spec.name}-0.{spec.name}:{spec.port}"
     container = {
         "name": "train", "image": spec.image, "command": ["torchrun", *torchrun_args(spec, endpoint)],
@@ -108,6 +112,32 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
         },
     }
     return [service, job]
+
+
+def trainjob_manifest(spec: RunSpec, runtime: str = "torch-distributed") -> dict:
+    """A Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1) on the `runtime` ClusterTrainingRuntime: its
+    JobSet runs one pod per node and gives torchrun the node count, ranks per node, node rank and rendezvous
+    address as PET_* variables, so the command carries only the restarts and the entry point."""
+    resources = _node_resources(spec)
+    trainer = {
+        "image": spec.image, "numNodes": spec.nodes, "numProcPerNode": spec.ranks_per_node,
+        "command": ["torchrun", *entry_args(spec)],
+        "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
+        "resourcesPerNode": {"requests": resources, "limits": dict(resources)},
+    }
+    job = {"runtimeRef": {"name": runtime}, "trainer": trainer}
+    if spec.time_limit_s:
+        job["activeDeadlineSeconds"] = math.ceil(spec.time_limit_s)
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "omni", "omni/run": spec.name}},
+            "spec": job}
+
+
+def _node_resources(spec: RunSpec) -> dict[str, str]:
+    resources = {"cpu": str(spec.cpus_per_node), "memory": f"{spec.memory_gb}Gi"}
+    if spec.gpus_per_node:
+        resources["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    return resources
 
 
 def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:

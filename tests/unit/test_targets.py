@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from omni_core.runtime.targets import (
     run_name,
     slurm_script,
     torchrun_args,
+    trainjob_manifest,
 )
 
 SPEC = RunSpec(name="llava-12b", recipe="/omni/recipes/r.yaml", result="/out/train_result.json", nodes=2,
@@ -52,6 +54,33 @@ def test_kubernetes_validation_catches_a_broken_manifest():
     job["spec"]["completions"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, "1.30.0", strict=True)
+
+
+def train_job_schema_problems(manifest: dict) -> list[str]:
+    """What Kubeflow Trainer's TrainJob models (its OpenAPI schema, from kubeflow-trainer-api) reject or drop:
+    a wrong type raises, an unknown field is dropped, so the round trip differs."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    parsed = TrainerV1alpha1TrainJob.from_dict(manifest).to_dict()
+    return [f"{key}: {manifest.get(key)!r} became {parsed.get(key)!r}" for key in manifest if parsed.get(key) != manifest[key]]
+
+
+def test_a_train_job_is_valid_and_leaves_the_rendezvous_to_the_trainer_runtime():
+    from pydantic import ValidationError
+
+    manifest = trainjob_manifest(replace(SPEC, time_limit_s=7200, max_restarts=2))
+    assert train_job_schema_problems(manifest) == []
+    trainer = manifest["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"], manifest["spec"]["activeDeadlineSeconds"]) == (2, 8, 7200)
+    assert trainer["command"][:3] == ["torchrun", "--max-restarts", "2"] and "--nnodes" not in trainer["command"]
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"
+    assert manifest["spec"]["runtimeRef"] == {"name": "torch-distributed"}
+    misspelt = {**manifest, "spec": {**manifest["spec"], "trainer": {**trainer, "numNode": 2}}}
+    [problem] = train_job_schema_problems(misspelt)
+    given, parsed = problem.split(" became ")
+    assert problem.startswith("spec: ") and "'numNode': 2" in given and "numNode'" not in parsed
+    with pytest.raises(ValidationError):
+        train_job_schema_problems({**manifest, "spec": {**manifest["spec"], "trainer": {**trainer, "numNodes": "2"}}})
 
 
 def test_slurm_script_parses_and_runs_one_torchrun_per_node(tmp_path):

@@ -170,3 +170,40 @@ def test_a_sharded_encoder_keeps_its_share_of_the_weights_at_rest():
         assert sum(rank[name] for rank in held) == whole[name]
         assert all(rank[name] <= whole[name] * 0.6 for rank in held), name
     assert all(rank["audio"] == whole["audio"] for rank in held)
+
+
+def _uneven_shards_worker(rank: int, world: int) -> dict:
+    from torch import nn
+
+    from omni_core.parallel.encoder_shards import EncoderShards
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 1))  # 4 rows over 3 ranks: 2, 2 and none
+    reference = [p.detach().clone() for p in module.parameters()]
+    inputs = [torch.randn(2, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    shards = EncoderShards([module], None, torch.device("cpu"))
+    local_rows = [p.to_local().shape[0] for p in module.parameters()]
+    shards.gather()
+    gathered = all(torch.equal(p, r) for p, r in zip(module.parameters(), reference, strict=True))
+    module(inputs[rank]).sum().backward()
+    shards.reduce()
+    grads = [p.grad.full_tensor() for p in shards.params]
+    return {"local_rows": local_rows, "gathered": gathered, "grads": grads, "reference": reference, "inputs": inputs}
+
+
+def test_sharded_weights_split_unevenly_gather_and_reduce_exactly():
+    """Shards of torch.chunk's sizes (a rank may hold no row): gathered, the weights are the original ones; the
+    reduced gradients are the sum of every rank's."""
+    from torch import nn
+
+    outs = run_ranks(_uneven_shards_worker, 3)
+    assert [o["local_rows"] for o in outs] == [[2, 2, 1, 1], [2, 2, 0, 0], [0, 0, 0, 0]]
+    assert all(o["gathered"] for o in outs)
+    module = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        for param, weights in zip(module.parameters(), outs[0]["reference"], strict=True):
+            param.copy_(weights)
+    sum(module(x).sum() for x in outs[0]["inputs"]).backward()
+    for out in outs:
+        for grad, param in zip(out["grads"], module.parameters(), strict=True):
+            torch.testing.assert_close(grad, param.grad)

@@ -15,7 +15,8 @@ pp > 1) on detached embeddings, the encoder backward after it, so no pipeline bu
 the bubble. Items' inputs travel from their data
 shard's rank to their encoder rank (forward), their embeddings to every stage-0 rank of their shard and the
 gradients back (variable-split all-to-alls, `handoff_seconds`). Weights are replicated over the world with one
-gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`: gathered whole once per step).
+gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`: gathered block by block, each block's
+forward recomputed in backward).
 
 `disaggregated` (DistTrain): the encoders on `plan.encoders.ranks` ranks of their own, data parallel, no
 rebalancing; the LLM on the others (`disaggregated_encoders`; `cost` composes the two sides).
@@ -199,18 +200,19 @@ def encoder_rounds(terms: PlanTerms) -> int:
     return terms.micro_batches if terms.plan.encoders.joint else 1
 
 
-def omni_weight_seconds(terms: PlanTerms) -> float:
+def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
     """Per step, each encoder's weights over the world: replicated, one gradient all-reduce; FSDP-sharded
-    (`EncoderSpec.fsdp`, as `parallel.encoder_shards` runs it), one all-gather of the fp32 weights before the
-    step's first encoder call and one gradient reduce-scatter after the last, whatever the schedule's rounds.
-    Then the optimizer over the rank's share."""
+    (`EncoderSpec.fsdp`, as `parallel.encoder_shards` runs it), per round and per block an all-gather of its
+    fp32 weights in forward and again in backward and a gradient reduce-scatter, with the units' wrappers (the
+    stem and projector, gathered once per step, are counted as one more unit). Then the optimizer over the
+    rank's share."""
     plan, eff, world = terms.plan, terms.eff, terms.plan.world_size
     seconds = 0.0
     for key, st in encoder_parts(terms.workload).items():
         if plan.encoders.spec(key).fsdp:
-            seconds += (exposed_dp_seconds(terms, "all_gather", st.params * GATHERED_BYTES, world, world, 1)
-                        + exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world, 1)
-                        + eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s
+            gather = exposed_dp_seconds(terms, "all_gather", st.params * GATHERED_BYTES, world, world, st.units)
+            reduce = exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world, st.units)
+            seconds += (rounds * (2 * gather + reduce + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s)
                         + optimizer_seconds(terms, st.params / world, st.tensors))
         else:
             seconds += (exposed_dp_seconds(terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1)
@@ -218,12 +220,20 @@ def omni_weight_seconds(terms: PlanTerms) -> float:
     return seconds
 
 
-def encoder_state_bytes(params: float, state_bytes: float, grad_bytes: float, ranks: int, sharded: bool) -> float:
-    """An encoder's model states on one of its `ranks`: whole when replicated; FSDP-sharded, its share at
-    rest plus the full fp32 weights and gradients a step gathers (`parallel.encoder_shards`)."""
+def encoder_state_bytes(part: Sums, state_bytes: float, grad_bytes: float, ranks: int, sharded: bool) -> float:
+    """An encoder's model states on one of its `ranks`: whole when replicated; FSDP-sharded, its share plus
+    the full fp32 weights and gradients of the largest unit gathered at a time (`parallel.encoder_shards`: a
+    block, or the stem and projector)."""
     if not sharded:
-        return params * state_bytes
-    return params * (state_bytes / ranks + GATHERED_BYTES + grad_bytes)
+        return part.params * state_bytes
+    return part.params * state_bytes / ranks + part.params / max(part.units, 1.0) * (GATHERED_BYTES + grad_bytes)
+
+
+def sharded_recompute_share(workload: Workload, plan: EncoderPlan) -> float:
+    """The share of the encoders' compute whose blocks recompute their forward in backward: the sharded
+    encoders' (`parallel.encoder_shards` checkpoints each block it gathers)."""
+    parts, total = encoder_parts(workload), encoder_sums(workload).flops
+    return sum(st.flops for key, st in parts.items() if plan.spec(key).fsdp) / total if total else 0.0
 
 
 def handoff_seconds(terms: PlanTerms) -> float:
@@ -244,14 +254,14 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     weights (`omni_weight_seconds`); the handoff; less the share of the pipeline's `bubble` a joint schedule
     fills with them (joint; none when phased)."""
     workload, plan, eff = terms.workload, terms.plan, terms.eff
-    per_sample = terms.passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
+    passes = max(terms.passes, 3.0 + sharded_recompute_share(workload, plan.encoders))
+    per_sample = passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
     balanced = per_sample * workload.global_batch / plan.world_size
-    long_item = long_item_seconds(workload, terms.net, terms.passes, per_sample,
-                                  long_item_group(workload, plan.encoders))
+    long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(terms)
     seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * terms.passes / 3 * rounds
-               + omni_weight_seconds(terms) + handoff)
+               + omni_weight_seconds(terms, rounds) + handoff)
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
     return max(seconds - filled, 0.0), long_item, handoff
 
@@ -262,9 +272,10 @@ def omni_encoder_bytes(terms: PlanTerms) -> float:
     micro-batch's under the joint schedule) or of its slice of the longest item, whichever is larger."""
     workload, plan = terms.workload, terms.plan
     enc, world = encoder_sums(workload), plan.world_size
-    states = sum(encoder_state_bytes(st.params, terms.state_bytes, terms.eff.grad_bytes, world,
-                                     plan.encoders.spec(key).fsdp) for key, st in encoder_parts(workload).items())
-    acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
+    states = sum(encoder_state_bytes(st, terms.state_bytes, terms.eff.grad_bytes, world, plan.encoders.spec(key).fsdp)
+                 for key, st in encoder_parts(workload).items())
+    share = 1.0 if terms.options.checkpoint else sharded_recompute_share(workload, plan.encoders)
+    acts = share * (enc.out_bytes + enc.max_act) + (1 - share) * enc.act_bytes
     in_flight = max(workload.global_batch / world / encoder_rounds(terms),
                     long_item_share(workload, long_item_group(workload, plan.encoders)))  # samples' activations
     return states + acts * in_flight * (1 + terms.eff.workspace_frac)
@@ -293,11 +304,13 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     if refusal:
         return EncoderRanks(math.inf, 0.0, math.inf, refusal)
     enc, per_rank = encoder_sums(workload), workload.global_batch / ranks
-    states = sum(encoder_state_bytes(st.params, ADAM_STATE_BYTES, eff.grad_bytes, ranks, plan.encoders.spec(key).fsdp)
+    states = sum(encoder_state_bytes(st, ADAM_STATE_BYTES, eff.grad_bytes, ranks, plan.encoders.spec(key).fsdp)
                  for key, st in encoder_parts(workload).items())
     group = long_item_group(workload, plan.encoders)
     in_flight = max(min(per_rank, 1.0), long_item_share(workload, group))  # samples' activations at once
-    for act, passes in ((enc.act_bytes, 3), (enc.out_bytes + enc.max_act, 4)):  # checkpointing recomputes forward
+    share = sharded_recompute_share(workload, plan.encoders)  # sharded blocks recompute in any case
+    full = share * (enc.out_bytes + enc.max_act) + (1 - share) * enc.act_bytes
+    for act, passes in ((full, 3 + share), (enc.out_bytes + enc.max_act, 4)):  # checkpointing recomputes forward
         peak = states + act * in_flight * (1 + eff.workspace_frac)
         if peak <= gpu.usable_bytes:
             break
@@ -308,6 +321,8 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
     balanced = per_sample * per_rank * unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
     longest = long_item_seconds(workload, net, passes, per_sample, group)
-    reduce = (1 - eff.dp_overlap) * net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)
+    sharded = sum(st.params for key, st in encoder_parts(workload).items() if plan.encoders.spec(key).fsdp)
+    reduce = (1 - eff.dp_overlap) * (net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG
+                                     + net.time("all_gather", sharded * GATHERED_BYTES, ranks, ranks))  # backward's
     ship = 2 * net.time("p2p", workload.global_batch * embedding_bytes(workload) / min(ranks, world - ranks), 2, world)
     return EncoderRanks(max(balanced, longest) + reduce, ship, peak)

@@ -53,6 +53,14 @@ class AudioEncoder(nn.Module):
         transformer blocks are split, their attention running over the whole clip through the shard. Returns
         this member's [length, dim]; the stem's parameter gradients then sum over the members.
         """
+        x, cu_seqlens = self.embed(mels, frames, shard)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens, shard)
+        return self.norm(x)
+
+    def embed(self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None
+              ) -> tuple[torch.Tensor, list[int]]:
+        """`forward`'s stem: the blocks' input (subsampled frames plus positions) and its documents' bounds."""
         frame_counts = frames.tolist()
         if sum(frame_counts) != mels.shape[0]:
             raise ValueError(f"audio_frames sum to {sum(frame_counts)}, but {mels.shape[0]} mel frames were given")
@@ -78,7 +86,4 @@ class AudioEncoder(nn.Module):
             clips = [clips[0][shard.offset : shard.offset + shard.length]]
             positions = torch.arange(shard.offset, shard.offset + shard.length, device=mels.device)
             cu_seqlens = [0, shard.length]
-        x = torch.cat(clips) + sinusoids(positions, self.args.dim).to(clips[0].dtype)
-        for layer in self.layers:
-            x = layer(x, cu_seqlens, shard)
-        return self.norm(x)
+        return torch.cat(clips) + sinusoids(positions, self.args.dim).to(clips[0].dtype), cu_seqlens

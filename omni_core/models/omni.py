@@ -124,9 +124,13 @@ class OmniModel(nn.Module):
         """Videos (patches frame after frame, `video_grids` [N, 3] of frames, rows, cols) -> LLM embeddings:
         the vision encoder per frame, `temporal_merge` frames averaged, then the image projector: rows in the
         order of the videos' VIDEO_ID placeholders, `batch.video_tokens` per video."""
-        features = self.vision.forward_video(patches, video_grids, self.args.temporal_merge)
+        return self.project_video(self.vision(patches, self.vision.frame_grids(video_grids)), video_grids)
+
+    def project_video(self, features: torch.Tensor, video_grids: torch.Tensor) -> torch.Tensor:
+        """Vision features of the videos' frames -> LLM embeddings (`encode_video` after the encoder)."""
+        merged = self.vision.merge_frames(features, video_grids, self.args.temporal_merge)
         grids = [[r, c] for f, r, c in video_grids.tolist() for _ in range(-(-f // self.args.temporal_merge))]
-        return self.project_image(features, torch.tensor(grids, dtype=torch.long).view(-1, 2))
+        return self.project_image(merged, torch.tensor(grids, dtype=torch.long).view(-1, 2))
 
     def train_flops(self, batch: PackedBatch) -> float:
         """Forward + backward FLOPs of this batch, from its actual documents, images, clips and videos (for MFU)."""

@@ -57,6 +57,14 @@ class VisionEncoder(nn.Module):
         attention runs over the whole image through the shard, and the result is this member's [length, dim].
         The caller aligns chunks to whole merge rows, so that the projector's spatial merge stays local.
         """
+        x, cu_seqlens = self.embed(patches, grids, shard)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens, shard)
+        return self.norm(x)
+
+    def embed(self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None
+              ) -> tuple[torch.Tensor, list[int]]:
+        """`forward`'s stem: the blocks' input (patch embeddings plus positions) and its documents' bounds."""
         grid_list = grids.tolist()
         patch_counts = [rows * cols for rows, cols in grid_list]
         if shard is None:
@@ -79,10 +87,7 @@ class VisionEncoder(nn.Module):
                 cu_seqlens.append(cu_seqlens[-1] + count)
         else:
             pos, cu_seqlens = pos[shard.offset : shard.offset + shard.length], [0, shard.length]
-        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + pos
-        for layer in self.layers:
-            x = layer(x, cu_seqlens, shard)
-        return self.norm(x)
+        return self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + pos, cu_seqlens
 
     def forward_video(self, patches: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:
         """Patches of N videos, frame after frame, with `video_grids` [N, 3] (frames, rows, cols) ->
@@ -91,9 +96,18 @@ class VisionEncoder(nn.Module):
         Each frame is its own attention document (cost linear in the frame count); then every
         `temporal_merge` consecutive frames are averaged position-wise (the last group may be shorter).
         """
+        return self.merge_frames(self(patches, self.frame_grids(video_grids)), video_grids, temporal_merge)
+
+    @staticmethod
+    def frame_grids(video_grids: torch.Tensor) -> torch.Tensor:
+        """[sum(frames), 2]: each frame of the videos in `video_grids` [N, 3] as an image grid."""
+        return torch.tensor([[r, c] for f, r, c in video_grids.tolist() for _ in range(f)], dtype=torch.long).view(-1, 2)
+
+    @staticmethod
+    def merge_frames(features: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:
+        """Frame features of the videos in `video_grids`, every `temporal_merge` consecutive frames averaged
+        position-wise (`forward_video`)."""
         videos = video_grids.tolist()
-        frame_grids = torch.tensor([[r, c] for f, r, c in videos for _ in range(f)], dtype=torch.long).view(-1, 2)
-        features = self(patches, frame_grids)
         merged = []
         for (frames, rows, cols), clip in zip(videos, features.split([f * r * c for f, r, c in videos])):
             for group in clip.view(frames, rows * cols, -1).split(temporal_merge):

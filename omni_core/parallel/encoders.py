@@ -16,8 +16,8 @@ Under the `phased` schedule (the design's reference) a step runs in three phases
 2. the LLM's forward and backward, pipelined or not, on detached leaves of those rows;
 3. `EncoderStep.backward`: the leaves' gradients go back through the mirrored all-to-all, the encoders run
    backward, and their gradients are summed over the encoders' group: all-reduced for replicated weights,
-   reduce-scattered into the shards of FSDP-sharded ones (`parallel.encoder_shards`, gathered whole at the
-   start of phase 1).
+   reduce-scattered into the shards of FSDP-sharded ones (`parallel.encoder_shards`: their blocks gathered one
+   at a time, forward and backward, their gradients reduce-scattered block by block).
 
 Under `joint` (`parallel.joint`) the start of phase 1 is the same (metadata, assignment, inputs), then the
 encoders run per micro-batch in each rank's idle time and hand their rows off point to point as they are made.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ from omni_core.models.omni import OmniModel
 from omni_core.models.projector import merged_grid
 from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 from omni_core.parallel.context import cp_token_index
-from omni_core.parallel.encoder_shards import EncoderShards, sharded_modules
+from omni_core.parallel.encoder_shards import BlockChain, EncoderShards, stem_and_head
 from omni_core.parallel.joint import JointStep
 from omni_core.parallel.lssp import SequenceShard, lssp_splits
 
@@ -254,6 +255,19 @@ def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list
     return pieces
 
 
+@dataclass
+class _Call:
+    """One encoder call of this rank: its pieces (their rows in order), the stem's output, its documents'
+    bounds and LSSP shard, and its head (final features -> the pieces' projected rows)."""
+
+    encoder: str
+    pieces: list[Piece]
+    x: torch.Tensor
+    cu_seqlens: list[int]
+    shard: SequenceShard | None
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+
 class EncoderStep:
     """Phases 1 and 3 of the step on this rank (see the module docstring), under `omni` (every rank encodes)
     and `disaggregated` (only the encoders' own ranks encode; the LLM ranks send inputs and receive rows).
@@ -282,8 +296,13 @@ class EncoderStep:
         # the encoders' group (gradient all-reduce of replicated weights, FSDP of sharded ones): the world
         # (`omni`), or the encoders' own ranks (every rank creates the group, members or not)
         self.encoder_group = dist.new_group(list(plan.encoder_ranks)) if plan.encoders.ranks else None
-        self.shards = EncoderShards(sharded_modules(model, plan.encoders.sharded), self.encoder_group, device)
-        sharded = {id(p) for p in self.shards.params}
+        # sharded encoders (those this rank holds): blocks one at a time on a group of their own (the joint
+        # schedule's thread runs them), the rest once per step
+        held = [e for e in plan.encoders.sharded if getattr(model, e, None) is not None]
+        blocks_group = dist.new_group(list(plan.encoder_ranks)) if plan.encoders.sharded else None
+        self.chains = {e: BlockChain.of(getattr(model, e), blocks_group, device) for e in held}
+        self.shards = EncoderShards([o for e in held for o in stem_and_head(model, e)], self.encoder_group, device)
+        sharded = {id(p) for p in (*self.shards.params, *(p for c in self.chains.values() for p in c.params))}
         self.params = [p for name in ("vision", "audio", "projectors") if getattr(model, name, None) is not None
                        for p in getattr(model, name).parameters() if p.requires_grad and id(p) not in sharded]
         if plan.encoders.joint:
@@ -334,9 +353,9 @@ class EncoderStep:
             computing = time.perf_counter()
             enabled = compute_dtype != torch.float32
             with torch.autocast(self.device.type, dtype=compute_dtype, enabled=enabled):
-                produced = self._encode([p for p in pieces if p.rank == self.rank], inputs)
+                produced, token = self._encode([p for p in pieces if p.rank == self.rank], inputs)
             self.metrics["encoder_s"] = time.perf_counter() - computing
-            encoded = self._hand_off(transfers, produced, len(batches), compute_dtype)
+            encoded = self._hand_off(transfers, produced, len(batches), compute_dtype, token)
         self._outside_s = time.perf_counter() - start
         return encoded
 
@@ -398,43 +417,68 @@ class EncoderStep:
         first = piece.item.input_offset
         return source[first + piece.inputs[0]:first + piece.inputs[1]]
 
-    def _encode(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]) -> dict[Piece, torch.Tensor]:
+    def _encode(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]
+                ) -> tuple[dict[Piece, torch.Tensor], torch.Tensor | None]:
         """Projected rows of this rank's pieces: whole items batched per modality (one encoder call each),
-        LSSP chunks one by one in the canonical order their group's members share."""
-        model, out = self.model, {}
+        LSSP chunks one by one in the canonical order their group's members share; each encoder's blocks run
+        over all of its calls, block by block (`BlockChain` where its weights are sharded). Also the sharded
+        chains' token (None without any), which the caller hands off with the rows."""
+        calls = self._calls(pieces, inputs)
+        token = torch.zeros((), device=self.device, requires_grad=self.trains) if self.chains else None
+        out: dict[Piece, torch.Tensor] = {}
+        for encoder in ("vision", "audio"):  # the chains' token in this order: one backward order on every rank
+            mine = [c for c in calls if c.encoder == encoder]
+            if encoder in self.chains:
+                token, hidden = self.chains[encoder].run(token, [(c.x, c.cu_seqlens, c.shard) for c in mine])
+            else:
+                hidden = [c.x for c in mine]
+                for layer in getattr(self.model, encoder).layers if mine else ():
+                    hidden = [layer(x, c.cu_seqlens, c.shard) for x, c in zip(hidden, mine, strict=True)]
+            for call, h in zip(mine, hidden, strict=True):
+                rows = call.head(getattr(self.model, encoder).norm(h))
+                out.update(zip(call.pieces, rows.split([p.rows[1] - p.rows[0] for p in call.pieces]), strict=True))
+        return out, token
+
+    def _calls(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]) -> list[_Call]:
+        """Each encoder call's stem output, in the canonical order: whole images, videos and clips batched per
+        modality, then the LSSP chunks one by one."""
+        model, calls = self.model, []
         whole = [p for p in pieces if not p.group]
         images = [p for p in whole if p.item.modality == "image"]
         if images:
             grids = torch.tensor([p.item.shape for p in images], dtype=torch.long)
-            rows = model.project_image(model.vision(torch.cat([inputs[p] for p in images]), grids), grids)
-            out.update(zip(images, rows.split([p.rows[1] - p.rows[0] for p in images]), strict=True))
+            x, cu = model.vision.embed(torch.cat([inputs[p] for p in images]), grids)
+            calls.append(_Call("vision", images, x, cu, None, lambda h, g=grids: model.project_image(h, g)))
         videos = [p for p in whole if p.item.modality == "video"]
         if videos:
-            grids = torch.tensor([p.item.shape for p in videos], dtype=torch.long)
-            rows = model.encode_video(torch.cat([inputs[p] for p in videos]), grids)
-            out.update(zip(videos, rows.split([p.rows[1] - p.rows[0] for p in videos]), strict=True))
+            calls.append(self._video_call(videos, torch.cat([inputs[p] for p in videos]),
+                                          torch.tensor([p.item.shape for p in videos], dtype=torch.long)))
         clips = [p for p in whole if p.item.modality == "audio"]
         if clips:
             frames = torch.tensor([p.item.shape[0] for p in clips], dtype=torch.long)
-            rows = model.projectors["audio"](model.audio(torch.cat([inputs[p] for p in clips]), frames))
-            out.update(zip(clips, rows.split([p.rows[1] - p.rows[0] for p in clips]), strict=True))
+            x, cu = model.audio.embed(torch.cat([inputs[p] for p in clips]), frames)
+            calls.append(_Call("audio", clips, x, cu, None, model.projectors["audio"]))
         for piece in (p for p in pieces if p.group):
             if piece.item.modality == "video":  # a chunk of whole frames: a shorter video, no exchange
                 frames = (piece.inputs[1] - piece.inputs[0]) // (piece.item.shape[1] * piece.item.shape[2])
                 grid = torch.tensor([[frames, *piece.item.shape[1:]]], dtype=torch.long)
-                out[piece] = model.encode_video(inputs[piece], grid)
+                calls.append(self._video_call([piece], inputs[piece], grid))
                 continue
             shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
             if piece.item.modality == "image":
                 cols = piece.item.shape[1]
-                grid = torch.tensor([piece.item.shape], dtype=torch.long)
-                features = model.vision(inputs[piece], grid, shard=shard)
-                chunk_grid = torch.tensor([[features.shape[0] // cols, cols]], dtype=torch.long)
-                out[piece] = model.project_image(features, chunk_grid)
+                x, cu = model.vision.embed(inputs[piece], torch.tensor([piece.item.shape], dtype=torch.long), shard)
+                head = lambda h, c=cols: model.project_image(h, torch.tensor([[h.shape[0] // c, c]], dtype=torch.long))
+                calls.append(_Call("vision", [piece], x, cu, shard, head))
             else:
-                frames = torch.tensor([piece.item.shape[0]], dtype=torch.long)
-                out[piece] = model.projectors["audio"](model.audio(inputs[piece], frames, shard=shard))
-        return out
+                x, cu = model.audio.embed(inputs[piece], torch.tensor([piece.item.shape[0]], dtype=torch.long), shard)
+                calls.append(_Call("audio", [piece], x, cu, shard, model.projectors["audio"]))
+        return calls
+
+    def _video_call(self, pieces: list[Piece], patches: torch.Tensor, video_grids: torch.Tensor) -> _Call:
+        """Videos through the vision encoder, frame by frame; their frames merged and projected after it."""
+        x, cu = self.model.vision.embed(patches, self.model.vision.frame_grids(video_grids))
+        return _Call("vision", pieces, x, cu, None, lambda h: self.model.project_video(h, video_grids))
 
     # --- the handoff ---------------------------------------------------------------------------------------
 
@@ -467,8 +511,9 @@ class EncoderStep:
         return sorted(out, key=lambda t: (t[0], t[1].item.micro, t[1].item.start + t[2]))
 
     def _hand_off(self, transfers: list[Transfer], produced: dict[Piece, torch.Tensor], n_micro: int,
-                  dtype: torch.dtype) -> list[torch.Tensor | None]:
-        """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too)."""
+                  dtype: torch.dtype, token: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too). The
+        sharded chains' `token` rides along (an added zero), so that every rank's backward reaches them."""
         dim = self.model.args.llm.dim
         outgoing = [t for t in transfers if t[1].rank == self.rank]
         chunks = [produced[piece][first - piece.rows[0]:end - piece.rows[0]] for _, piece, first, end in outgoing]
@@ -480,6 +525,8 @@ class EncoderStep:
                 recv_splits[piece.rank] += end - first
         trains, device = self.trains, self.device
         send = torch.cat(chunks).to(dtype) if chunks else torch.zeros(0, dim, dtype=dtype, device=device)
+        if token is not None and token.requires_grad:
+            send = send + 0 * token.to(dtype)
         if trains and not send.requires_grad:  # no rows, or only frozen encoders' rows: the backward still runs
             send = send + torch.zeros((), dtype=dtype, device=device, requires_grad=True)
         exchange = AllToAll.apply if trains else all_to_all_uneven

@@ -69,6 +69,7 @@ class JointStep:
         self.sent: dict[tuple[int, int], torch.Tensor] = {}  # rows as made, graph attached (the backward's roots)
         self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # sends and their buffers, until finish()
         self.leaves: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, torch.Tensor | None] = {}  # the sharded encoders' chains', per micro-batch
         self.layout: dict[int, list[tuple[int, int]]] = {}  # a leaf's (source, rows) runs, in leaf order
         self.cpu_s = 0.0  # the thread's encoder compute (CPU time: waiting at idle priority is not work)
         self.graded_by_hook: set[int] = set()
@@ -111,7 +112,7 @@ class JointStep:
         mine = [p for p in self.pieces if p.rank == self.rank and p.item.micro == micro]
         device, dtype = step.device, self.dtype
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            produced = step._encode(mine, self.inputs)
+            produced, self.tokens[micro] = step._encode(mine, self.inputs)
         for (m, consumer), spans in sorted(self.outgoing.items()):
             if m != micro:
                 continue
@@ -139,6 +140,10 @@ class JointStep:
             if rows.requires_grad:  # rows of frozen encoders only: nothing to run
                 roots.append(rows)
                 grads.append(grad)
+        token = self.tokens.get(micro)
+        if token is not None and token.requires_grad:  # every rank's backward reaches the sharded blocks
+            roots.append(token)
+            grads.append(torch.zeros_like(token))
         started = time.thread_time()
         if roots:
             torch.autograd.backward(roots, grads)

@@ -318,8 +318,8 @@ class EncoderSpecConfig(Strict):
                              "0: no threshold by cost")
     long_mb: StrictInt = Field(0, ge=0, description="An item whose encoder activations exceed this many MiB is long; "
                          "0: no threshold by memory")
-    fsdp: StrictBool = Field(False, description="Shard the encoder's weights over its group, gathered whole once per "
-                             "step (else replicated)")
+    fsdp: StrictBool = Field(False, description="Shard the encoder's weights over its group, its blocks gathered one "
+                             "at a time (else replicated)")
 
 
 class EncodersConfig(Strict):

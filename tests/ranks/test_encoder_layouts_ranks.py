@@ -175,13 +175,13 @@ def test_a_sharded_encoder_keeps_its_share_of_the_weights_at_rest():
 def _uneven_shards_worker(rank: int, world: int) -> dict:
     from torch import nn
 
-    from omni_core.parallel.encoder_shards import EncoderShards
+    from omni_core.parallel.encoder_shards import EncoderShards, owned
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 1))  # 4 rows over 3 ranks: 2, 2 and none
     reference = [p.detach().clone() for p in module.parameters()]
     inputs = [torch.randn(2, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    shards = EncoderShards([module], None, torch.device("cpu"))
+    shards = EncoderShards(owned(module), None, torch.device("cpu"))
     local_rows = [p.to_local().shape[0] for p in module.parameters()]
     shards.gather()
     gathered = all(torch.equal(p, r) for p, r in zip(module.parameters(), reference, strict=True))
@@ -207,3 +207,40 @@ def test_sharded_weights_split_unevenly_gather_and_reduce_exactly():
     for out in outs:
         for grad, param in zip(out["grads"], module.parameters(), strict=True):
             torch.testing.assert_close(grad, param.grad)
+
+
+def _blocks_held_worker(rank: int, world: int) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    from omni_core.parallel.encoder_shards import EncoderShards
+
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    recipe = _recipe()
+    recipe.train.grad_accum = 1
+    replica = build_replica(recipe, ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32)
+    layers = replica.parts[0].vision.layers
+    held, gather = [], EncoderShards.gather
+
+    def counting(self, trainable=True):
+        gather(self, trainable)
+        held.append(sum(not isinstance(p, DTensor) for layer in layers for p in layer.parameters()))
+
+    EncoderShards.gather = counting
+    try:
+        train_step(replica, CapturingOptimizers(replica.parts, recipe), SHARDS[rank:rank + 1], grad_clip=0.0)
+    finally:
+        EncoderShards.gather = gather
+    return held
+
+
+def test_a_sharded_encoder_holds_one_block_whole_at_a_time():
+    """Each block is gathered for its forward and again for its backward, alone: never two blocks' weights whole
+    at once (the stem and projector, gathered for the step, hold no block parameter)."""
+    from omni_core.models.omni import build_model
+
+    per_block = sum(1 for _ in build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=3).vision.layers[0]
+                    .parameters())
+    layers = len(build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=3).vision.layers)
+    for held in run_ranks(_blocks_held_worker, 2):
+        assert held.count(per_block) == 2 * layers  # forward and backward, block by block
+        assert set(held) == {0, per_block}  # the step-level gather (stem, projector) holds none

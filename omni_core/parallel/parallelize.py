@@ -19,6 +19,7 @@ tokens).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -214,11 +215,14 @@ def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: Paralle
     model.token_index = cp_token_index(total_tokens, plan.cp, meshes.cp_rank, plan.cp_kind)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: nn.Module, skip: Collection[str] = ()) -> None:
     """Recompute each block's activations in backward: memory O(blocks) instead of O(blocks x activations).
-    Checkpoint keys are unchanged (DCP's state-dict helpers strip the wrapper's prefix)."""
+    Checkpoint keys are unchanged (DCP's state-dict helpers strip the wrapper's prefix). The encoders in `skip`
+    are left alone: their sharded blocks recompute already (`parallel.encoder_shards`)."""
+    skipped = [getattr(model, name).layers for name in skip if getattr(model, name, None) is not None]
     for container, key in transformer_blocks(model):
-        container[key] = checkpoint_wrapper(container[key], preserve_rng_state=False)
+        if not any(container is layers for layers in skipped):
+            container[key] = checkpoint_wrapper(container[key], preserve_rng_state=False)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -290,7 +294,7 @@ def parallelize_omni(
         if plan.cp > 1:
             apply_context_parallel(model, plan, meshes, tokens_per_microbatch)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, skip=plan.encoders.sharded)
     if compile:
         apply_compile(model)
     if meshes is not None and meshes.dp_mesh is not None:

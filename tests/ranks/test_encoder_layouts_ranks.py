@@ -136,6 +136,23 @@ def test_joint_schedule_where_only_one_shard_holds_images_and_audio(plan):
         torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def _checkpointed_worker(rank: int, world: int) -> dict[str, bool]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    recipe = _recipe()
+    recipe.train.activation_checkpointing = True
+    model = build_replica(recipe, ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32).parts[0]
+    return {name: all(isinstance(b, CheckpointWrapper) for b in getattr(model, name).layers)
+            for name in ("vision", "audio")}
+
+
+def test_activation_checkpointing_leaves_sharded_blocks_to_their_own_recomputation():
+    """Sharded blocks already recompute their forward in backward; wrapping them too would recompute twice."""
+    for wrapped in run_ranks(_checkpointed_worker, 2):
+        assert wrapped == {"vision": False, "audio": True}
+
+
 def test_sharded_encoder_weights_train_like_one_process(tmp_path):
     """Encoder weights FSDP-sharded over the encoders' group (gathered once per step, gradients
     reduce-scattered): beside replicated ones, under LSSP and TP consumers, in the joint schedule's thread, and

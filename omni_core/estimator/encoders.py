@@ -222,8 +222,8 @@ def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
 
 def encoder_state_bytes(part: Sums, state_bytes: float, grad_bytes: float, ranks: int, sharded: bool) -> float:
     """An encoder's model states on one of its `ranks`: whole when replicated; FSDP-sharded, its share plus
-    the full fp32 weights and gradients of the largest unit gathered at a time (`parallel.encoder_shards`: a
-    block, or the stem and projector)."""
+    the full fp32 weights and gradients of one unit gathered at a time (`parallel.encoder_shards`: a block, or
+    the stem and projector), taken as the encoder's mean unit."""
     if not sharded:
         return part.params * state_bytes
     return part.params * state_bytes / ranks + part.params / max(part.units, 1.0) * (GATHERED_BYTES + grad_bytes)
@@ -260,7 +260,7 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(terms)
-    seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * terms.passes / 3 * rounds
+    seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
                + omni_weight_seconds(terms, rounds) + handoff)
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
     return max(seconds - filled, 0.0), long_item, handoff

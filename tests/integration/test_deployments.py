@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -38,11 +39,19 @@ deployments:
 """
 
 
-def api(url: str, path: str, body: dict | None = None) -> object:
+def api(url: str, path: str, body: dict | None = None, attempts: int = 6) -> object:
+    """POST to the Prefect server's API. A 429 or 503 (the server's sqlite store busy under load) is retried
+    with backoff, as Prefect's own client retries them."""
     request = urllib.request.Request(f"{url}{path}", data=json.dumps(body or {}).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            if error.code not in (429, 503) or attempt == attempts - 1:
+                raise
+        time.sleep(0.5 * 2 ** attempt)
 
 
 def runs_of(url: str, deployment: str) -> list[dict]:

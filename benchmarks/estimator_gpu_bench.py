@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/estimator_gpu_bench.py [--quick] --out est_gpu.json
 
-Each row is one measured configuration: a model shape, a global batch, a GPU type and count, the source's
-parallel plan (TP x PP x DP) and its measured TFLOP/s per GPU, turned into a step time with the source's own
-FLOP count. The estimator prices that plan on that Cell with the catalogue's datasheet figures and the
-default `Efficiency` (no calibration: no GPU here), choosing only what the source does not state: the
-micro-batch (1-8, the fastest that fits). Reported:
+Each row is one measured configuration: a model shape (GPT or Llama), a global batch, a GPU type and count,
+the source's parallel plan (TP x PP x DP, replicated or FSDP-sharded), its activation recomputation and its
+measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; or tokens per
+second per GPU), or that it ran out of memory. The estimator prices that plan on that Cell with the
+catalogue's datasheet figures and the default `Efficiency` (no calibration: no GPU here), choosing only what
+the source does not state: the micro-batch (1-8, the fastest that fits). Reported:
 
 - `rows`: per row, predicted and measured step seconds and `log2_error` = log2(predicted / measured)
   (negative: optimistic);
@@ -16,6 +17,10 @@ micro-batch (1-8, the fastest that fits). Reported:
 - `spearman_by_family[family]`: rank correlation of predicted and measured step times across a family's
   topologies (same model, different plans), or null with the reason when the table has fewer than three;
 - `oom`: published out-of-memory rows refused, and feasible rows refused (none may be);
+- `selective_recompute`: rows measured under torchtitan's selective activation checkpointing, which the
+  estimator does not model: each priced with no recomputation and with full recomputation (the two ends of
+  what it recomputes), whether the measurement lies between them, and for one that ran out of memory whether
+  the estimator refuses it at least without recomputation;
 - `targets`: the issue's targets and whether each is met.
 
 `--independent DIR` adds a held-out check (`independent`) against the Crius/Arena artifact (a checkout of
@@ -64,28 +69,83 @@ ARENA_JOB = re.compile(r"^(?P<model>wide_resnet|bert|moe)_(?P<size>[0-9.]+[MB])_
 TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_per_family": 0.9}
 
 
+MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "oom")
+PRICED_RECOMPUTE = {"none": False, "full": True}
+# torchtitan's selective activation checkpointing (every k-th block, or a per-operator save list): between no
+# recomputation and full recomputation in both memory and time, and not a choice the estimator models
+BRACKETED_RECOMPUTE = ("selective-layer", "selective-op")
+
+
+def read_table(path: Path = TABLE) -> list[dict[str, str]]:
+    """The table's rows, each checked for the fields the benchmark reads (errors name the file, row and field)."""
+    rows = list(csv.DictReader(path.open()))
+    for line, row in enumerate(rows, start=2):
+        where = f"{path.name}:{line}"
+        if row["measure"] not in MEASURES:
+            raise ValueError(f"{where}: measure={row['measure']!r}; known: {', '.join(MEASURES)}")
+        if row["recompute"] not in (*PRICED_RECOMPUTE, *BRACKETED_RECOMPUTE):
+            raise ValueError(f"{where}: recompute={row['recompute']!r}; known: "
+                             f"{', '.join((*PRICED_RECOMPUTE, *BRACKETED_RECOMPUTE))}")
+        if row["arch"] not in ("gpt", "llama"):
+            raise ValueError(f"{where}: arch={row['arch']!r}; known: gpt, llama")
+        if row["measure"] != "oom" and not row["value"]:
+            raise ValueError(f"{where}: value is empty for measure={row['measure']}")
+        if row["measure"] == "tflops_per_gpu" and row["arch"] != "gpt":
+            raise ValueError(f"{where}: measure=tflops_per_gpu counts FLOPs as Narayanan et al. 2021 do, for GPT rows only")
+    return rows
+
+
 def measured_step_s(row: dict[str, str]) -> float:
-    """The row's step time from its throughput, with its source's FLOP count (Narayanan et al. 2021, eq. 3:
-    forward, backward and the full recomputation of a GPT iteration, logits included)."""
-    b, s, l, h, v = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab"))
+    """The row's step time from its throughput: tokens per second per GPU over the step's tokens per GPU, or
+    TFLOP/s per GPU with its source's FLOP count (Narayanan et al. 2021, eq. 3: forward, backward and the full
+    recomputation of a GPT iteration, logits included)."""
+    b, s, l, h, v, gpus = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab", "gpus"))
+    if row["measure"] == "tokens_per_s_per_gpu":
+        return b * s / (float(row["value"]) * gpus)
     flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-    return flops / (float(row["tflops_per_gpu"]) * 1e12 * int(row["gpus"]))
+    return flops / (float(row["value"]) * 1e12 * gpus)
 
 
-def predicted(row: dict[str, str], catalog: GpuCatalog) -> Estimate:
+def row_workload(row: dict[str, str]):
+    llama = row["arch"] == "llama"
+    return transformer(row["model"], n_layers=int(row["layers"]), dim=int(row["hidden"]), heads=int(row["heads"]),
+                       kv_heads=int(row["kv_heads"]), ffn=int(row["ffn"]), gated=llama, bias=not llama,
+                       vocab=int(row["vocab"]), seq_len=int(row["seq_len"]), global_batch=int(row["global_batch"]),
+                       precision=row["precision"])
+
+
+def predicted(row: dict[str, str], catalog: GpuCatalog, checkpoint: bool | None = None) -> Estimate:
     """The source's plan on the row's Cell, at the micro-batch that prices fastest (the least step time, or the
-    closest to fitting when none fits)."""
-    workload = transformer(row["model"], n_layers=int(row["layers"]), dim=int(row["hidden"]), heads=int(row["heads"]),
-                           vocab=int(row["vocab"]), seq_len=int(row["seq_len"]),
-                           global_batch=int(row["global_batch"]), precision=row["precision"])
-    plan = ParallelPlan(dp_replicate=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]))
-    options = [Options(micro_batch=mb, checkpoint=row["recompute"] == "full") for mb in MICRO_BATCHES]
+    closest to fitting when none fits); with the row's recomputation unless `checkpoint` says otherwise."""
+    workload = row_workload(row)
+    plan = ParallelPlan(dp_replicate=int(row["dp"]), dp_shard=int(row["dp_shard"]), tp=int(row["tp"]),
+                        pp=int(row["pp"]))
+    checkpoint = PRICED_RECOMPUTE[row["recompute"]] if checkpoint is None else checkpoint
+    per_rank = int(row["global_batch"]) // plan.dp
+    options = [Options(micro_batch=mb, checkpoint=checkpoint) for mb in MICRO_BATCHES if per_rank % mb == 0]
     estimates = [estimate_step(workload, catalog[row["gpu"]], plan, o, gpus_per_node=int(row["gpus_per_node"]))
                  for o in options]
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: e.step_time_s)
     return min(estimates, key=lambda e: e.peak_mem_bytes)
+
+
+def bracketed(row: dict[str, str], catalog: GpuCatalog) -> dict:
+    """A selective-recomputation row, priced at both ends of what it recomputes: none and every block."""
+    none, full = predicted(row, catalog, checkpoint=False), predicted(row, catalog, checkpoint=True)
+    out = {"source": row["source"], "model": row["model"], "recompute": row["recompute"],
+           "global_batch": int(row["global_batch"]), "fits_without_recompute": none.fits,
+           "fits_with_full_recompute": full.fits, "peak_gb": [none.peak_mem_bytes / 1e9, full.peak_mem_bytes / 1e9]}
+    if row["measure"] == "oom":
+        return {**out, "published": "oom"}
+    measured = measured_step_s(row)
+    ends = [e.step_time_s for e in (none, full) if e.fits]
+    inside = len(ends) == 2 and ends[0] <= measured <= ends[1]
+    nearest = 0.0 if inside else min((math.log2(t / measured) for t in ends), key=abs, default=None)
+    return {**out, "measured_s": measured, "predicted_s": [none.step_time_s if none.fits else None,
+                                                           full.step_time_s if full.fits else None],
+            "within_bracket": inside, "log2_error_to_nearest_end": nearest}
 
 
 def summary(errors: list[float]) -> dict[str, float]:
@@ -251,11 +311,13 @@ def grouped_summary(rows: list[dict], key: str) -> dict:
 
 def run() -> dict:
     catalog = GpuCatalog()
-    rows, refused_feasible, oom_rows, oom_refused = [], [], 0, 0
-    for row in csv.DictReader(TABLE.open()):
+    rows, selective, refused_feasible, oom_rows, oom_refused = [], [], [], 0, 0
+    for row in read_table():
+        if row["recompute"] in BRACKETED_RECOMPUTE:
+            selective.append(bracketed(row, catalog))
+            continue
         est = predicted(row, catalog)
-        oom = row["tflops_per_gpu"] == "oom"
-        if oom:
+        if row["measure"] == "oom":
             oom_rows += 1
             oom_refused += not est.fits
             continue
@@ -264,8 +326,9 @@ def run() -> dict:
             refused_feasible.append(f"{row['model']} on {row['gpus']} {row['gpu']}: {est.reason}")
         rows.append({"source": row["source"], "model": row["model"], "family": row["family"], "gpu": row["gpu"],
                      "gpus": int(row["gpus"]), "nodes": math.ceil(int(row["gpus"]) / int(row["gpus_per_node"])),
-                     "plan": est.plan.name, "micro_batch": est.options.micro_batch, "measured_s": measured,
-                     "predicted_s": est.step_time_s if est.fits else None,
+                     "plan": est.plan.name, "recompute": row["recompute"], "micro_batch": est.options.micro_batch,
+                     "measured_s": measured, "predicted_s": est.step_time_s if est.fits else None,
+                     "peak_gb": est.peak_mem_bytes / 1e9,
                      "log2_error": math.log2(est.step_time_s / measured) if est.fits else None})
     priced = [r for r in rows if r["log2_error"] is not None]
     errors = [r["log2_error"] for r in priced]
@@ -287,8 +350,13 @@ def run() -> dict:
             "mape_pct": 100 * statistics.fmean(abs(2**e - 1) for e in errors),
             "within_1_5x_share": overall["within_1_5x_share"], "median_abs_log2": overall["median_abs_log2"],
             "spearman_by_family": spear,
-            "oom": {"published_oom_rows": oom_rows, "refused": oom_refused, "feasible_refused": refused_feasible},
-            "targets": targets}
+            "oom": {"published_oom_rows": oom_rows, "refused": oom_refused, "feasible_refused": refused_feasible,
+                    # a selective row that ran out of memory needs more than fits; without recomputation it would
+                    # need more still, so an estimator that fits it there contradicts the source
+                    "selective_oom_rows": sum(r.get("published") == "oom" for r in selective),
+                    "selective_oom_refused_without_recompute": sum(
+                        r.get("published") == "oom" and not r["fits_without_recompute"] for r in selective)},
+            "selective_recompute": selective, "targets": targets}
 
 
 def main() -> None:

@@ -119,10 +119,31 @@ def gpu_bench():
 
 def test_published_table_benchmark_writes_its_keys(gpu_bench):
     report = gpu_bench.run()
-    assert report["sources"] == ["narayanan2021"] and len(report["rows"]) >= 10
+    assert report["sources"] == ["narayanan2021", "torchtitan2024"] and len(report["rows"]) >= 13
     assert {"by_gpu", "by_nodes", "mape_pct", "within_1_5x_share", "median_abs_log2", "spearman_by_family", "oom",
-            "targets"} <= set(report)
+            "selective_recompute", "targets"} <= set(report)
     assert all(math.isfinite(r["log2_error"]) for r in report["rows"])
+    assert {r["recompute"] for r in report["rows"]} == {"none", "full"}  # selective rows are bracketed instead
+    selective = report["selective_recompute"]
+    assert len(selective) == 6 and all(len(r["peak_gb"]) == 2 and r["peak_gb"][0] > r["peak_gb"][1] for r in selective)
+    assert report["oom"]["selective_oom_rows"] == 1
+
+
+def test_published_table_rows_are_checked_by_field(gpu_bench, tmp_path):
+    rows = gpu_bench.TABLE.read_text().splitlines()
+    bad = tmp_path / "table.csv"
+    bad.write_text("\n".join([rows[0], rows[1].replace(",full,", ",sometimes,")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: recompute='sometimes'"):
+        gpu_bench.read_table(bad)
+    bad.write_text("\n".join([rows[0], rows[1].replace("tflops_per_gpu,137", "tflops_per_gpu,")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: value is empty"):
+        gpu_bench.read_table(bad)
+
+
+def test_a_step_time_from_tokens_per_second_is_the_step_tokens_per_gpu_over_the_rate(gpu_bench):
+    row = next(r for r in gpu_bench.read_table() if r["measure"] == "tokens_per_s_per_gpu")
+    tokens_per_gpu = int(row["global_batch"]) * int(row["seq_len"]) / int(row["gpus"])
+    assert gpu_bench.measured_step_s(row) == pytest.approx(tokens_per_gpu / float(row["value"]))
 
 
 def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, tmp_path):

@@ -142,7 +142,7 @@ def _node_resources(spec: RunSpec) -> dict[str, str]:
 
 def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
     """An sbatch script: one task per node, each running `torchrun` (by default the README's set-up on the
-    shared filesystem, on PATH), meeting at the allocation's first host."""
+    shared filesystem, on PATH), meeting at the allocation's first node's address."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={spec.cpus_per_node}",
              f"#SBATCH --mem={spec.memory_gb}G"]
@@ -153,7 +153,9 @@ def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
     lines += ["set -euo pipefail", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
-              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+              'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              # the node's address as Slurm reaches it (NodeAddr: its name unless the cluster says otherwise)
+              'head=$(scontrol show node "$first" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)']
     args = torchrun_args(spec, f"__HEAD__:{spec.port}")
     command = shlex.join(["srun", *torchrun, *args]).replace("__HEAD__", '"$head"')
     return "\n".join([*lines, command, ""])

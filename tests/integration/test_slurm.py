@@ -5,13 +5,16 @@ when it must be."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from omni_core.runtime.slurm import job_state, run_slurm_job
-from omni_core.runtime.supervisor import LaunchError
+from omni_core.runtime.supervisor import LaunchError, terminate_group
 from omni_core.runtime.targets import RunSpec
 from tests.servers import slurm_cluster
 
@@ -74,6 +77,56 @@ def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tm
     assert any(line.startswith("step ") for line in lines), "the job trained and its output was streamed"
     left = subprocess.run(["pgrep", "-f", "omni_core.runtime.launch --recipe " + spec.recipe], capture_output=True)
     assert left.returncode == 1, f"processes left behind: {left.stdout!r}"
+
+
+def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path):
+    """SIGTERM to the stage's process, as Prefect's runner cancels a flow run: the job is scancelled, no rank is
+    left on the node, and the MLflow run is KILLED."""
+    from mlflow import MlflowClient
+
+    recipe = recipe_file(tmp_path, steps=100_000)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "OMP_NUM_THREADS": "1",
+           "MLFLOW_TRACKING_URI": store, "PREFECT_HOME": str(tmp_path / "prefect")}
+    log = tmp_path / "omni.log"
+    with log.open("w") as out:
+        stage = subprocess.Popen([str(Path(sys.executable).parent / "omni"), "train", str(recipe)], env=env,
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any("step " in o.read_text() for o in (tmp_path / "out").glob("**/slurm-test-*.out")):
+            assert stage.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        stage.send_signal(signal.SIGTERM)
+        assert stage.wait(timeout=120) != 0
+    finally:
+        terminate_group(stage, grace_s=10)
+    output, = (tmp_path / "out").glob("**/slurm-test-*.out")
+    assert job_state(output.stem.removeprefix("slurm-test-"), os.environ)[0] == "CANCELLED"
+    left = subprocess.run(["pgrep", "-f", "omni_core.runtime.launch --recipe " + str(recipe)], capture_output=True)
+    assert left.returncode == 1, f"processes left behind: {left.stdout!r}"
+    client = MlflowClient(store)
+    run, = client.search_runs([client.get_experiment_by_name("slurm_test").experiment_id],
+                              "attributes.run_name = 'train'")
+    assert run.info.status == "KILLED"
+
+
+def test_a_two_node_job_trains_as_one_world(tmp_path):
+    """Two Slurm nodes (two slurmd on this host): srun starts one torchrun per node, and they meet by c10d
+    rendezvous at the first node's address and train as one world of two ranks."""
+    import json
+
+    from omni_core.runtime.ranks import free_port
+
+    spec = RunSpec(name="two-nodes", recipe=str(recipe_file(tmp_path, steps=4)), result=str(tmp_path / "r.json"),
+                   nodes=2, ranks_per_node=1, cpus_per_node=1, memory_gb=1, port=free_port())
+    lines: list[str] = []
+    with slurm_cluster(nodes=2) as cluster:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=240, env={**os.environ, **cluster, "OMP_NUM_THREADS": "1"},
+                      on_line=lines.append, poll_s=0.5)
+    result = json.loads(Path(spec.result).read_text())
+    assert result["world_size"] == 2 and result["steps"] == 4, lines[-20:]
+    assert "2 node(s) x 1 ranks" in lines[0]
 
 
 def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):

@@ -112,16 +112,17 @@ def sync_seconds(terms: PlanTerms) -> float:
 def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: list[int], encoder: float,
                          sync: float) -> float:
     """The least a step takes when a node's ranks time-share fewer cores (`GpuSpec.cores`): their average work
-    (device, wrappers, the links' copies: all of it runs on the cores) over the share of a core each gets;
-    0 when every rank has its own."""
+    on the cores (device, wrappers, and of the links' seconds the share a collective keeps its rank's process
+    busy, `Efficiency.link_cpu_share`: the rest is waiting, which another rank's work fills) over the share of
+    a core each gets; 0 when every rank has its own."""
     gpu, plan = terms.gpu, terms.plan
     ranks_per_node = min(plan.world_size, terms.gpus_per_node)
     if not gpu.cores or ranks_per_node <= gpu.cores:
         return 0.0
     share = ranks_per_node / gpu.cores
-    device = sum(times.device * count for times, count in zip(stages, counts))
-    runtime = sum(times.runtime * count for times, count in zip(stages, counts))
-    work = (device + runtime) / plan.pp + terms.eff.step_overhead_s
+    idle = 1.0 - terms.eff.link_cpu_share
+    busy = sum((times.device + times.runtime - idle * times.links) * count for times, count in zip(stages, counts))
+    work = busy / plan.pp + terms.eff.step_overhead_s
     return work * share + encoder + sync
 
 

@@ -36,6 +36,7 @@ class StageTimes(NamedTuple):
     device: float  # per step: compute and host operators over the step's micro-batches
     runtime: float  # per step: wrappers, collectives, sends, FSDP, optimizer
     per_step: float  # once per step, after the micro-batches: FSDP's gradient reduction and the optimizer
+    links: float  # per step: the collectives' and sends' share of `runtime`
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,8 @@ def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: b
     return StageTimes(micro_batch=compute + host + wrappers + comm + send + fsdp_micro_batch,
                       device=micro_batches * (compute + host),
                       runtime=micro_batches * (wrappers + comm + send + fsdp_micro_batch) + fsdp_step + optimizer,
-                      per_step=optimizer + fsdp_step)
+                      per_step=optimizer + fsdp_step,
+                      links=micro_batches * (comm + send + fsdp_micro_batch - fsdp.wrappers) + fsdp_step)
 
 
 def price_stages(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...],

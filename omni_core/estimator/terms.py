@@ -45,6 +45,10 @@ class Efficiency:
     # memory-bound seconds x this when a node's ranks run at once on a CPU device (`GpuSpec.cores`): they share
     # its memory bandwidth (a GPU has its own); measured by the ranks probe
     shared_memory: float = 1.0
+    # of a collective's wall seconds, the share its rank's process spends on a core (copies, polling); the rest
+    # it waits, and ranks time-sharing fewer cores fill that wait with their own work (1: all of it on a core;
+    # measured by the ranks probe)
+    link_cpu_share: float = 1.0
     # a rank's own work (compute and operators, profiled on one rank alone) x this in a multi-rank step: ranks
     # jitter independently and every collective waits for the slowest (and wakes the waiting ones); 1 on a
     # device never probed, measured by the ranks probe (the wrappers' and links' probes include it)

@@ -493,10 +493,32 @@ def _straggle(repeat: int, iterations: int = 10) -> float:
     return both / (alone + reduce) if alone else 1.0
 
 
+def _link_cpu_share(repeat: int) -> float:
+    """Of the wall seconds the collectives' probe sizes take (each kind, gloo on this host), the share the rank's
+    process spends on a core (its own and gloo's threads: copies, polling); the rest is waiting for peers."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    buffers = [torch.ones(size // 4) for size in COLLECTIVE_BYTES]
+    calls = [call for buf in buffers for call in (
+        lambda b=buf: dist.all_reduce(b), lambda b=buf: dist.all_gather_single(torch.empty(b.numel() * world), b),
+        lambda b=buf: dist.reduce_scatter_single(torch.empty(b.numel() // world), b))]
+    for call in calls:  # warm
+        call()
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(COLLECTIVE_REPEATS * repeat):
+        for call in calls:
+            call()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return min(1.0, cpu / wall)
+
+
 def _rank_probe(rank: int, world: int, repeat: int) -> dict:
     group_s, tensor_s = _dtensor_costs(repeat)
     return {"collectives": _collective_times(world, repeat), "memory_share": _memory_share(repeat),
-            "straggle": _straggle(repeat),
+            "straggle": _straggle(repeat), "link_cpu_share": _link_cpu_share(repeat),
             "wrappers": {"dtensor": tensor_s, "dtensor_group": group_s, **_wrapper_costs(repeat)}}
 
 
@@ -561,9 +583,11 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
                   fsdp_unit_s=max(0.0, ranks["wrappers"]["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
                   fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
                   tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
-                  shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]))
+                  shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]),
+                  link_cpu_share=ranks["link_cpu_share"])
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
-               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"]}
+               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"],
+               "link_cpu_share": ranks["link_cpu_share"]}
     return spec, eff, summary
 
 

@@ -90,10 +90,12 @@ def slurm_bin(name: str) -> str:
 
 
 @contextmanager
-def slurm_cluster() -> Iterator[dict[str, str]]:
-    """A one-node Slurm cluster on loopback: its own MUNGE daemon (socket in a temporary folder, the package's
-    key), slurmctld and slurmd on free ports, as the current user, with no cgroups (process tracking by
-    parentage). Yields the environment its clients need (SLURM_CONF) once the node is idle."""
+def slurm_cluster(nodes: int = 1) -> Iterator[dict[str, str]]:
+    """A Slurm cluster on loopback: its own MUNGE daemon (socket in a temporary folder, the package's key),
+    slurmctld and one slurmd per node on free ports, as the current user, with no cgroups (process tracking by
+    parentage). One node is this host by name, with its CPUs; more are nodes n1..nk of one CPU each, every one a
+    slurmd of its own on this host (its own port and spool) at 127.0.0.1. Yields the environment its clients
+    need (SLURM_CONF) once every node is idle."""
     import getpass
     import socket
 
@@ -101,18 +103,23 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
 
     root = Path(tempfile.mkdtemp(prefix="omni-slurm-"))
     user, host = getpass.getuser(), socket.gethostname().split(".")[0]
-    for folder in ("state", "spool", "munge"):
+    names = [host] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
+    for folder in ("state", "munge", *(f"spool-{name}" for name in names)):
         (root / folder).mkdir()
+    if nodes == 1:
+        node_lines = [f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=16000 State=UNKNOWN"]
+    else:
+        node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 "
+                      "RealMemory=8000 State=UNKNOWN" for name in names]
     conf = root / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=omni-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmUser={user}", f"SlurmdUser={user}",
         "AuthType=auth/munge", f"AuthInfo=socket={root}/munge/munge.socket", f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool", f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=16000 State=UNKNOWN",
-        f"PartitionName=omni Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""]))
+        f"SlurmdSpoolDir={root}/spool-%n", f"SlurmctldPidFile={root}/slurmctld.pid",
+        f"SlurmdPidFile={root}/slurmd-%n.pid", f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        "MpiDefault=none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
+        *node_lines, f"PartitionName=omni Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP", ""]))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     munge = [slurm_bin("munged"), "--foreground", "--force", f"--socket={root}/munge/munge.socket",
              f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munge/munged.log",
@@ -120,7 +127,8 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     procs = []
     try:
         for cmd in (munge, [slurm_bin("slurmctld"), "-D", "-f", str(conf), "-L", str(root / "slurmctld.log")],
-                    [slurm_bin("slurmd"), "-D", "-f", str(conf), "-L", str(root / "slurmd.log")]):
+                    *([slurm_bin("slurmd"), "-D", "-N", name, "-f", str(conf), "-L", str(root / f"slurmd-{name}.log")]
+                      for name in names)):
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True))
             time.sleep(0.5)

@@ -111,9 +111,9 @@ def save_checkpoint(
 ) -> str:
     """Save collectively; returns the checkpoint's location once it is complete on every rank."""
     target = store.local_dir(step)
-    if info.local_rank == 0:
+    if info.local_rank == 0:  # each node's leader: a shared folder sees several, so both calls tolerate each other
         shutil.rmtree(target, ignore_errors=True)  # leftovers of an interrupted save of this step
-        target.mkdir(parents=True)
+        target.mkdir(parents=True, exist_ok=True)
     barrier()
     dcp.save(_state(parts, optimizers), checkpoint_id=str(target))
     torch.save(rank_state, target / f"rank{info.rank}.pt")

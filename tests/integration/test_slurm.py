@@ -111,6 +111,24 @@ def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path):
     assert run.info.status == "KILLED"
 
 
+def test_a_two_node_job_trains_as_one_world(tmp_path):
+    """Two Slurm nodes (two slurmd on this host): srun starts one torchrun per node, and they meet by c10d
+    rendezvous at the first node's address and train as one world of two ranks."""
+    import json
+
+    from omni_core.runtime.ranks import free_port
+
+    spec = RunSpec(name="two-nodes", recipe=str(recipe_file(tmp_path, steps=4)), result=str(tmp_path / "r.json"),
+                   nodes=2, ranks_per_node=1, cpus_per_node=1, memory_gb=1, port=free_port())
+    lines: list[str] = []
+    with slurm_cluster(nodes=2) as cluster:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=240, env={**os.environ, **cluster, "OMP_NUM_THREADS": "1"},
+                      on_line=lines.append, poll_s=0.5)
+    result = json.loads(Path(spec.result).read_text())
+    assert result["world_size"] == 2 and result["steps"] == 4, lines[-20:]
+    assert "2 node(s) x 1 ranks" in lines[0]
+
+
 def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
     """The ranks' own error reaches the LaunchError, which is not an infrastructure failure (no retry)."""
     spec = RunSpec(name="fails", recipe=str(recipe_file(tmp_path, steps=4, data=tmp_path / "missing")),

@@ -17,10 +17,8 @@ the source does not state: the micro-batch (1-8, the fastest that fits). Reporte
 - `spearman_by_family[family]`: rank correlation of predicted and measured step times across a family's
   topologies (same model, different plans), or null with the reason when the table has fewer than three;
 - `oom`: published out-of-memory rows refused, and feasible rows refused (none may be);
-- `selective_recompute`: rows measured under torchtitan's selective activation checkpointing, which the
-  estimator does not model: each priced with no recomputation and with full recomputation (the two ends of
-  what it recomputes), whether the measurement lies between them, and for one that ran out of memory whether
-  the estimator refuses it at least without recomputation;
+- `by_recompute[mode]`: the same summary per activation recomputation (none, full, torchtitan's
+  selective-layer and selective-op, priced as `Options.selective` models them);
 - `targets`: the issue's targets and whether each is met.
 
 `--independent DIR` adds a held-out check (`independent`) against the Crius/Arena artifact (a checkout of
@@ -70,10 +68,9 @@ TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_
 
 
 MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "oom")
-PRICED_RECOMPUTE = {"none": False, "full": True}
-# torchtitan's selective activation checkpointing (every k-th block, or a per-operator save list): between no
-# recomputation and full recomputation in both memory and time, and not a choice the estimator models
-BRACKETED_RECOMPUTE = ("selective-layer", "selective-op")
+# the row's recomputation as Options (checkpoint, selective): torchtitan's selective activation checkpointing
+# keeps every second block ("layer", its default frequency 2) or a per-operator save list ("op")
+RECOMPUTE = {"none": (False, ""), "full": (True, ""), "selective-layer": (True, "layer"), "selective-op": (True, "op")}
 
 
 def read_table(path: Path = TABLE) -> list[dict[str, str]]:
@@ -83,13 +80,15 @@ def read_table(path: Path = TABLE) -> list[dict[str, str]]:
         where = f"{path.name}:{line}"
         if row["measure"] not in MEASURES:
             raise ValueError(f"{where}: measure={row['measure']!r}; known: {', '.join(MEASURES)}")
-        if row["recompute"] not in (*PRICED_RECOMPUTE, *BRACKETED_RECOMPUTE):
-            raise ValueError(f"{where}: recompute={row['recompute']!r}; known: "
-                             f"{', '.join((*PRICED_RECOMPUTE, *BRACKETED_RECOMPUTE))}")
+        if row["recompute"] not in RECOMPUTE:
+            raise ValueError(f"{where}: recompute={row['recompute']!r}; known: {', '.join(RECOMPUTE)}")
         if row["arch"] not in ("gpt", "llama"):
             raise ValueError(f"{where}: arch={row['arch']!r}; known: gpt, llama")
         if row["measure"] != "oom" and not row["value"]:
             raise ValueError(f"{where}: value is empty for measure={row['measure']}")
+        if row["micro_batch"] and not (row["micro_batch"].isdigit() and int(row["micro_batch"]) > 0 and
+                                       int(row["global_batch"]) % (int(row["micro_batch"]) * int(row["dp"]) * int(row["dp_shard"])) == 0):
+            raise ValueError(f"{where}: micro_batch={row['micro_batch']!r} does not divide the batch per data rank")
         if row["measure"] == "tflops_per_gpu" and row["arch"] != "gpt":
             raise ValueError(f"{where}: measure=tflops_per_gpu counts FLOPs as Narayanan et al. 2021 do, for GPT rows only")
     return rows
@@ -114,38 +113,22 @@ def row_workload(row: dict[str, str]):
                        precision=row["precision"])
 
 
-def predicted(row: dict[str, str], catalog: GpuCatalog, checkpoint: bool | None = None) -> Estimate:
-    """The source's plan on the row's Cell, at the micro-batch that prices fastest (the least step time, or the
-    closest to fitting when none fits); with the row's recomputation unless `checkpoint` says otherwise."""
+def predicted(row: dict[str, str], catalog: GpuCatalog) -> Estimate:
+    """The source's plan and recomputation on the row's Cell, at the micro-batch that prices fastest (the least
+    step time, or the closest to fitting when none fits)."""
     workload = row_workload(row)
     plan = ParallelPlan(dp_replicate=int(row["dp"]), dp_shard=int(row["dp_shard"]), tp=int(row["tp"]),
                         pp=int(row["pp"]))
-    checkpoint = PRICED_RECOMPUTE[row["recompute"]] if checkpoint is None else checkpoint
+    checkpoint, selective = RECOMPUTE[row["recompute"]]
     per_rank = int(row["global_batch"]) // plan.dp
-    options = [Options(micro_batch=mb, checkpoint=checkpoint) for mb in MICRO_BATCHES if per_rank % mb == 0]
+    stated = (int(row["micro_batch"]),) if row["micro_batch"] else MICRO_BATCHES
+    options = [Options(mb, checkpoint, selective) for mb in stated if per_rank % mb == 0]
     estimates = [estimate_step(workload, catalog[row["gpu"]], plan, o, gpus_per_node=int(row["gpus_per_node"]))
                  for o in options]
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: e.step_time_s)
     return min(estimates, key=lambda e: e.peak_mem_bytes)
-
-
-def bracketed(row: dict[str, str], catalog: GpuCatalog) -> dict:
-    """A selective-recomputation row, priced at both ends of what it recomputes: none and every block."""
-    none, full = predicted(row, catalog, checkpoint=False), predicted(row, catalog, checkpoint=True)
-    out = {"source": row["source"], "model": row["model"], "recompute": row["recompute"],
-           "global_batch": int(row["global_batch"]), "fits_without_recompute": none.fits,
-           "fits_with_full_recompute": full.fits, "peak_gb": [none.peak_mem_bytes / 1e9, full.peak_mem_bytes / 1e9]}
-    if row["measure"] == "oom":
-        return {**out, "published": "oom"}
-    measured = measured_step_s(row)
-    ends = [e.step_time_s for e in (none, full) if e.fits]
-    inside = len(ends) == 2 and ends[0] <= measured <= ends[1]
-    nearest = 0.0 if inside else min((math.log2(t / measured) for t in ends), key=abs, default=None)
-    return {**out, "measured_s": measured, "predicted_s": [none.step_time_s if none.fits else None,
-                                                           full.step_time_s if full.fits else None],
-            "within_bracket": inside, "log2_error_to_nearest_end": nearest}
 
 
 def summary(errors: list[float]) -> dict[str, float]:
@@ -170,12 +153,13 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def family_spearman(rows: list[dict]) -> dict[str, dict]:
     """Per family, over models with at least three topologies: the mean rank correlation across a model's
-    topologies; null with the reason when no model of the family has three."""
+    topologies (a model at one batch and recomputation; rows without those keys are the held-out check's, one
+    per Cell); null with the reason when no model of the family has three."""
     out = {}
-    by_family: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    by_family: dict[str, dict[tuple, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r["measured_s"] is not None:
-            by_family[r["family"]][r["model"]].append(r)
+            by_family[r["family"]][r["model"], r.get("global_batch"), r.get("recompute")].append(r)
     for family, models in by_family.items():
         rhos = [spearman([r["predicted_s"] for r in rs], [r["measured_s"] for r in rs])
                 for rs in models.values() if len(rs) >= 3]
@@ -311,11 +295,8 @@ def grouped_summary(rows: list[dict], key: str) -> dict:
 
 def run() -> dict:
     catalog = GpuCatalog()
-    rows, selective, refused_feasible, oom_rows, oom_refused = [], [], [], 0, 0
+    rows, refused_feasible, oom_rows, oom_refused = [], [], 0, 0
     for row in read_table():
-        if row["recompute"] in BRACKETED_RECOMPUTE:
-            selective.append(bracketed(row, catalog))
-            continue
         est = predicted(row, catalog)
         if row["measure"] == "oom":
             oom_rows += 1
@@ -326,7 +307,8 @@ def run() -> dict:
             refused_feasible.append(f"{row['model']} on {row['gpus']} {row['gpu']}: {est.reason}")
         rows.append({"source": row["source"], "model": row["model"], "family": row["family"], "gpu": row["gpu"],
                      "gpus": int(row["gpus"]), "nodes": math.ceil(int(row["gpus"]) / int(row["gpus_per_node"])),
-                     "plan": est.plan.name, "recompute": row["recompute"], "micro_batch": est.options.micro_batch,
+                     "plan": est.plan.name, "recompute": row["recompute"], "global_batch": int(row["global_batch"]),
+                     "micro_batch": est.options.micro_batch,
                      "measured_s": measured, "predicted_s": est.step_time_s if est.fits else None,
                      "peak_gb": est.peak_mem_bytes / 1e9,
                      "log2_error": math.log2(est.step_time_s / measured) if est.fits else None})
@@ -347,16 +329,12 @@ def run() -> dict:
     }
     return {"table": str(TABLE.relative_to(ROOT)), "sources": sorted({r["source"] for r in rows}), "rows": rows,
             "by_gpu": per_gpu, "by_nodes": grouped_summary(priced, "nodes"),
+            "by_recompute": grouped_summary(priced, "recompute"),
             "mape_pct": 100 * statistics.fmean(abs(2**e - 1) for e in errors),
             "within_1_5x_share": overall["within_1_5x_share"], "median_abs_log2": overall["median_abs_log2"],
             "spearman_by_family": spear,
-            "oom": {"published_oom_rows": oom_rows, "refused": oom_refused, "feasible_refused": refused_feasible,
-                    # a selective row that ran out of memory needs more than fits; without recomputation it would
-                    # need more still, so an estimator that fits it there contradicts the source
-                    "selective_oom_rows": sum(r.get("published") == "oom" for r in selective),
-                    "selective_oom_refused_without_recompute": sum(
-                        r.get("published") == "oom" and not r["fits_without_recompute"] for r in selective)},
-            "selective_recompute": selective, "targets": targets}
+            "oom": {"published_oom_rows": oom_rows, "refused": oom_refused, "feasible_refused": refused_feasible},
+            "targets": targets}
 
 
 def main() -> None:
@@ -374,8 +352,9 @@ def main() -> None:
     for gpu, s in report["by_gpu"].items():
         print(f"{gpu}: {s['rows']} rows, median |log2| {s['median_abs_log2']:.3f}, median log2 {s['median_log2']:+.3f}, "
               f"within 1.5x {s['within_1_5x_share']:.0%}")
-    for nodes, s in report["by_nodes"].items():
-        print(f"  {nodes:4d} nodes: median log2 {s['median_log2']:+.3f} ({s['rows']} rows)")
+    for name in ("by_nodes", "by_recompute"):
+        for key, s in report[name].items():
+            print(f"  {name[3:]} {key}: median log2 {s['median_log2']:+.3f} ({s['rows']} rows)")
     print(f"MAPE {report['mape_pct']:.1f}%; targets: {report['targets']}")
     held_out = report.get("independent")
     if held_out:

@@ -18,6 +18,7 @@ from typing import Any
 TFLOPS = 1e12
 GBps = 1e9
 GB = 1e9
+GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class GpuSpec:
     bf16_flops: float  # dense tensor-core peak, FLOP/s (0: no bf16; fp16 is used instead)
     fp16_flops: float
     fp32_flops: float  # plain fp32 (CUDA cores): what an fp32 matmul gets unless TF32 is allowed
+    # what a process can allocate, GB (1e9 bytes): the driver's total as PyTorch reports it (its out-of-memory
+    # messages' "total capacity", in GiB) where that is published, else the datasheet's decimal figure
     mem_gb: float
     mem_bw: float  # bytes/s
     gpus_per_node: int
@@ -76,13 +79,13 @@ _ETH100 = {"nic_bw": 12.5 * GBps, "inter_lat": 15e-6}  # PCIe servers: one 100 G
 BUILTIN: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("a100-40gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 40, 1555 * GBps, 8, **_NVLINK3, **_HDR_IB,
+        GpuSpec("a100-40gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 39.59 * GiB / GB, 1555 * GBps, 8, **_NVLINK3, **_HDR_IB,
                 source="NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 1,555 GB/s HBM2, "
-                "NVLink3 600 GB/s",
+                "NVLink3 600 GB/s; PyTorch reports 39.59 GiB",
                 tf32_flops=156 * TFLOPS),
-        GpuSpec("a100-80gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 80, 2039 * GBps, 8, **_NVLINK3, **_HDR_IB,
+        GpuSpec("a100-80gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 79.25 * GiB / GB, 2039 * GBps, 8, **_NVLINK3, **_HDR_IB,
                 source="NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 2,039 GB/s HBM2e, "
-                "NVLink3 600 GB/s",
+                "NVLink3 600 GB/s; PyTorch reports 79.25 GiB (79.15-79.33 by driver)",
                 tf32_flops=156 * TFLOPS),
         GpuSpec("h100", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 80, 3350 * GBps, 8, **_NVLINK4, **_NDR_IB,
                 source="NVIDIA H100 datasheet (SXM5): 989 TF bf16/fp16 dense (1,979 sparse), 67 TF fp32, "
@@ -92,10 +95,10 @@ BUILTIN: dict[str, GpuSpec] = {
                 source="NVIDIA H200 datasheet (SXM): 989 TF bf16/fp16 dense, 67 TF fp32, 141 GB HBM3e 4.8 TB/s, "
                 "NVLink4 900 GB/s",
                 tf32_flops=494.7 * TFLOPS),
-        GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 32, 900 * GBps, 8, intra_link="nvlink2",
+        GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 31.74 * GiB / GB, 900 * GBps, 8, intra_link="nvlink2",
                 intra_bw=150 * GBps, intra_lat=6e-6, nic_bw=4 * 12.5 * GBps, inter_lat=10e-6,
                 source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
-                "NVLink2 300 GB/s; no bf16; DGX-1: 4 x 100 Gb/s EDR IB per node"),
+                "NVLink2 300 GB/s; no bf16; DGX-1: 4 x 100 Gb/s EDR IB per node; PyTorch reports 31.74 GiB"),
         GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
                 source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
                 "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
@@ -120,9 +123,9 @@ BUILTIN: dict[str, GpuSpec] = {
                 "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4",
                 tf32_flops=35.6 * TFLOPS,
                 fp32_shared_datapath=True),
-        GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 24, 1008 * GBps, 4, **_PCIE4, **_ETH100,
+        GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 23.65 * GiB / GB, 1008 * GBps, 4, **_PCIE4, **_ETH100,
                 source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
-                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4",
+                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4; PyTorch reports 23.65 GiB",
                 tf32_flops=82.6 * TFLOPS,
                 fp32_shared_datapath=True),
         # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real

@@ -30,14 +30,16 @@ def gathered_bytes(terms: PlanTerms, st: Sums) -> float:
 
 def activation_bytes(terms: PlanTerms, st: Sums, stage: int) -> float:
     """The activations stage `stage` keeps for the micro-batches in flight (GPipe: all of the step's; 1F1B:
-    one per stage from this one to the last); with checkpointing only the layers' outputs, plus the largest
-    layer's activations while it is recomputed."""
-    plan, mb = terms.plan, terms.options.micro_batch
+    one per stage from this one to the last); with checkpointing only the layers' outputs (selective: with
+    what it keeps besides, `terms.Options.selective`), plus the largest layer's activations while it is
+    recomputed."""
+    plan, mb, options = terms.plan, terms.options.micro_batch, terms.options
     micro_batches = terms.micro_batches
     in_flight = micro_batches if plan.pp_schedule == "GPipe" else min(micro_batches, plan.pp - stage)
-    if terms.options.checkpoint:
-        return (st.out_bytes * in_flight + st.max_act) * mb / terms.split
-    return st.act_bytes * mb / terms.split * in_flight
+    if not options.checkpoint:
+        return st.act_bytes * mb / terms.split * in_flight
+    kept = {"": st.out_bytes, "layer": (st.out_bytes + st.act_bytes) / 2, "op": st.out_bytes + st.sac_bytes}
+    return (kept[options.selective] * in_flight + st.max_act) * mb / terms.split
 
 
 def coupled_encoder_bytes(terms: PlanTerms) -> float:

@@ -24,7 +24,7 @@ from omni_core.estimator.workloads import Layer, Workload
 
 _SUMMED = ("flops", "expert_flops", "attn_flops", "attn_scores", "mm_bytes", "mm_weight_bytes", "mem_bytes", "ops",
            "sample_ops", "expert_ops", "attn_calls", "tp_bytes", "tp_colls", "tp_modules", "a2a_bytes", "act_bytes",
-           "params", "expert_params", "tensors", "expert_tensors", "units")
+           "sac_bytes", "sac_flops", "params", "expert_params", "tensors", "expert_tensors", "units")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Sums:
     tp_modules: float
     a2a_bytes: float
     act_bytes: float
+    sac_bytes: float
+    sac_flops: float
     params: float
     expert_params: float
     tensors: float

@@ -87,6 +87,34 @@ class Options:
 
     micro_batch: int = 1  # samples per micro-batch per DP rank
     checkpoint: bool = False  # activation checkpointing (recompute each layer in backward)
+    # what checkpointing keeps, as torchtitan's selective checkpointing chooses: "" every block whole (the
+    # runtime's), "layer" every second block, "op" the outputs of attention and of every other matmul
+    # (`workloads.selective_matmuls`). The runtime checkpoints whole blocks only, so the search never picks a
+    # selective one: they price measurements made with them (benchmarks/estimator_gpu_bench.py).
+    selective: str = ""
+
+    def __post_init__(self) -> None:
+        if self.selective not in SELECTIVE or (self.selective and not self.checkpoint):
+            raise ValueError(f"Options.selective={self.selective!r}: one of {SELECTIVE}, and only with checkpoint")
+
+
+SELECTIVE = ("", "layer", "op")
+
+
+def recompute_share(workload: Workload, options: Options) -> float:
+    """Of a forward, the share checkpointing recomputes in backward: all of it; half under "layer"; under "op"
+    the FLOPs of the matmuls it does not keep (element-wise operators recompute too, priced at that share).
+    Selective checkpointing is modelled for dense transformer LLMs (the measurements it prices), and refused
+    by name for anything else."""
+    if not options.checkpoint:
+        return 0.0
+    if options.selective and (workload.encoder or workload.is_moe or not workload.head_dim):
+        raise ValueError(f"{workload.name}: selective checkpointing ({options.selective!r}) is modelled for dense "
+                         "transformer LLMs only, not for encoders, MoE or convolutions")
+    if options.selective == "op":
+        flops = sum(layer.flops + layer.attn_flops for layer in workload.llm)
+        return sum(layer.sac_flops for layer in workload.llm) / flops
+    return 0.5 if options.selective == "layer" else 1.0
 
 
 def node_efficiency(eff: Efficiency, gpu: GpuSpec, plan: ParallelPlan, gpus_per_node: int) -> Efficiency:
@@ -115,7 +143,7 @@ class PlanTerms:
     attn_rate: float  # FLOP/s of attention
     mem_rate: float  # bytes/s of memory-bound work
     split: int  # ranks one micro-batch's LLM work is spread over: tp x cp
-    recompute: float  # 1 with activation checkpointing (one more forward in backward), else 0
+    recompute: float  # of a forward, the share checkpointing recomputes in backward (`recompute_share`)
     passes: float  # forward, backward (2x), recomputed forward: in forward-pass units
     weight_bytes: int  # bytes per weight at the workload's precision
     state_bytes: float  # model-state bytes per parameter: weights, gradients, optimizer (+ fp32 master copy)
@@ -138,7 +166,7 @@ class PlanTerms:
         eff = node_efficiency(eff, gpu, plan, gpus_per_node)
         peak = gpu.compute_flops(workload.precision)
         split = plan.tp * plan.cp
-        recompute = 1.0 if options.checkpoint else 0.0
+        recompute = recompute_share(workload, options)
         weight_bytes = BYTES[workload.precision]
         optimizer_states, traffic = OPTIMIZERS[workload.optimizer]
         shards = plan.dp_shard * plan.cp

@@ -52,6 +52,10 @@ class Layer:
     mm_weight_bytes: float = 0.0  # matmul weights, read once per micro-batch
     act_bytes: float = 0.0  # activations kept for backward without checkpointing
     out_bytes: float = 0.0  # the output: what checkpointing keeps and what a pipeline stage sends on
+    # op-level selective checkpointing (`selective_matmuls`): what it keeps beyond the output, and the FLOPs of
+    # the matmuls it recomputes
+    sac_bytes: float = 0.0
+    sac_flops: float = 0.0
     mem_bytes: float = 0.0  # memory-bound traffic (norms, activation functions, residuals, softmax)
     tp_bytes: float = 0.0  # bytes all-reduced across TP ranks per forward (backward: the same again)
     a2a_bytes: float = 0.0  # bytes dispatched to experts per forward all-to-all (dispatch + combine = 2)
@@ -138,6 +142,16 @@ CONV_OPS, CLIP_OPS = 23, 22  # conv subsampling + final norm; per clip
 BLOCK_TP_MODULES, MOE_TP_MODULES = 11, 8  # norms, attention input, q/k/v/o, FFN input, w1/w3/w2 (or the MoE)
 
 
+def selective_matmuls(outputs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(elements kept, FLOPs recomputed) per token under op-level selective checkpointing, of a block's
+    matmuls given as (output elements, weight elements) per token in forward order: torchtitan's policy keeps
+    the attention kernel's output and every other matmul's (the 1st, 3rd, ...), and recomputes the rest with
+    the element-wise operators between them."""
+    kept = sum(out for out, _ in outputs[0::2])
+    recomputed = sum(2 * weights for _, weights in outputs[1::2])
+    return kept, recomputed
+
+
 # --- transformers --------------------------------------------------------------------------------------
 
 
@@ -171,6 +185,10 @@ def transformer_block(
     # matmul operands per token: q/k/v/o in and out, each FFN matrix's in and out (x routes), the router
     io_per_token = 4 * dim + 2 * (heads + kv_heads) * head_dim + routes * mats * (dim + ffn) + (dim + experts)
     dispatch = 2 * 2 * top_k * expert_group * dim if experts else 0.0  # einsum dispatch + combine, per token
+    q, kv = heads * head_dim, kv_heads * head_dim
+    ffn_mats = [(ffn, dim * ffn)] * (mats - 1) + [(dim, dim * ffn)]  # w1 (and w3), then w2
+    sac_kept, sac_recomputed = selective_matmuls([(q, dim * q), (kv, dim * kv), (kv, dim * kv), (dim, q * dim),
+                                                  *ffn_mats])
     masks = 2 * top_k * expert_group if experts else 0.0  # the dispatch and combine masks' elements per token
     return Layer(
         name=name,
@@ -183,6 +201,8 @@ def transformer_block(
         # Korthikanti et al. 2022 (flash attention: no s^2 term): inputs of each matmul, norm and activation
         act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * routes + masks),
         out_bytes=b * tokens * dim,
+        sac_bytes=0.0 if experts else b * tokens * (sac_kept + q),  # the matmuls' and attention's outputs
+        sac_flops=0.0 if experts else tokens * sac_recomputed,  # (not modelled for MoE: `terms.recompute_share`)
         mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * routes + 2 * masks),
         tp_bytes=2 * b * tokens * dim,  # all-gather + reduce-scatter around attention and around the FFN
         a2a_bytes=b * tokens * dim * top_k if experts else 0.0,

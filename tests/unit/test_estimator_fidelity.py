@@ -120,13 +120,38 @@ def gpu_bench():
 def test_published_table_benchmark_writes_its_keys(gpu_bench):
     report = gpu_bench.run()
     assert report["sources"] == ["narayanan2021", "torchtitan2024"] and len(report["rows"]) >= 13
-    assert {"by_gpu", "by_nodes", "mape_pct", "within_1_5x_share", "median_abs_log2", "spearman_by_family", "oom",
-            "selective_recompute", "targets"} <= set(report)
+    assert {"by_gpu", "by_nodes", "by_recompute", "mape_pct", "within_1_5x_share", "median_abs_log2",
+            "spearman_by_family", "oom", "targets"} <= set(report)
     assert all(math.isfinite(r["log2_error"]) for r in report["rows"])
-    assert {r["recompute"] for r in report["rows"]} == {"none", "full"}  # selective rows are bracketed instead
-    selective = report["selective_recompute"]
-    assert len(selective) == 6 and all(len(r["peak_gb"]) == 2 and r["peak_gb"][0] > r["peak_gb"][1] for r in selective)
-    assert report["oom"]["selective_oom_rows"] == 1
+    assert set(report["by_recompute"]) == {"none", "full", "selective-layer", "selective-op"}
+    # torchtitan's Llama 2 70B at local batch 2 under per-operator checkpointing ran out of memory; at 1 it ran
+    assert report["oom"]["published_oom_rows"] == 1 and report["oom"]["refused"] == 1
+    assert not report["oom"]["feasible_refused"]
+    stated = [r for r in report["rows"] if r["source"] == "torchtitan2024"]
+    assert all(r["micro_batch"] == r["global_batch"] // 64 for r in stated)  # its local batch, no accumulation
+
+
+def test_selective_checkpointing_keeps_and_recomputes_between_none_and_full():
+    w = transformer("llama2-13b", n_layers=40, dim=5120, heads=40, ffn=13824, gated=True, bias=False, vocab=32000,
+                    seq_len=4096, global_batch=128)
+    plan = ParallelPlan(dp_shard=64)
+    modes = {"none": Options(2), "layer": Options(2, True, "layer"), "op": Options(2, True, "op"),
+             "full": Options(2, True)}
+    est = {k: estimate_step(w, A100, plan, o, gpus_per_node=8) for k, o in modes.items()}
+    memory = [est[k].peak_mem_bytes for k in ("none", "layer", "op", "full")]
+    time = [est[k].step_time_s for k in ("none", "op", "layer", "full")]
+    assert memory == sorted(memory, reverse=True) and time == sorted(time)
+    # per-operator: the 2nd, 4th, 6th matmul of q, k, v, o, w1, w3, w2 recompute: k, o and w3, 39% of the FLOPs
+    recomputed = 2 * (5120 * 5120 + 5120 * 5120 + 5120 * 13824) * 4096
+    assert sum(layer.sac_flops for layer in w.llm) == pytest.approx(40 * recomputed)
+
+
+def test_selective_checkpointing_is_refused_where_it_is_not_modelled():
+    with pytest.raises(ValueError, match="only with checkpoint"):
+        Options(1, False, "op")
+    moe = trace_workload("moe__1.3B", 64)
+    with pytest.raises(ValueError, match="modelled for dense transformer LLMs only"):
+        estimate_step(moe, A100, ParallelPlan(dp_shard=8), Options(1, True, "op"), gpus_per_node=8)
 
 
 def test_published_table_rows_are_checked_by_field(gpu_bench, tmp_path):
@@ -137,6 +162,9 @@ def test_published_table_rows_are_checked_by_field(gpu_bench, tmp_path):
         gpu_bench.read_table(bad)
     bad.write_text("\n".join([rows[0], rows[1].replace("tflops_per_gpu,137", "tflops_per_gpu,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: value is empty"):
+        gpu_bench.read_table(bad)
+    bad.write_text("\n".join([rows[0], rows[1].replace(",512,,", ",512,3,")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: micro_batch='3' does not divide"):
         gpu_bench.read_table(bad)
 
 

@@ -39,7 +39,7 @@ from omni_core.estimator.stage import (
     optimizer_seconds,
 )
 from omni_core.estimator.terms import Efficiency, PlanTerms
-from omni_core.estimator.workloads import Workload
+from omni_core.estimator.workloads import OPTIMIZERS, Workload
 
 MIB = 2**20
 ADAM_STATE_BYTES = 18.0  # disaggregated encoder ranks: bf16 weights + fp32 grads, master weights and two moments
@@ -297,8 +297,9 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
                            gpus_per_node: int) -> EncoderRanks:
     """The encoders on their `plan.encoders.ranks` ranks: pure data parallel on unbalanced batches, no rank
     done before the longest item (split over its LSSP group when long); weights replicated, or sharded over
-    the encoder ranks (`EncoderSpec.fsdp`), gradients all-reduced; activation checkpointing when the full
-    activations do not fit. The embeddings cross to the LLM ranks, forward and back."""
+    the encoder ranks (`EncoderSpec.fsdp`), gradients all-reduced, the encoders' operators and an optimizer
+    step of their own; activation checkpointing when the full activations do not fit. The embeddings cross to
+    the LLM ranks, forward and back."""
     ranks, world = plan.encoders.ranks, plan.world_size
     refusal = lssp_refusal(workload, plan.encoders, ranks)
     if refusal:
@@ -325,4 +326,15 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     reduce = (1 - eff.dp_overlap) * (net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG
                                      + net.time("all_gather", sharded * GATHERED_BYTES, ranks, ranks))  # backward's
     ship = 2 * net.time("p2p", workload.global_batch * embedding_bytes(workload) / min(ranks, world - ranks), 2, world)
-    return EncoderRanks(max(balanced, longest) + reduce, ship, peak)
+    host = enc.ops * eff.op_overhead_s * passes / 3  # the encoders' operators, once per step
+    straggle = eff.straggle if ranks > 1 else 1.0
+    return EncoderRanks((max(balanced, longest) + host) * straggle + reduce + encoder_update_seconds(workload, gpu, eff),
+                        ship, peak)
+
+
+def encoder_update_seconds(workload: Workload, gpu: GpuSpec, eff: Efficiency) -> float:
+    """The disaggregated encoder ranks' optimizer step: their encoders' weights, per tensor and per byte (as
+    `stage.optimizer_seconds` prices the LLM's), and its parameter groups (decay and no decay)."""
+    enc = encoder_sums(workload)
+    traffic = eff.optimizer_bytes_per_param * OPTIMIZERS[workload.optimizer][1]
+    return enc.tensors * eff.tensor_s + enc.params * traffic / (gpu.mem_bw * eff.memory) + 2 * eff.tensor_group_s

@@ -104,6 +104,22 @@ def test_disaggregated_is_priced_through_the_plan():
     assert parsed.encoders.layout == "disaggregated" and parsed.world_size == 64 and "on 32 GPUs" in best.detail
 
 
+def test_disaggregated_encoder_ranks_pay_their_operators_and_their_optimizer():
+    """The encoder ranks run the encoders' operators and update their weights like any rank: host seconds per
+    operator and per parameter tensor reach the encoder side of the step."""
+    from omni_core.estimator.encoders import encoder_sums
+
+    w, plan = paper_workload("A", 0.5), ParallelPlan.parse("dp4x2-tp2-cp2u+disagg32")
+    enc = encoder_sums(w)
+
+    def encoder_s(**eff) -> float:
+        return estimate_step(w, H100, plan, Options(1), gpus_per_node=8, eff=Efficiency(**eff)).breakdown["encoder_s"]
+
+    base = encoder_s(op_overhead_s=0.0)
+    assert encoder_s(op_overhead_s=1e-3) - base >= enc.ops * 1e-3 * 0.999
+    assert encoder_s(op_overhead_s=0.0, tensor_s=1e-3) - base == pytest.approx(enc.tensors * 1e-3)
+
+
 def test_text_only_workloads_lay_out_no_encoders():
     """Without items there is nothing to balance or split: plans keep the default (coupled) encoder half."""
     from omni_core.estimator.workloads import omni_workload

@@ -27,7 +27,8 @@ threshold, weight sharding): the estimate prices the plan object the runtime exe
 Collectives use an alpha-beta model per link class and per collective kind: a group whose ranks lie in one
 node uses the intra-node link, otherwise the inter-node one. When a node has fewer compute units than
 ranks (CPU "devices": processes sharing cores, `GpuSpec.cores`), the ranks' host and compute work is
-time-shared: the step is at least their total work over the units; ranks of a CPU node also share its
+time-shared: the step is at least their total work over the units, and a GPipe or 1F1B pipeline is simulated
+pass by pass with its busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU node also share its
 memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
 and AdamW states (divided by dp_shard x cp under FSDP, copied over dp_replicate), activations of the
 micro-batches in flight (only layer outputs with checkpointing), workspace. Every assumption that is a
@@ -55,7 +56,9 @@ from omni_core.estimator.memory import out_of_memory, peak_memory
 from omni_core.estimator.pipeline import (
     pipeline_seconds,
     schedule_refusal,
+    stage_group_positions,
     stage_groups,
+    time_shared_pipeline,
 )
 from omni_core.estimator.stage import StageTimes, price_stages
 from omni_core.estimator.terms import Efficiency, Options, PlanTerms
@@ -126,6 +129,24 @@ def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: lis
     return work * share + encoder + sync
 
 
+def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes]) -> float:
+    """A GPipe or 1F1B pipeline whose node's ranks time-share fewer cores, simulated pass by pass
+    (`pipeline.time_shared_pipeline`): a stage waiting for its input lends its core, and busy stages share
+    them; then the per-step work, every rank's at once. 0 where ranks have cores of their own, without a
+    pipeline or interleaved (the bound `shared_cores_seconds` stands alone there)."""
+    gpu, plan = terms.gpu, terms.plan
+    ranks_per_node = min(plan.world_size, terms.gpus_per_node)
+    if not gpu.cores or ranks_per_node <= gpu.cores or plan.pp == 1 or plan.pp_schedule == "Interleaved1F1B":
+        return 0.0
+    idle = 1.0 - terms.eff.link_cpu_share
+    work = [(times.micro_batch - idle * times.micro_batch_links, idle * times.micro_batch_links)
+            for times in (stages[g] for g in stage_group_positions(terms.workload, plan.pp))]
+    pipeline = time_shared_pipeline(plan.pp_schedule, terms.micro_batches, work, 1 / terms.passes,
+                                    ranks_per_node / plan.pp, gpu.cores)
+    per_step = max(times.per_step for times in stages) * ranks_per_node / gpu.cores
+    return pipeline + per_step + terms.eff.step_overhead_s
+
+
 def estimate_step(
     workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
     gpus_per_node: int, eff: Efficiency = Efficiency(),
@@ -157,7 +178,9 @@ def estimate_step(
     per_step = max(times.per_step for times in stages)
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
-    step = max(step, shared_cores_seconds(terms, stages, counts, encoder, sync))
+    shared = max(shared_cores_seconds(terms, stages, counts, encoder, sync),
+                 time_shared_pipeline_seconds(terms, stages) + encoder + sync)
+    step = max(step, shared)
 
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step

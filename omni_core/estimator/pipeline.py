@@ -130,6 +130,13 @@ def stage_groups(workload: Workload, pp: int) -> tuple[tuple[Sums, int, int], ..
     return groups
 
 
+def stage_group_positions(workload: Workload, pp: int) -> tuple[int, ...]:
+    """For each pipeline stage in order, the position of its group in `stage_groups`."""
+    positions: dict[tuple[Sums, bool], int] = {}
+    return tuple(positions.setdefault((sums, index == 0), len(positions))
+                 for index, sums in enumerate(stage_sums(workload, pp)))
+
+
 def schedule_refusal(plan: ParallelPlan, m: int) -> str:
     """Why the runtime would refuse to run `m` micro-batches per step through `plan`'s pipeline schedule
     (`ParallelPlan.check_microbatches`, torch.distributed.pipelining's rules), or "" when it runs them."""
@@ -151,3 +158,62 @@ def pipeline_seconds(plan: ParallelPlan, m: int, stage_times: Sequence[float],
         pipeline = (m - 1) * slowest + sum(time * count for time, count in zip(stage_times, counts))
     bubble = pipeline - m * slowest if plan.pp > 1 else 0.0
     return pipeline, bubble
+
+
+def schedule_order(schedule: str, pp: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """The (pass, micro-batch) order one stage runs: GPipe's forwards then backwards; 1F1B's warm-up
+    forwards (one fewer per later stage), then one forward and one backward in turn, then the rest."""
+    if schedule == "GPipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    warm = min(pp - 1 - stage, m)
+    order = [("F", j) for j in range(warm)]
+    for j in range(m - warm):
+        order += [("F", warm + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warm, m)]
+
+
+def time_shared_pipeline(schedule: str, m: int, work: Sequence[tuple[float, float]], forward_share: float,
+                         ranks_per_stage: float, cores: int) -> float:
+    """Seconds of `m` micro-batches through a GPipe or 1F1B pipeline whose ranks time-share `cores`, simulated:
+    a micro-batch's forward and backward on stage s take `work[s]` = (seconds on a core, seconds waiting on a
+    collective, which need none), `forward_share` of each in forward; every stage runs its schedule in order,
+    a pass once its input is there; the node's computing ranks (`ranks_per_stage` per computing stage: its
+    replicas and tensor ranks) share the cores equally."""
+    pp = len(work)
+    orders = [schedule_order(schedule, pp, s, m) for s in range(pp)]
+    done: set[tuple[str, int, int]] = set()
+    heads, busy, waits = [0] * pp, [0.0] * pp, [0.0] * pp
+
+    def load(s: int) -> None:
+        if heads[s] < len(orders[s]):
+            share = forward_share if orders[s][heads[s]][0] == "F" else 1.0 - forward_share
+            busy[s], waits[s] = work[s][0] * share, work[s][1] * share
+
+    def ready(s: int) -> bool:
+        if heads[s] >= len(orders[s]):
+            return False
+        kind, j = orders[s][heads[s]]
+        if kind == "F":
+            return s == 0 or ("F", s - 1, j) in done
+        return s == pp - 1 or ("B", s + 1, j) in done
+
+    for s in range(pp):
+        load(s)
+    clock = 0.0
+    while len(done) < 2 * m * pp:
+        running = [s for s in range(pp) if ready(s)]
+        computing = [s for s in running if busy[s] > 0]
+        rate = min(1.0, cores / (ranks_per_stage * len(computing))) if computing else 1.0
+        step = min(busy[s] / rate if busy[s] > 0 else waits[s] for s in running)
+        clock += step
+        for s in running:
+            if busy[s] > 0:
+                busy[s] = busy[s] - step * rate if busy[s] - step * rate > 1e-12 else 0.0
+            else:
+                waits[s] = waits[s] - step if waits[s] - step > 1e-12 else 0.0
+            if busy[s] == 0 and waits[s] == 0:
+                kind, j = orders[s][heads[s]]
+                done.add((kind, s, j))
+                heads[s] += 1
+                load(s)
+    return clock

@@ -37,6 +37,7 @@ class StageTimes(NamedTuple):
     runtime: float  # per step: wrappers, collectives, sends, FSDP, optimizer
     per_step: float  # once per step, after the micro-batches: FSDP's gradient reduction and the optimizer
     links: float  # per step: the collectives' and sends' share of `runtime`
+    micro_batch_links: float  # of `micro_batch`, the collectives' and sends' seconds
 
 
 @dataclass(frozen=True)
@@ -338,11 +339,11 @@ def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: b
         optimizer += extra.optimizer
     compute, host = compute * terms.straggle, host * terms.straggle
     micro_batches = terms.micro_batches
+    links = comm + send + fsdp_micro_batch - fsdp.wrappers
     return StageTimes(micro_batch=compute + host + wrappers + comm + send + fsdp_micro_batch,
                       device=micro_batches * (compute + host),
                       runtime=micro_batches * (wrappers + comm + send + fsdp_micro_batch) + fsdp_step + optimizer,
-                      per_step=optimizer + fsdp_step,
-                      links=micro_batches * (comm + send + fsdp_micro_batch - fsdp.wrappers) + fsdp_step)
+                      per_step=optimizer + fsdp_step, links=micro_batches * links + fsdp_step, micro_batch_links=links)
 
 
 def price_stages(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...],

@@ -313,3 +313,19 @@ def test_cpu_node_terms_apply_only_where_ranks_share_the_node():
     assert step(cpu, "dp2", replace(base, shared_memory=1.5)) > step(cpu, "dp2", base)
     assert step(cpu, "dp1", replace(base, shared_memory=1.5)) == step(cpu, "dp1", base)
     assert step(CATALOG["a100"], "dp2", replace(base, shared_memory=1.5)) == step(CATALOG["a100"], "dp2", base)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_a_time_shared_pipeline_lies_between_its_critical_path_and_its_total_work(schedule):
+    """Simulated pass by pass: with a core per rank it is the schedule's formula, on one core all the work
+    one after the other; time spent waiting on a collective needs no core."""
+    from omni_core.estimator.pipeline import time_shared_pipeline
+
+    m, pp, t = 4, 3, 0.3
+    work = [(t, 0.0)] * pp
+    assert time_shared_pipeline(schedule, m, work, 1 / 3, 1, cores=pp) == pytest.approx((m - 1 + pp) * t)
+    assert time_shared_pipeline(schedule, m, work, 1 / 3, 1, cores=1) == pytest.approx(m * pp * t)
+    two = time_shared_pipeline(schedule, m, work, 1 / 3, 1, cores=2)
+    assert max((m - 1 + pp) * t, m * pp * t / 2) <= two + 1e-9 and two < m * pp * t
+    waiting = [(0.0, t)] * pp
+    assert time_shared_pipeline(schedule, m, waiting, 1 / 3, 1, cores=1) == pytest.approx((m - 1 + pp) * t)

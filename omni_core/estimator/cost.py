@@ -27,9 +27,9 @@ threshold, weight sharding): the estimate prices the plan object the runtime exe
 Collectives use an alpha-beta model per link class and per collective kind: a group whose ranks lie in one
 node uses the intra-node link, otherwise the inter-node one. When a node has fewer compute units than
 ranks (CPU "devices": processes sharing cores, `GpuSpec.cores`), the ranks' host and compute work is
-time-shared: the step is at least their total work over the units, and a GPipe or 1F1B pipeline is simulated
-pass by pass with its busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU node also share its
-memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
+time-shared: the step is at least their total work over the units, and a GPipe or 1F1B pipeline is
+simulated pass by pass with its busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU
+node also share its memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
 and AdamW states (divided by dp_shard x cp under FSDP, copied over dp_replicate), activations of the
 micro-batches in flight (only layer outputs with checkpointing), workspace. Every assumption that is a
 choice (overlaps, efficiencies, overheads, what the implementation splits) lives in `Efficiency`.
@@ -129,10 +129,10 @@ def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: lis
     return work * share + encoder + sync
 
 
-def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes]) -> float:
+def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes], per_step: float) -> float:
     """A GPipe or 1F1B pipeline whose node's ranks time-share fewer cores, simulated pass by pass
     (`pipeline.time_shared_pipeline`): a stage waiting for its input lends its core, and busy stages share
-    them; then the per-step work, every rank's at once. 0 where ranks have cores of their own, without a
+    them; then the per-step work (`per_step` on a core of its own), every rank's at once. 0 where ranks have cores of their own, without a
     pipeline or interleaved (the bound `shared_cores_seconds` stands alone there)."""
     gpu, plan = terms.gpu, terms.plan
     ranks_per_node = min(plan.world_size, terms.gpus_per_node)
@@ -143,8 +143,7 @@ def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes]) -> 
             for times in (stages[g] for g in stage_group_positions(terms.workload, plan.pp))]
     pipeline = time_shared_pipeline(plan.pp_schedule, terms.micro_batches, work, 1 / terms.passes,
                                     ranks_per_node / plan.pp, gpu.cores)
-    per_step = max(times.per_step for times in stages) * ranks_per_node / gpu.cores
-    return pipeline + per_step + terms.eff.step_overhead_s
+    return pipeline + per_step * ranks_per_node / gpu.cores + terms.eff.step_overhead_s
 
 
 def estimate_step(
@@ -179,7 +178,7 @@ def estimate_step(
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
     shared = max(shared_cores_seconds(terms, stages, counts, encoder, sync),
-                 time_shared_pipeline_seconds(terms, stages) + encoder + sync)
+                 time_shared_pipeline_seconds(terms, stages, per_step) + encoder + sync)
     step = max(step, shared)
 
     est.step_time_s = step

@@ -328,13 +328,19 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     ship = 2 * net.time("p2p", workload.global_batch * embedding_bytes(workload) / min(ranks, world - ranks), 2, world)
     host = enc.ops * eff.op_overhead_s * passes / 3  # the encoders' operators, once per step
     straggle = eff.straggle if ranks > 1 else 1.0
-    return EncoderRanks((max(balanced, longest) + host) * straggle + reduce + encoder_update_seconds(workload, gpu, eff),
-                        ship, peak)
+    update = encoder_update_seconds(workload, gpu, plan.encoders, eff, ranks)
+    return EncoderRanks((max(balanced, longest) + host) * straggle + reduce + update, ship, peak)
 
 
-def encoder_update_seconds(workload: Workload, gpu: GpuSpec, eff: Efficiency) -> float:
-    """The disaggregated encoder ranks' optimizer step: their encoders' weights, per tensor and per byte (as
-    `stage.optimizer_seconds` prices the LLM's), and its parameter groups (decay and no decay)."""
-    enc = encoder_sums(workload)
+def encoder_update_seconds(workload: Workload, gpu: GpuSpec, encoders: EncoderPlan, eff: Efficiency,
+                           ranks: int) -> float:
+    """The disaggregated encoder ranks' optimizer step over their encoders' weights (a rank's share of a
+    sharded encoder's, DTensors), per tensor and per byte (as `stage.optimizer_seconds` prices the LLM's),
+    and its parameter groups (decay and no decay)."""
     traffic = eff.optimizer_bytes_per_param * OPTIMIZERS[workload.optimizer][1]
-    return enc.tensors * eff.tensor_s + enc.params * traffic / (gpu.mem_bw * eff.memory) + 2 * eff.tensor_group_s
+    seconds = 2 * eff.tensor_group_s
+    for key, st in encoder_parts(workload).items():
+        sharded = encoders.spec(key).fsdp and ranks > 1
+        seconds += (st.tensors * (eff.dtensor_s if sharded else eff.tensor_s)
+                    + st.params / (ranks if sharded else 1) * traffic / (gpu.mem_bw * eff.memory))
+    return seconds

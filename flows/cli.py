@@ -177,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule = sub.add_parser(
         "schedule",
         formatter_class=raw,
-        help="place the recipe's jobs on this machine's CPU slots and train them, resizing as they come and go",
+        help="place the recipe's jobs on CPU slots (here, or Slurm nodes) and train them, resizing as they come and go",
         description="Real mode of the scheduler: schedule.policy places the recipe's `jobs` (model flavors; "
-        "iterations = steps, arrival_s = seconds after the start) on cluster.slots CPU slots, with the estimator "
+        "iterations = steps, arrival_s = seconds after the start) on cluster.slots CPU slots, or on a Slurm cluster's "
+        "nodes (launch.target: slurm, one cpu node group naming its hosts), with the estimator "
         "as the throughput oracle, and trains each placed job with the best plan for its slots, in launches of "
         "schedule.segment_steps steps. When a job arrives or a launch ends the policy decides again; a job it "
         "shrinks or grows resumes from its checkpoint under the new plan at the end of its current launch. Logs "

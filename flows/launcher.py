@@ -43,7 +43,7 @@ def run_torchrun(
         spec = RunSpec(name=run_name(name), recipe=recipe_path, result=result_path, nodes=launch.nodes,
                        ranks_per_node=ranks, cpus_per_node=launch.cpus_per_node or ranks,
                        memory_gb=launch.memory_gb, gpus_per_node=launch.gpus_per_node, max_restarts=max_restarts,
-                       time_limit_s=timeout_s, partition=launch.partition)
+                       time_limit_s=timeout_s, partition=launch.partition, nodelist=tuple(launch.nodelist))
         run_slurm_job(spec, Path(result_path).parent, timeout_s=timeout_s, env=env, on_line=logger.info,
                       poll_s=launch.poll_s)
     else:

@@ -1,5 +1,5 @@
-"""Schedule stage (real mode): the scheduler places the recipe's jobs on this machine's CPU slots, and each
-placed job trains segment by segment, every segment a train subflow with the plan of its slots."""
+"""Schedule stage (real mode): the scheduler places the recipe's jobs on CPU slots (here, or Slurm nodes), and
+each placed job trains segment by segment, every segment a train subflow with the plan of its slots."""
 
 from __future__ import annotations
 

@@ -385,6 +385,17 @@ class NodeGroup(Strict):
     nodes: StrictInt = Field(ge=1)
     gpus_per_node: StrictInt = Field(ge=1)
     interconnect: str = Field("", description="Link between nodes, e.g. ib-200g (informational for the scheduler)")
+    hosts: list[str] = Field(
+        default_factory=list, description="The nodes' Slurm names, one per node: `omni schedule` with launch.target "
+        "slurm pins each launch to the nodes it placed the job on (sbatch --nodelist)")
+
+    @model_validator(mode="after")
+    def _a_host_per_node(self) -> NodeGroup:
+        if self.hosts and len(self.hosts) != self.nodes:
+            raise ValueError(f"hosts names {len(self.hosts)} node(s), nodes={self.nodes}: give one name per node")
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"hosts {self.hosts} names a node twice")
+        return self
 
 
 class ClusterConfig(Strict):
@@ -519,6 +530,8 @@ class LaunchConfig(Strict):
 
     target: Literal["local", "slurm"] = Field("local", description="local: a process group here; slurm: sbatch")
     nodes: StrictInt = Field(1, ge=1, description="Nodes of the launch (slurm); parallel.nproc ranks split over them")
+    nodelist: list[str] = Field(default_factory=list, description="Slurm nodes to run on (sbatch --nodelist), one "
+                                "per node; empty: Slurm chooses. `omni schedule` sets it from its placement")
     partition: NoCredentials = Field("", description="Slurm partition; empty: the cluster's default")
     cpus_per_node: StrictInt = Field(0, ge=0, description="CPUs a node's task asks for; 0: one per rank")
     memory_gb: StrictInt = Field(8, ge=1)
@@ -526,9 +539,12 @@ class LaunchConfig(Strict):
     poll_s: StrictFloat = Field(2.0, gt=0, description="How often a Slurm job's state and output are read")
 
     @model_validator(mode="after")
-    def _local_is_one_node(self) -> LaunchConfig:
+    def _nodes_fit_the_target(self) -> LaunchConfig:
         if self.target == "local" and self.nodes > 1:
             raise ValueError(f"nodes={self.nodes} needs target slurm: a local launch is this one machine")
+        if self.nodelist and (self.target != "slurm" or len(self.nodelist) != self.nodes):
+            raise ValueError(f"nodelist {self.nodelist} names Slurm nodes, one per node: it needs target slurm "
+                             f"and nodes={len(self.nodelist)}")
         return self
 
 

@@ -34,6 +34,8 @@ from omni_core.recipe import Locations, Recipe, RecipeError, located_problem
 from omni_core.runtime.checkpoint import checkpoint_store
 from omni_core.runtime.ckpt_store import CheckpointError, S3Store
 from omni_core.runtime.dist import DistInfo, uses_cuda
+from omni_core.runtime.slurm import unknown_nodes
+from omni_core.runtime.supervisor import LaunchError
 from omni_core.runtime.step import check_buildable, shards_per_node
 from omni_core.runtime.trainer import resolve_plan
 from omni_core.tracking import TrackingError, check_tracking_uri, resolve_tracking_uri
@@ -74,14 +76,25 @@ def _launch_findings(recipe: Recipe, written: Collection[str] = ()) -> tuple[lis
 
 
 def _launcher(recipe: Recipe) -> list[Finding]:
-    """A Slurm launch needs Slurm's commands here (the job is submitted and followed from this machine)."""
+    """A Slurm launch needs Slurm's commands here (the job is submitted and followed from this machine), and
+    the nodes it names (launch.nodelist, the schedule stage's cluster hosts) must be the cluster's."""
     if recipe.launch.target != "slurm":
         return []
-    missing = [name for name in ("sbatch", "scontrol", "scancel") if shutil.which(name) is None]
-    if not missing:
-        return []
-    return [Finding("launch.target", f"slurm needs {', '.join(missing)} on PATH (Slurm's client commands, "
-                                     "configured for the cluster: SLURM_CONF)")]
+    missing = [name for name in ("sbatch", "scontrol", "scancel", "sinfo") if shutil.which(name) is None]
+    if missing:
+        return [Finding("launch.target", f"slurm needs {', '.join(missing)} on PATH (Slurm's client commands, "
+                                         "configured for the cluster: SLURM_CONF)")]
+    named = {"launch.nodelist": recipe.launch.nodelist,
+             **{f"cluster.node_groups.{i}.hosts": g.hosts for i, g in enumerate(recipe.cluster.node_groups)}}
+    findings = []
+    for field, names in named.items():
+        try:
+            unknown = unknown_nodes(names, os.environ) if names else []
+        except LaunchError as error:
+            return [Finding(field, f"cannot list the Slurm cluster's nodes: {error}")]
+        if unknown:
+            findings.append(Finding(field, f"{', '.join(unknown)}: no such node in the Slurm cluster (sinfo)"))
+    return findings
 
 
 # --- model and plan --------------------------------------------------------------------------------------

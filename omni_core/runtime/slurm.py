@@ -67,6 +67,12 @@ def job_state(job: str, env: Mapping[str, str]) -> tuple[str, str]:
     return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
 
 
+def unknown_nodes(names: list[str], env: Mapping[str, str]) -> list[str]:
+    """Those of `names` the cluster has no node of (`sinfo`'s node list), which sbatch --nodelist would refuse."""
+    known = set(_slurm(["sinfo", "-h", "-N", "-o", "%N"], env).split())
+    return [name for name in names if name not in known]
+
+
 def cancel(job: str, env: Mapping[str, str]) -> None:
     """scancel the job and wait until Slurm has ended it (its processes are gone)."""
     _slurm(["scancel", job], env)

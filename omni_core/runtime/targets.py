@@ -35,6 +35,7 @@ class RunSpec:
     overrides: tuple[str, ...] = ()  # the recipe's `--set key=value`s
     time_limit_s: float = 0.0  # the cluster enforces it (Slurm --time, the Job's activeDeadlineSeconds); 0: none
     partition: str = ""  # Slurm: the partition (empty: the cluster's default)
+    nodelist: tuple[str, ...] = ()  # Slurm: the nodes to run on, one per node (empty: Slurm chooses)
 
     def __post_init__(self) -> None:
         if not _LABEL.fullmatch(self.name):
@@ -47,6 +48,8 @@ class RunSpec:
             raise ValueError(f"run {self.name}: time_limit_s={self.time_limit_s} must be >= 0")
         if self.max_restarts < 0:
             raise ValueError(f"run {self.name}: max_restarts={self.max_restarts} must be >= 0")
+        if self.nodelist and len(self.nodelist) != self.nodes:
+            raise ValueError(f"run {self.name}: nodelist {list(self.nodelist)} for {self.nodes} node(s)")
         if self.gpus_per_node and self.gpus_per_node < self.ranks_per_node:
             raise ValueError(f"run {self.name}: {self.ranks_per_node} ranks per node on {self.gpus_per_node} GPUs")
 
@@ -152,6 +155,8 @@ def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
         lines.append(f"#SBATCH --time={math.ceil(spec.time_limit_s / 60)}")  # minutes
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
+    if spec.nodelist:
+        lines.append(f"#SBATCH --nodelist={','.join(spec.nodelist)}")
     lines += ["set -euo pipefail", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
               'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               # the node's address as Slurm reaches it (NodeAddr: its name unless the cluster says otherwise)

@@ -1,10 +1,12 @@
-"""Real mode: the scheduler's policies place the recipe's jobs on this machine's CPU slots, and the jobs train.
+"""Real mode: the scheduler's policies place the recipe's jobs on CPU slots, and the jobs train.
 
-The cluster is one node of `cluster.slots` CPU slots, one rank each (`local_cluster`), so the simulator's
-`Cluster`, policies and `ThroughputTable` decide, with the estimator as the throughput oracle (`CellOracle`
-on the catalogue's `cpu` entry, for the jobs' model flavors on the recipe's data). A placed job runs the
-estimator's best plan for its slots, with that plan's micro-batch and activation checkpointing: the plan the
-estimator ranked is the plan that runs.
+The cluster is this machine as one node of `cluster.slots` CPU slots, one rank each, or a Slurm cluster's nodes
+of CPU slots (`real_cluster`), so the simulator's `Cluster`, policies and `ThroughputTable` decide, with the
+estimator as the throughput oracle (`CellOracle` on the catalogue's `cpu` entry, for the jobs' model flavors on
+the recipe's data). A placed job runs the estimator's best plan for its Cell (its slots, over as few nodes as
+hold them), with that plan's micro-batch and activation checkpointing: the plan the estimator ranked is the
+plan that runs. On Slurm each launch is pinned to the nodes the job was placed on (`--nodelist`), so Slurm
+runs what the scheduler decided, not a placement of its own.
 
 A job trains in segments of `schedule.segment_steps` steps. A segment is one launch of the job's own recipe,
 derived from the base recipe by overrides (`job_overrides`): `train.stop_at_step` is the segment's last step
@@ -29,14 +31,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_core.common.results import Result, TrainResult
-from omni_core.recipe.schema import ClusterConfig, ParallelConfig, Recipe
-from omni_core.scheduler.cluster import Cluster, GroupSpec
+from omni_core.recipe.schema import ParallelConfig, Recipe
+from omni_core.scheduler.cluster import Cluster, GroupSpec, Placement
 from omni_core.scheduler.jobs import Job, ThroughputTable
 from omni_core.scheduler.policies import View, make_policy
 from omni_core.scheduler.simulator import JobRecord, Segment
@@ -55,27 +57,34 @@ def default_slots() -> int:
     return 1 << ((os.cpu_count() or 1).bit_length() - 1)
 
 
-def local_cluster(cfg: ClusterConfig) -> Cluster:
-    """This machine as one node of CPU slots: `cluster.slots`, or one node group that says the same."""
+def real_cluster(recipe: Recipe) -> Cluster:
+    """The slots jobs are placed on: `cluster.slots` (one node: this machine, or a node Slurm picks), or one node
+    group of `cpu` slots: one node, or, with launch.target slurm, several whose Slurm names (`hosts`) pin each
+    launch where the job was placed."""
+    cfg = recipe.cluster
     if not cfg.node_groups:
         return Cluster({SLOT_TYPE: GroupSpec(SLOT_TYPE, 1, cfg.slots or default_slots(), "loopback")})
     cluster = Cluster.from_config(cfg)
-    if list(cluster.groups) != [SLOT_TYPE] or cluster.groups[SLOT_TYPE].nodes != 1:
+    group = cluster.groups.get(SLOT_TYPE)
+    if list(cluster.groups) != [SLOT_TYPE]:
         shape = ", ".join(f"{g.nodes}x{g.gpus_per_node} {t}" for t, g in cluster.groups.items())
-        raise ValueError(f"cluster {cfg.name!r} is {shape}: `omni schedule` places jobs on one node of {SLOT_TYPE} "
-                         f"slots (this machine, or a Slurm node with launch.target: slurm; cluster.slots, or one node "
-                         f"group with gpu_type {SLOT_TYPE} and nodes 1); `omni simulate` studies other clusters")
+        raise ValueError(f"cluster {cfg.name!r} is {shape}: `omni schedule` places jobs on {SLOT_TYPE} slots "
+                         f"(cluster.slots, or one node group with gpu_type {SLOT_TYPE}); `omni simulate` studies "
+                         "other clusters")
+    if group.nodes > 1 and (recipe.launch.target != "slurm" or not cfg.node_groups[0].hosts):
+        raise ValueError(f"cluster {cfg.name!r} has {group.nodes} nodes: `omni schedule` places jobs past one node "
+                         "only on Slurm (launch.target: slurm) with the nodes' names in cluster.node_groups.0.hosts")
     return cluster
 
 
 def check_recipe(recipe: Recipe) -> None:
-    """Refuse, in one message, what real mode cannot run: a cluster other than this machine, jobs that are not
+    """Refuse, in one message, what real mode cannot run: a cluster it cannot place on, jobs that are not
     model flavors, job names that cannot name runs and directories or are taken twice."""
     from omni_core.models.flavors import FLAVORS
 
     problems = [] if recipe.jobs else ["the recipe has no jobs"]
     try:
-        local_cluster(recipe.cluster)
+        real_cluster(recipe)
     except ValueError as e:
         problems.append(str(e))
     names = [job.name for job in recipe.jobs]
@@ -125,11 +134,19 @@ def job_checkpoint_dir(recipe: Recipe, job: Job) -> str:
     return f"{root.rstrip('/')}/{job.id}/ckpt-{unsplit.training_hash()}"
 
 
-def job_overrides(recipe: Recipe, job: Job, best: Estimate, last_step: int, *, resume: bool) -> list[str]:
+def placed_hosts(recipe: Recipe, placement: Placement) -> list[str]:
+    """The Slurm names of the nodes a placement holds, when the launch is pinned to them (else empty)."""
+    names = recipe.cluster.node_groups[0].hosts if recipe.cluster.node_groups else []
+    return [names[i] for i in sorted(set(placement))] if names and recipe.launch.target == "slurm" else []
+
+
+def job_overrides(recipe: Recipe, job: Job, best: Estimate, last_step: int, *, resume: bool,
+                  hosts: Sequence[str] = ()) -> list[str]:
     """The job's training recipe for one segment, as overrides of the base recipe: its own experiment name
     (stage files, registered model) in the base's MLflow experiment and dataset; its model, steps and
-    checkpoint directory; the estimator's plan, micro-batch and activation checkpointing, with the gradient
-    accumulation that keeps its global batch (the search only picks micro-batches that divide it)."""
+    checkpoint directory; the Slurm nodes it was placed on (`hosts`); the estimator's plan, micro-batch and
+    activation checkpointing, with the gradient accumulation that keeps its global batch (the search only picks
+    micro-batches that divide it)."""
     from omni_core.estimator.recipe_cells import plan_overrides
 
     values = {
@@ -143,6 +160,7 @@ def job_overrides(recipe: Recipe, job: Job, best: Estimate, last_step: int, *, r
         "train.ckpt_dir": job_checkpoint_dir(recipe, job),
         "train.resume": resume,
         "jobs": [],
+        **({"launch.nodes": len(hosts), "launch.nodelist": list(hosts)} if hosts else {}),
     }
     plan = plan_overrides(best.plan, best.options.micro_batch, best.options.checkpoint, job.global_batch)
     return [f"{key}={json.dumps(value)}" for key, value in values.items()] + plan  # JSON is YAML: paths stay strings
@@ -251,7 +269,7 @@ class LocalScheduler:
                  cells: CellTable | None = None):
         check_recipe(recipe)
         self.recipe = recipe
-        self.cluster = local_cluster(recipe.cluster)
+        self.cluster = real_cluster(recipe)
         self.oracle = oracle or recipe_oracle(recipe, self.cluster, profile, cells)
         self.table = ThroughputTable(self.oracle, self.cluster.capacity(), recipe.schedule.max_gpus_per_job)
         self.policy = make_policy(recipe.schedule.policy).without_search_costs()
@@ -285,7 +303,7 @@ class LocalScheduler:
         tic = time.perf_counter()
         chosen = self.policy.decide(View(now, active, current, remaining, self.table, self.cluster, restart_s=0.0))
         latency = time.perf_counter() - tic
-        # one node: nothing to defragment by migrating, and a running job cannot move before its boundary
+        # a running job cannot move before its boundary: a job the free slots' fragments cannot hold waits
         self.cluster.apply({**chosen, **{j: current[j] for j in self.running}}, migrate=False)
         self.cluster.check()
         for j in current.keys() - self.cluster.placements.keys():
@@ -300,13 +318,14 @@ class LocalScheduler:
 
     def _launch(self, job_id: str, now: float) -> JobRun:
         job, record = self.jobs[job_id], self.records[job_id]
-        gpu_type, nodes = self.cluster.placements[job_id]
-        best = self.oracle.cell(job.model, job.global_batch, gpu_type, len(nodes)).best
+        gpu_type, placement = self.cluster.placements[job_id]
+        best = self.oracle.cell(job.model, job.global_batch, gpu_type, len(placement)).best
         first = self.trained[job_id]
         last = min(first + self.recipe.schedule.segment_steps, job.iterations)
         before = [s for s in self.segments if s.job == job_id]
-        run = JobRun(job_id, len(before) + 1, len(nodes), best.plan.name, first, last,
-                     tuple(job_overrides(self.recipe, job, best, last, resume=self.recipe.train.resume or first > 0)),
+        overrides = job_overrides(self.recipe, job, best, last, resume=self.recipe.train.resume or first > 0,
+                                  hosts=placed_hosts(self.recipe, placement))
+        run = JobRun(job_id, len(before) + 1, len(placement), best.plan.name, first, last, tuple(overrides),
                      best.samples_per_s)
         if before and before[-1].num_gpus != run.slots:
             self.resizes.append(Resize(job=job_id, t_s=now, step=first, from_slots=before[-1].num_gpus,

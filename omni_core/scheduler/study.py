@@ -80,8 +80,9 @@ def scaled(study: Study, factor: int) -> Study:
     """The study on a cluster with `factor` times the nodes of every group and `factor` copies of its jobs:
     the same load per GPU, so what grows is only the size of each decision (the scale study)."""
     groups = study.recipe.cluster.node_groups
-    recipe = override_recipe(study.recipe, [f"cluster.node_groups.{i}.nodes={g.nodes * factor}"
-                                            for i, g in enumerate(groups)])
+    recipe = override_recipe(study.recipe, [o for i, g in enumerate(groups)
+                                            for o in (f"cluster.node_groups.{i}.nodes={g.nodes * factor}",
+                                                      f"cluster.node_groups.{i}.hosts=[]")])
     cluster = Cluster.from_config(recipe.cluster)
     table = ThroughputTable(study.table.oracle, cluster.capacity(), recipe.schedule.max_gpus_per_job)
     return Study(recipe, table, replicate(study.jobs, factor), study.trace)

@@ -1,5 +1,5 @@
-"""The scheduler's real-mode tests share a two-job recipe on two local CPU slots and the no-double-booking check
-(the decisions in one process, and the experiment flow that trains the jobs)."""
+"""The scheduler's real-mode tests share a two-job recipe on two CPU slots (this machine's by default) and the
+no-double-booking check (the decisions in one process, and the experiment flow that trains the jobs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ data:
   synthetic: {{num_samples: 60}}
   seq_len: 256
 model: {{flavor: debug}}
-cluster: {{name: local, slots: 2}}
+cluster: {cluster}
 jobs:
   - {{name: a, model: debug, global_batch: 2, iterations: 6}}
   - {{name: b, model: debug, global_batch: 2, iterations: 3, arrival_s: {b_arrives}}}
@@ -25,9 +25,9 @@ estimate: {{gpus: {{cpu: {{intra_bw: 2.0e8}}}}}}
 """
 
 
-def write_recipe(tmp_path, b_arrives: float = 1.0, **fields: str):
+def write_recipe(tmp_path, b_arrives: float = 1.0, cluster: str = "{name: local, slots: 2}", **fields: str):
     path = tmp_path / "recipe.yaml"
-    text = RECIPE.format(out=tmp_path / "out", b_arrives=b_arrives)
+    text = RECIPE.format(out=tmp_path / "out", b_arrives=b_arrives, cluster=cluster)
     path.write_text(text + "".join(f"{k}: {v}\n" for k, v in fields.items()))
     return path
 

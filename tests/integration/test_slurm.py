@@ -1,6 +1,6 @@
 """The train stage on a real Slurm cluster (`launch.target: slurm`): a one-node cluster on loopback
 (tests.servers.slurm_cluster: MUNGE, slurmctld, slurmd), the job submitted with sbatch, followed, and cancelled
-when it must be."""
+when it must be; and the schedule stage placing its jobs on a two-node cluster's nodes."""
 
 from __future__ import annotations
 
@@ -111,24 +111,6 @@ def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path):
     assert run.info.status == "KILLED"
 
 
-def test_a_two_node_job_trains_as_one_world(tmp_path):
-    """Two Slurm nodes (two slurmd on this host): srun starts one torchrun per node, and they meet by c10d
-    rendezvous at the first node's address and train as one world of two ranks."""
-    import json
-
-    from omni_core.runtime.ranks import free_port
-
-    spec = RunSpec(name="two-nodes", recipe=str(recipe_file(tmp_path, steps=4)), result=str(tmp_path / "r.json"),
-                   nodes=2, ranks_per_node=1, cpus_per_node=1, memory_gb=1, port=free_port())
-    lines: list[str] = []
-    with slurm_cluster(nodes=2) as cluster:
-        run_slurm_job(spec, tmp_path / "job", timeout_s=240, env={**os.environ, **cluster, "OMP_NUM_THREADS": "1"},
-                      on_line=lines.append, poll_s=0.5)
-    result = json.loads(Path(spec.result).read_text())
-    assert result["world_size"] == 2 and result["steps"] == 4, lines[-20:]
-    assert "2 node(s) x 1 ranks" in lines[0]
-
-
 def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
     """The ranks' own error reaches the LaunchError, which is not an infrastructure failure (no retry)."""
     spec = RunSpec(name="fails", recipe=str(recipe_file(tmp_path, steps=4, data=tmp_path / "missing")),
@@ -142,17 +124,33 @@ def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
 
 
 @pytest.mark.usefixtures("uncalibrated")
-def test_the_schedule_stage_trains_its_jobs_as_slurm_jobs_side_by_side(slurm, tmp_path, mlflow_uri, prefect_harness):
-    """Real mode's two jobs (a shrinks to one slot when b arrives), each segment an sbatch job asking for a
-    CPU per rank: Slurm runs a's second segment and b's first at once on the node's two CPUs."""
+def test_the_schedule_stage_places_its_jobs_on_slurm_nodes_and_they_run_there(tmp_path, mlflow_uri, prefect_harness,
+                                                                              monkeypatch):
+    """Real mode on two one-CPU Slurm nodes (two slurmd on this host): a alone takes both, one rank per node, its
+    torchruns meeting by c10d at the first node's address; when b arrives, a shrinks to one node at its
+    segment's end and b runs on the other at the same time. Each sbatch job ran on the nodes it was placed on."""
     from flows.schedule import schedule_flow
+    from omni_core.recipe import RecipeError, load_recipe
+    from omni_core.runtime.preflight import check_launch
     from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
 
-    recipe = write_recipe(tmp_path, launch="{target: slurm, memory_gb: 1, poll_s: 0.5}")
-    result = schedule_flow(str(recipe))
+    recipe = write_recipe(tmp_path, launch="{target: slurm, memory_gb: 1, poll_s: 0.5}",
+                          cluster="{name: two-nodes, node_groups: [{gpu_type: cpu, nodes: 2, gpus_per_node: 1, "
+                                  "hosts: [n1, n2]}]}")
+    with slurm_cluster(nodes=2) as cluster:
+        monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+        with pytest.raises(RecipeError, match=r"node_groups\.0\.hosts: n3: no such node in the Slurm cluster"):
+            check_launch(load_recipe(recipe, ["cluster.node_groups.0.hosts=[n1, n3]"]))
+        result = schedule_flow(str(recipe))
+        ran_on = {}
+        for output in (tmp_path / "out").glob("sched-test-*/runs/*/sched-test-*.out"):  # a job is its experiment
+            assert "done: loss" in output.read_text()
+            job = output.stem.rsplit("-", 1)[1]
+            fields = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+            ran_on[output.stem.split("-")[2], int(job)] = next(f for f in fields.split() if f.startswith("NodeList="))
     a1, a2, b1 = sorted(result.segments, key=lambda s: (s.job, s.segment))
-    assert (a1.num_gpus, a2.num_gpus, b1.num_gpus) == (2, 1, 1) and result.results["a"].steps == 6
+    assert [(s.num_gpus, s.nodes) for s in (a1, a2, b1)] == [(2, [0, 1]), (1, [0]), (1, [1])]
+    assert result.results["a"].steps == 6 and result.results["a"].world_size == 1
     assert a2.start_s < b1.end_s and b1.start_s < a2.end_s  # side by side on the cluster
     assert_never_double_booked(result, 2)
-    outputs = sorted((tmp_path / "out").glob("sched-test-*/runs/*/sched-test-*.out"))  # a job is its experiment
-    assert len(outputs) == 3 and all("done: loss" in out.read_text() for out in outputs)
+    assert [where for _, where in sorted(ran_on.items())] == ["NodeList=n[1-2]", "NodeList=n1", "NodeList=n2"]

@@ -85,7 +85,7 @@ def test_auto_without_the_estimate_stage_prices_its_own_cells_and_gets_a_plan_th
 
 def test_the_schedulers_oracle_answers_from_the_estimate_stage_table(monkeypatch):
     from omni_core.estimator import search
-    from omni_core.scheduler.local import local_cluster, recipe_oracle
+    from omni_core.scheduler.local import real_cluster, recipe_oracle
 
     recipe = Recipe.model_validate({
         "experiment": {"name": "two"}, "data": {"seq_len": 256}, "cluster": {"slots": 2},
@@ -98,7 +98,7 @@ def test_the_schedulers_oracle_answers_from_the_estimate_stage_table(monkeypatch
         raise AssertionError("the oracle estimated a Cell the table holds")
 
     monkeypatch.setattr(search, "best_for_gpus", never)
-    oracle = recipe_oracle(recipe, local_cluster(recipe.cluster), cells=table)
+    oracle = recipe_oracle(recipe, real_cluster(recipe), cells=table)
     held = [(gpu_type, n) for gpu_type, n in expected if n <= 2]
     assert held == [("cpu", 1), ("cpu", 2)]
     for gpu_type, n in held:
@@ -108,7 +108,7 @@ def test_the_schedulers_oracle_answers_from_the_estimate_stage_table(monkeypatch
 
 def test_the_oracle_does_not_take_a_cell_priced_as_another_node_shape(monkeypatch):
     from omni_core.estimator import search
-    from omni_core.scheduler.local import local_cluster, recipe_oracle
+    from omni_core.scheduler.local import real_cluster, recipe_oracle
 
     recipe = Recipe.model_validate({
         "experiment": {"name": "two"}, "data": {"seq_len": 256}, "cluster": {"slots": 2},
@@ -117,6 +117,6 @@ def test_the_oracle_does_not_take_a_cell_priced_as_another_node_shape(monkeypatc
     table = CellTable(cells=[row("a", "cpu", 2, 1, 1e6, nodes=2), row("a", "cpu", 1, 1, 7.0, "dp1")], unfit=[])
     searched = []
     monkeypatch.setattr(search, "best_for_gpus", lambda *args, **kwargs: searched.append(args[2]))
-    oracle = recipe_oracle(recipe, local_cluster(recipe.cluster), cells=table)
+    oracle = recipe_oracle(recipe, real_cluster(recipe), cells=table)
     assert oracle.throughput("debug", 2, "cpu", 1) == 7.0  # one node of one: the table's
     assert oracle.throughput("debug", 2, "cpu", 2) is None and searched == [2]  # 2 nodes of 1 is not these slots

@@ -107,6 +107,28 @@ def test_a_failed_launch_stops_new_ones_and_is_raised_after_the_running_ones_end
     assert sorted(started) == ["train-a-1", "train-b-1"]  # a's next segment never started
 
 
+def test_on_slurm_nodes_each_launch_is_pinned_to_the_nodes_the_job_was_placed_on(tmp_path):
+    """Two one-slot Slurm nodes: a alone takes both (one rank per node), then a and b one node each."""
+    nodes = ["cluster.node_groups=[{gpu_type: cpu, nodes: 2, gpus_per_node: 1, hosts: [n1, n2]}]",
+             "launch.target=slurm"]
+    path = write_recipe(tmp_path)
+    s = LocalScheduler(load_recipe(path, nodes))
+    s.admit(0.0)
+    [a1] = s.decide(0.0, "a arrived")
+    s.admit(1.0)
+    s.decide(1.0, "b arrived")
+    s.ended(a1, finished(a1), 5.0)
+    a2, b1 = sorted(s.decide(5.0, "train-a-1 ended"), key=lambda r: r.job)
+    launches = [load_recipe(path, [*nodes, *run.overrides]).launch for run in (a1, a2, b1)]
+    assert [(launch.nodes, launch.nodelist) for launch in launches] == [(2, ["n1", "n2"]), (1, ["n1"]), (1, ["n2"])]
+    assert load_recipe(path, [*nodes, *a1.overrides]).parallel.nproc == 2
+
+    with pytest.raises(ValueError, match="past one node only on Slurm"):
+        LocalScheduler(load_recipe(path, nodes[:1]))
+    with pytest.raises(RecipeError, match="hosts names 1 node"):
+        load_recipe(path, ["cluster.node_groups=[{gpu_type: cpu, nodes: 2, gpus_per_node: 1, hosts: [n1]}]"])
+
+
 def test_real_mode_refuses_what_it_cannot_run_in_one_message(tmp_path):
     two_nodes = "cluster.node_groups=[{gpu_type: a100, nodes: 2, gpus_per_node: 4}]"
     recipe = load_recipe(write_recipe(tmp_path), ["jobs.0.model=bert__1.3B", "jobs.1.name=a", two_nodes])

@@ -100,6 +100,8 @@ def test_the_wall_clock_limit_and_partition_reach_the_cluster():
     assert "srun /venv/bin/python -m torch.distributed.run --standalone" in script
     assert kubernetes_manifests(spec)[1]["spec"]["activeDeadlineSeconds"] == 3601
     assert "--time" not in slurm_script(RunSpec(name="r", recipe="r.yaml", result="o.json"))
+    pinned = RunSpec(name="r", recipe="r.yaml", result="o.json", nodes=2, nodelist=("n2", "n3"))
+    assert "#SBATCH --nodelist=n2,n3" in slurm_script(pinned) and "--nodelist" not in script
     assert run_name("Crius_Study.v2") == "crius-study-v2" and run_name("__") == "omni"
 
 
@@ -110,7 +112,7 @@ def test_a_slurm_launch_without_slurm_is_refused_before_it_starts(tmp_path, monk
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
     recipe = Recipe.model_validate({"experiment": {"name": "x", "output_dir": str(tmp_path)},
                                     "launch": {"target": "slurm"}})
-    with pytest.raises(RecipeError, match="launch.target: slurm needs sbatch, scontrol, scancel on PATH"):
+    with pytest.raises(RecipeError, match="launch.target: slurm needs sbatch, scontrol, scancel, sinfo on PATH"):
         check_launch(recipe)
     with pytest.raises(ValueError, match="launch.nodes=3 must divide parallel.nproc=1"):
         Recipe.model_validate({"experiment": {"name": "x"}, "launch": {"target": "slurm", "nodes": 3}})

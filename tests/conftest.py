@@ -92,6 +92,13 @@ def prefect_harness() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def cli_prefect_home() -> str:
+    """PREFECT_HOME for `omni` processes a test starts without a Prefect server: each starts Prefect's temporary
+    server on its database here, which only the first one migrates (a fresh database costs seconds more)."""
+    return str(_SESSION_DIR / "prefect-cli")
+
+
 @pytest.fixture
 def uncalibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimator's catalogue numbers for `cpu`, not a micro-profile someone stored on this machine."""

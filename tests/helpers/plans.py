@@ -108,9 +108,12 @@ def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]]
     the loaders balance as the recipe's `data.balance` says (its default, grouped), else each packs its own."""
     ensure_dataset(recipe_for(root))
     per_rank = run_ranks(plans_worker, world, str(root), flavors_and_plans, balanced)
+    references: dict[tuple[str, int], tuple] = {}  # plans of one flavor and data degree share their reference
     for flavor, name in flavors_and_plans:
         plan = ParallelPlan.parse(name)
-        ref_losses, ref_grads, _ = reference(root, flavor, plan.dp, balanced)
+        if (flavor, plan.dp) not in references:
+            references[flavor, plan.dp] = reference(root, flavor, plan.dp, balanced)
+        ref_losses, ref_grads, _ = references[flavor, plan.dp]
         merged: dict[str, torch.Tensor] = {}
         for rank_results in per_rank:
             losses, grads, _ = rank_results[flavor, name]

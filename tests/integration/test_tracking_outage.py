@@ -45,10 +45,10 @@ def mlflow_server(tmp_path: Path) -> tuple[str, list[str], dict[str, str], dict[
     return f"http://127.0.0.1:{port}", server, {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, base
 
 
-def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
+def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path, cli_prefect_home):
     url, server, server_env, base = mlflow_server(tmp_path)
     (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
-    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": cli_prefect_home, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "omni.log"
     with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
         with open(log, "w") as out:
@@ -74,7 +74,7 @@ def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path):
     assert "unreachable" in log.read_text()
 
 
-def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_later(tmp_path):
+def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_later(tmp_path, cli_prefect_home):
     """The server dies mid-training and is still away when training ends: `omni train` gives up on logging the
     checkpoint after tracking.reconnect_timeout_s with one clear message, keeps the run's end and its unsent
     metrics in $OMNI_HOME, and the next omni process that reaches the server settles both: the run is not left
@@ -87,7 +87,7 @@ def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_la
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(out=tmp_path / "out").replace("steps: 120", "steps: 60")
                       .replace("flush_every_s: 0.5", "flush_every_s: 0.5, reconnect_timeout_s: 2"))
-    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1",
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": cli_prefect_home, "OMP_NUM_THREADS": "1",
            "OMNI_HOME": str(tmp_path / "omni-home")}
     log = tmp_path / "omni.log"
     with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):

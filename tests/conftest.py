@@ -93,10 +93,12 @@ def prefect_harness() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def cli_prefect_home() -> str:
-    """PREFECT_HOME for `omni` processes a test starts without a Prefect server: each starts Prefect's temporary
-    server on its database here, which only the first one migrates (a fresh database costs seconds more)."""
-    return str(_SESSION_DIR / "prefect-cli")
+def prefect_api_url(prefect_harness: None) -> str:
+    """The harness's Prefect API (a server process on loopback), for `omni` processes a test starts: without
+    one, each would start a temporary server of its own (about 15 s here)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
 
 
 @pytest.fixture

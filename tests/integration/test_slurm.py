@@ -79,7 +79,7 @@ def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tm
     assert left.returncode == 1, f"processes left behind: {left.stdout!r}"
 
 
-def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path, cli_prefect_home):
+def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path, prefect_api_url):
     """SIGTERM to the stage's process, as Prefect's runner cancels a flow run: the job is scancelled, no rank is
     left on the node, and the MLflow run is KILLED."""
     from mlflow import MlflowClient
@@ -87,7 +87,7 @@ def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path, cli_pref
     recipe = recipe_file(tmp_path, steps=100_000)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "OMP_NUM_THREADS": "1",
-           "MLFLOW_TRACKING_URI": store, "PREFECT_HOME": cli_prefect_home}
+           "MLFLOW_TRACKING_URI": store, "PREFECT_API_URL": prefect_api_url}
     log = tmp_path / "omni.log"
     with log.open("w") as out:
         stage = subprocess.Popen([str(Path(sys.executable).parent / "omni"), "train", str(recipe)], env=env,

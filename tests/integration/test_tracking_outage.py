@@ -45,10 +45,10 @@ def mlflow_server(tmp_path: Path) -> tuple[str, list[str], dict[str, str], dict[
     return f"http://127.0.0.1:{port}", server, {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, base
 
 
-def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path, cli_prefect_home):
+def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path, prefect_api_url):
     url, server, server_env, base = mlflow_server(tmp_path)
     (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
-    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": cli_prefect_home, "OMP_NUM_THREADS": "1"}
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "omni.log"
     with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
         with open(log, "w") as out:
@@ -74,20 +74,22 @@ def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path, cli
     assert "unreachable" in log.read_text()
 
 
-def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_later(tmp_path, cli_prefect_home):
+def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_later(tmp_path, prefect_api_url,
+                                                                                       monkeypatch):
     """The server dies mid-training and is still away when training ends: `omni train` gives up on logging the
     checkpoint after tracking.reconnect_timeout_s with one clear message, keeps the run's end and its unsent
-    metrics in $OMNI_HOME, and the next omni process that reaches the server settles both: the run is not left
-    RUNNING and no metric is lost."""
+    metrics in $OMNI_HOME, and the next stage that reaches the server (a profile flow, here in the test's own
+    process) settles both: the run is not left RUNNING and no metric is lost."""
     from mlflow import MlflowClient
 
+    from flows.profile import profile_flow
     from omni_core.tracking import pending
 
     url, server, server_env, base = mlflow_server(tmp_path)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(out=tmp_path / "out").replace("steps: 120", "steps: 60")
                       .replace("flush_every_s: 0.5", "flush_every_s: 0.5, reconnect_timeout_s: 2"))
-    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_HOME": cli_prefect_home, "OMP_NUM_THREADS": "1",
+    env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1",
            "OMNI_HOME": str(tmp_path / "omni-home")}
     log = tmp_path / "omni.log"
     with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
@@ -103,21 +105,18 @@ def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_la
     finally:
         terminate_group(training, grace_s=15)
     assert "training finished (60 steps" in log.read_text() and "stayed unreachable" in log.read_text()
-    os.environ["OMNI_HOME"], home = env["OMNI_HOME"], os.environ["OMNI_HOME"]
-    try:
-        left = pending(url)
-        assert {e["kind"] for e in left} == {"replay", "finish"}, left
-        assert [e["status"] for e in left if e["kind"] == "finish"] == ["FAILED"]
+    monkeypatch.chdir(tmp_path)  # where `omni train` ran: the recipe's relative data folder
+    monkeypatch.setenv("OMNI_HOME", env["OMNI_HOME"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    left = pending(url)
+    assert {e["kind"] for e in left} == {"replay", "finish"}, left
+    assert [e["status"] for e in left if e["kind"] == "finish"] == ["FAILED"]
 
-        with server_process(server, f"{url}/health", log=tmp_path / "mlflow-2.log", env=server_env):
-            profiled = subprocess.run([str(BIN / "omni"), "profile", str(recipe)], cwd=tmp_path, env=env,
-                                      capture_output=True, text=True, timeout=300)
-            assert profiled.returncode == 0, profiled.stderr[-3000:]
-            assert train_steps_logged(url) == list(range(4, 61, 4))
-            client = MlflowClient(url)
-            [train] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
-                       if r.info.run_name == "train"]
-            assert train.info.status == "FAILED" and train.info.end_time is not None
-        assert pending(url) == []
-    finally:
-        os.environ["OMNI_HOME"] = home
+    with server_process(server, f"{url}/health", log=tmp_path / "mlflow-2.log", env=server_env):
+        profile_flow(str(recipe))
+        assert train_steps_logged(url) == list(range(4, 61, 4))
+        client = MlflowClient(url)
+        [train] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+                   if r.info.run_name == "train"]
+        assert train.info.status == "FAILED" and train.info.end_time is not None
+    assert pending(url) == []

@@ -1,7 +1,8 @@
 """`omni run` against real servers, as the README's "Pointing at real servers" and infra/ describe: an MLflow
 tracking server on PostgreSQL whose artifacts go to S3 (moto's standalone server on loopback standing in for
-MinIO), checkpoints written straight to S3, and a Prefect server instead of the ephemeral API. Everything
-crosses real HTTP (and PostgreSQL's wire protocol)."""
+MinIO), checkpoints written straight to S3, and a Prefect server instead of the ephemeral API (the test
+harness's, a server process on loopback; test_deployments.py starts `prefect server start` itself).
+Everything crosses real HTTP (and PostgreSQL's wire protocol)."""
 
 from __future__ import annotations
 
@@ -25,18 +26,17 @@ tracking: {{flush_every_s: 0.5}}
 """
 
 
-def test_omni_run_tracks_to_mlflow_on_postgres_with_s3_artifacts_and_a_prefect_server(tmp_path):
+def test_omni_run_tracks_to_mlflow_on_postgres_with_s3_artifacts_and_a_prefect_server(tmp_path, prefect_api_url):
     import boto3
     from mlflow import MlflowClient
 
     creds = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
     base_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
-    s3_port, mlflow_port, prefect_port, pg_port = free_port(), free_port(), free_port(), free_port()
+    s3_port, mlflow_port, pg_port = free_port(), free_port(), free_port()
     s3_url = f"http://127.0.0.1:{s3_port}"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    prefect_url = f"http://127.0.0.1:{prefect_port}/api"
-    server_env = {**base_env, **creds, "MLFLOW_S3_ENDPOINT_URL": s3_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-                  "PREFECT_HOME": str(tmp_path / "prefect-server")}
+    prefect_url = prefect_api_url
+    server_env = {**base_env, **creds, "MLFLOW_S3_ENDPOINT_URL": s3_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
     with server_process([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
                         f"{s3_url}/moto-api/", log=tmp_path / "s3.log", env=server_env), \
@@ -48,9 +48,7 @@ def test_omni_run_tracks_to_mlflow_on_postgres_with_s3_artifacts_and_a_prefect_s
         mlflow_cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
                       "--workers", "1", "--backend-store-uri", store_uri,
                       "--artifacts-destination", "s3://mlflow/artifacts"]
-        prefect_cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)]
-        with server_process(mlflow_cmd, f"{mlflow_url}/health", log=tmp_path / "mlflow.log", env=server_env), \
-                server_process(prefect_cmd, f"{prefect_url}/health", log=tmp_path / "prefect.log", env=server_env):
+        with server_process(mlflow_cmd, f"{mlflow_url}/health", log=tmp_path / "mlflow.log", env=server_env):
             recipe = tmp_path / "recipe.yaml"
             recipe.write_text(RECIPE.format(out=tmp_path / "out"))
             client_env = {**base_env, "MLFLOW_TRACKING_URI": mlflow_url, "PREFECT_API_URL": prefect_url,

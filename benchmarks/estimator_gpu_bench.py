@@ -4,8 +4,8 @@
 
 Each row is one measured configuration: a model shape (GPT or Llama), a global batch, a GPU type and count,
 the source's parallel plan (TP x PP x DP, replicated or FSDP-sharded), its activation recomputation and its
-measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; or tokens per
-second per GPU), or that it ran out of memory. The estimator prices that plan on that Cell with the
+measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens per
+second per GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan on that Cell with the
 catalogue's datasheet figures and the default `Efficiency` (no calibration: no GPU here), choosing only what
 the source does not state: the micro-batch (1-8, the fastest that fits). Reported:
 
@@ -67,7 +67,7 @@ ARENA_JOB = re.compile(r"^(?P<model>wide_resnet|bert|moe)_(?P<size>[0-9.]+[MB])_
 TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_per_family": 0.9}
 
 
-MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "oom")
+MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "step_s", "oom")
 # the row's recomputation as Options (checkpoint, selective): torchtitan's selective activation checkpointing
 # keeps every second block ("layer", its default frequency 2) or a per-operator save list ("op")
 RECOMPUTE = {"none": (False, ""), "full": (True, ""), "selective-layer": (True, "layer"), "selective-op": (True, "op")}
@@ -97,7 +97,9 @@ def read_table(path: Path = TABLE) -> list[dict[str, str]]:
 def measured_step_s(row: dict[str, str]) -> float:
     """The row's step time from its throughput: tokens per second per GPU over the step's tokens per GPU, or
     TFLOP/s per GPU with its source's FLOP count (Narayanan et al. 2021, eq. 3: forward, backward and the full
-    recomputation of a GPT iteration, logits included)."""
+    recomputation of a GPT iteration, logits included); or the seconds per iteration the source reports."""
+    if row["measure"] == "step_s":
+        return float(row["value"])
     b, s, l, h, v, gpus = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab", "gpus"))
     if row["measure"] == "tokens_per_s_per_gpu":
         return b * s / (float(row["value"]) * gpus)

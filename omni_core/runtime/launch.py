@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     info = init_distributed(recipe.parallel.backend, recipe.train.dist_timeout_s)
     # metrics the tracking server missed are kept beside the result, for the train stage to replay
     spool = Path(args.result).with_name(SPOOL_FILE) if args.result else None
-    tracker = tracker_for_rank(info.rank, flush_every_s=recipe.tracking.flush_every_s, spool=spool)
+    tracker = tracker_for_rank(info.rank, flush_every_s=recipe.tracking.flush_every_s, spool=spool,
+                               reconnect_timeout_s=recipe.tracking.reconnect_timeout_s)
 
     def log(message: str) -> None:
         if info.is_main:

@@ -296,8 +296,9 @@ def replay_spool(run: MlflowTracker, spool: Path) -> int:
     return len(metrics)
 
 
-# Rank 0 waits this long at the end for a server that is away, then spools: the launching train stage waits
-# for the server (tracking.reconnect_timeout_s) and replays the spool, so every rank need not wait too.
+# Rank 0 waits at most this long at the end for a server that is away (never longer than the recipe's
+# tracking.reconnect_timeout_s), then spools: the launching train stage waits for the server and replays the
+# spool, so every rank need not wait too.
 RANK_CLOSE_TIMEOUT_S = 10.0
 RANK_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
@@ -309,15 +310,16 @@ def _bound_http_calls() -> None:
         os.environ.setdefault(key, value)
 
 
-def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None = None) -> Tracker:
+def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None = None,
+                     reconnect_timeout_s: float = RANK_CLOSE_TIMEOUT_S) -> Tracker:
     """The trainer's tracker: rank 0 logs into $MLFLOW_RUN_ID (set by the launching flow); everyone else,
     and runs without a flow around them, get a NullTracker."""
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if rank != 0 or not run_id:
         return NullTracker()
     _bound_http_calls()
-    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, close_timeout_s=RANK_CLOSE_TIMEOUT_S,
-                         spool=spool)
+    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, spool=spool,
+                         close_timeout_s=min(RANK_CLOSE_TIMEOUT_S, reconnect_timeout_s))
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from omni_core.tracking import (
     stage_run,
     tracker_for_rank,
 )
+from omni_core.tracking.tracker import RANK_CLOSE_TIMEOUT_S
 from tests.helpers.tracking import make_recipe
 
 
@@ -169,6 +170,11 @@ def test_tracker_for_rank(monkeypatch, mlflow_uri, run_id):
     assert isinstance(tracker, MlflowTracker)
     assert (tracker.run_id, tracker.uri, tracker.flush_every_s) == (run_id, mlflow_uri, 0.5)
     tracker.close()
+    # a recipe that waits less for an away server than rank 0 would by itself bounds rank 0's wait too
+    assert tracker.close_timeout_s == RANK_CLOSE_TIMEOUT_S
+    impatient = tracker_for_rank(0, reconnect_timeout_s=2.0)
+    assert impatient.close_timeout_s == 2.0
+    impatient.close()
 
 
 # --- run tree ---------------------------------------------------------------------------------------

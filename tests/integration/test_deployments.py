@@ -114,8 +114,10 @@ def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
     server = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with server_process(server, f"{url}/health", log=tmp_path / "server.log",
                         env={**base, "PREFECT_HOME": str(tmp_path / "prefect-server")}):
+        # the runner and the worker look for runs every 2 s (Prefect's default is 10)
         env = {**base, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp_path / "prefect-client"),
-               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
+               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
+               "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_WORKER_QUERY_SECONDS": "2"}
         log = tmp_path / "serve.log"
         with open(log, "w") as out:
             serving = subprocess.Popen([str(BIN / "omni"), "serve", "--file", str(tmp_path / "prefect.yaml")],

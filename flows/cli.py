@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     recipe_sub = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
     check = recipe_sub.add_parser(
         "check", formatter_class=raw, epilog=OVERRIDES_EPILOG,
-        help="run every check a launch would (values, model flavor, plan, data, checkpoints, tracking); "
+        help="run every check a launch would (values, model flavor, plan, data, checkpoints, tracking) "
+        "and a study's schedule.trace; "
         "prints `ok <hash>`, or each problem as FILE:LINE: field: message and exits 2",
     )
     _add_recipe_args(check)
@@ -290,14 +291,19 @@ def _load(args: argparse.Namespace) -> Any:
     return load_recipe(args.recipe, args.overrides)
 
 
-def _checked(args: argparse.Namespace) -> Any:
-    """The recipe, refused (RecipeError: exit 2) with every problem a launch of it would meet; warnings printed."""
+def _checked(args: argparse.Namespace, study: bool = False) -> Any:
+    """The recipe, refused (RecipeError: exit 2) with every problem a launch of it would meet (and, for
+    `study`, its schedule.trace a simulation would read); warnings printed."""
     from omni_core.recipe import load_located
     from omni_core.runtime.preflight import check_launch
 
     recipe, locations = load_located(args.recipe, args.overrides)
     for warning in check_launch(recipe, locations):
         print(f"omni: {warning}", file=sys.stderr)
+    if study and recipe.schedule.trace:
+        from omni_core.scheduler.study import checked_trace
+
+        checked_trace(recipe, locations)
     return recipe
 
 
@@ -305,7 +311,7 @@ def _recipe_command(args: argparse.Namespace) -> int:
     from omni_core.recipe import dump_recipe, recipe_hash
 
     if args.recipe_command == "check":
-        print(f"ok {recipe_hash(_checked(args))}")
+        print(f"ok {recipe_hash(_checked(args, study=True))}")
         return 0
     recipe = _load(args)
     print(dump_recipe(recipe).rstrip("\n"))

@@ -13,6 +13,7 @@ are applied here and in the simulator, so a study matches the Crius artifact's b
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from omni_core.scheduler.cluster import Cluster
 from omni_core.scheduler.jobs import Job, ThroughputTable
 from omni_core.scheduler.policies import make_policy
 from omni_core.scheduler.simulator import SchedulePlan, simulate
-from omni_core.scheduler.traces import Trace, load_trace
+from omni_core.scheduler.traces import HEADERS, Trace, detect_format, load_trace
 
 if TYPE_CHECKING:
     from omni_core.estimator.oracle import ThroughputOracle
@@ -111,11 +112,31 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, trace: str | 
     """Load the recipe at `path` and prepare its study, a relative `schedule.trace` taken from the folder of
     the file that wrote it (an `extends:` parent's folder when the parent wrote it)."""
     recipe, locations = load_located(path, overrides)
-    if trace is None:
-        trace = trace_path(recipe.schedule.trace, locations.get("schedule.trace"))
-        if trace and not os.path.isfile(trace):
-            raise RecipeError([located_problem(locations, "schedule.trace", f"no such file: {trace}")])
-    return prepare(recipe, trace=trace, oracle=oracle)
+    return prepare(recipe, trace=checked_trace(recipe, locations) if trace is None else trace, oracle=oracle)
+
+
+def checked_trace(recipe: Recipe, locations: dict[str, str]) -> str:
+    """The recipe's `schedule.trace` resolved (`trace_path`), refused at the line that wrote it when the file is
+    missing or its header lacks its `schedule.trace_format`'s columns (a format detected only from an exact
+    header); rows are checked, and counted, when read."""
+    s = recipe.schedule
+    trace = trace_path(s.trace, locations.get("schedule.trace"))
+    if not trace:
+        return trace
+    if not os.path.isfile(trace):
+        raise RecipeError([located_problem(locations, "schedule.trace", f"no such file: {trace}")])
+    try:
+        with open(trace, newline="") as f:
+            header = next(csv.reader(f), [])
+        if s.trace_format == "auto":
+            detect_format(trace)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        raise RecipeError([located_problem(locations, "schedule.trace", str(err))]) from None
+    missing = [c for c in HEADERS.get(s.trace_format, ()) if c not in header]
+    if missing:
+        raise RecipeError([located_problem(locations, "schedule.trace_format", f"{s.trace_format}: {trace}:1 "
+                                           f"lacks the column(s) {', '.join(missing)}")])
+    return trace
 
 
 def trace_path(trace: str, written_at: str | None) -> str:

@@ -102,6 +102,21 @@ def test_bad_recipe_is_one_message_and_exit_2(recipe_file, capsys):
     assert "train.stepz" in captured.err and "Traceback" not in captured.err
 
 
+def test_recipe_check_refuses_a_study_trace_it_could_not_replay(recipe_file, tmp_path, capsys):
+    """Read only at `omni simulate`, a study's trace is checked by `omni recipe check` too, at its line."""
+    trace = tmp_path / "jobs.csv"
+    trace.write_text("job_id,submission_time,duration\nj,0,60\n")  # ITP's columns but num_gpu
+    assert main(["recipe", "check", str(recipe_file), "--set", f"schedule.trace={tmp_path / 'none.csv'}"]) == 2
+    assert "schedule.trace: no such file" in capsys.readouterr().err
+    assert main(["recipe", "check", str(recipe_file), "--set", f"schedule.trace={trace}"]) == 2
+    assert "schedule.trace: " in capsys.readouterr().err
+    assert main(["recipe", "check", str(recipe_file), "--set", f"schedule.trace={trace}",
+                 "--set", "schedule.trace_format=itp"]) == 2
+    assert f"schedule.trace_format: itp: {trace}:1 lacks the column(s) num_gpu" in capsys.readouterr().err
+    trace.write_text("job_id,submission_time,duration,num_gpu\nj,0,60,2\n")
+    assert main(["recipe", "check", str(recipe_file), "--set", f"schedule.trace={trace}"]) == 0
+
+
 def test_missing_recipe_file_exit_2(tmp_path):
     out = run_cli("recipe", "check", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.cli import main
 
@@ -277,7 +278,12 @@ def test_every_problem_comes_at_once(workdir, capsys):
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_passes_check(recipe, capsys, monkeypatch):
+    """A study recipe's trace lies in the workspace's shared data beside the checkout (README), which a clone
+    elsewhere lacks: that recipe is then skipped by name (`omni recipe check` refuses it, as it should)."""
     monkeypatch.chdir(REPO)
+    trace = yaml.safe_load(recipe.read_text()).get("schedule", {}).get("trace")
+    if trace and not (recipe.parent / trace).resolve().is_relative_to(REPO) and not (recipe.parent / trace).exists():
+        pytest.skip(f"{recipe.name}: its trace {trace} (the workspace's shared data) is not on this machine")
     assert main(["recipe", "check", str(recipe)]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith("ok ")
 

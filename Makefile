@@ -26,8 +26,12 @@ $(STAMP): requirements.lock pyproject.toml
 run: install
 	$(BIN)/omni run recipes/quickstart.yaml $(ARGS)
 
+# The tiers run as two pytest streams at once (tests/run-streams), which keep both cores of a 2-core machine busy
+# where one pytest leaves one idle most of the time; every tier is in one stream (tests/unit/test_suite_streams.py).
+TEST_STREAMS := "unit or ranks" "integration or flows"
+
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTHON=$(BIN)/python tests/run-streams $(TEST_STREAMS) -- $(PYTEST_ARGS)
 
 # The unit tier only (tests/unit: pure CPU, seconds), for the edit loop; `make test` runs every tier.
 test-fast: install

@@ -19,7 +19,14 @@
    speedup_vs_best_baseline}` on H100s, 8 per node, 8 x 400 Gb/s per node across nodes; `paper_assumptions`
    says what the layouts assume.
 --quick keeps every key with 10 validation cases of 5 steps in one round and three mixes of the paper's
-table (about two minutes on 2 cores).
+table (about two minutes on 2 cores). `load_average` is the host's before and after.
+
+    .venv/bin/python benchmarks/estimator_bench.py --repredict report.json --out repredicted.json
+
+predicts a stored report's validation again with this checkout's cost model, from the report's own
+calibrations (seconds): the validation's keys, beside the report's `source_mape_pct`. Rounds of the same
+case moved by tens of percent here (`measured_spread_pct`), as much as a model change moves it, so a change
+is judged on the same measurements before and after.
 """
 
 from __future__ import annotations
@@ -43,7 +50,13 @@ from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.search import build_cell_table, candidate_plans
 from omni_core.estimator.workloads import PAPER_WORKLOADS, paper_workload, trace_workload
-from omni_core.measure.validate import calibrate_and_validate, validation_figure
+from omni_core.measure.validate import (
+    CaseResult,
+    ValidationReport,
+    calibrate_and_validate,
+    repredict,
+    validation_figure,
+)
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "crius" / "simulate_trace_philly.csv"
 CRIUS_GPUS = {"a100": 320, "v100": 320, "a40": 320, "a10": 320}
@@ -106,12 +119,44 @@ def paper(quick: bool) -> dict:
     return out
 
 
+def validation_keys(report: ValidationReport) -> dict:
+    return {"mape_pct": report.mape_pct, "mape_pct_by_world": report.mape_pct_by_world,
+            "n_plans_validated": len(report.rows), "validation_rounds": report.rounds,
+            "measured_spread_pct": report.measured_spread_pct, "predicted_spread_pct": report.predicted_spread_pct}
+
+
+def repredicted(source: Path) -> dict:
+    """A stored report's validation predicted again by this checkout's cost model (`validate.repredict`)."""
+    started, load = time.perf_counter(), os.getloadavg()
+    try:
+        stored = json.loads(source.read_text())
+        rows = [CaseResult.model_validate(row) for row in stored["validation"]]
+        calibrations = stored["calibration"]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{source}: not an estimator_bench report ({exc})") from exc
+    except KeyError as exc:
+        raise SystemExit(f"{source}: an estimator_bench report lacks the field {exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="omni-repredict-") as tmp:
+        report = repredict(rows, calibrations, Path(tmp), GpuCatalog()["cpu"])
+    return {**validation_keys(report), "repredicted_from": str(source), "source_mape_pct": stored["mape_pct"],
+            "source_mape_pct_by_world": stored["mape_pct_by_world"],
+            "validation": [r.model_dump() for r in report.rows], "calibration": report.calibration,
+            "load_average": [load, os.getloadavg()], "seconds": time.perf_counter() - started}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="estimator_report.json")
+    parser.add_argument("--repredict", type=Path, metavar="REPORT",
+                        help="only predict REPORT's validation again, from its own calibrations (seconds)")
     args = parser.parse_args()
-    started = time.perf_counter()
+    if args.repredict:
+        result = repredicted(args.repredict)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k not in ("validation", "calibration")}, indent=2))
+        return
+    started, load = time.perf_counter(), os.getloadavg()
 
     plans_s = plans_per_second()
     cell_s, n_jobs, n_cells = crius_cell_table()
@@ -119,12 +164,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="omni-validate-") as tmp:
         report = calibrate_and_validate(args.quick, Path(tmp))
     result = {
-        "mape_pct": report.mape_pct,
-        "mape_pct_by_world": report.mape_pct_by_world,
-        "n_plans_validated": len(report.rows),
-        "validation_rounds": report.rounds,
-        "measured_spread_pct": report.measured_spread_pct,
-        "predicted_spread_pct": report.predicted_spread_pct,
+        **validation_keys(report),
         "plans_per_s": plans_s,
         "celltable_seconds": cell_s,
         "celltable_jobs": n_jobs,
@@ -135,6 +175,7 @@ def main() -> None:
         "validation": [r.model_dump() for r in report.rows],
         "calibration": report.calibration,
         "quick": args.quick,
+        "load_average": [load, os.getloadavg()],
         "seconds": time.perf_counter() - started,
     }
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -11,8 +11,9 @@
    the mean of its measured steps.
 
 Keys, the same as `estimator_bench.py`'s validation: `mape_pct`, `mape_pct_by_world`, `n_plans_validated`,
-`validation_rounds`, `measured_spread_pct`, `predicted_spread_pct`, `validation` (per case), with
-`device`, `gpus`, `calibration` (what step 1 measured) and `loadavg`.
+`validation_rounds`, `measured_spread_pct`, `predicted_spread_pct`, `validation` (per case), `calibration`
+(each round's kernels and links, which `estimator_bench.py --repredict` reads back for a CPU report), with
+`device`, `gpus`, `device_calibration` (what step 1 measured) and `loadavg`.
 
 `--device cpu` runs the same path on this host's CPU ranks where there is no GPU (the CPU validation's first
 quick cases, float32, gloo), to check the script and its keys; its figures are a CPU's, not a GPU's.
@@ -75,7 +76,8 @@ def run(device: str, quick: bool) -> dict:
             "mape_pct": report.mape_pct, "mape_pct_by_world": report.mape_pct_by_world,
             "n_plans_validated": len(report.rows), "validation_rounds": report.rounds,
             "measured_spread_pct": report.measured_spread_pct, "predicted_spread_pct": report.predicted_spread_pct,
-            "validation": [r.model_dump() for r in report.rows], "calibration": measured,
+            "validation": [r.model_dump() for r in report.rows], "calibration": report.calibration,
+            "device_calibration": measured,
             "seconds": report.seconds}
 
 
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"quick": args.quick, "loadavg": os.getloadavg(), **run(args.device, args.quick)}
     report["total_seconds"] = time.perf_counter() - started
     args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k not in ("validation", "calibration")}, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("validation", "calibration", "device_calibration")},
+                     indent=2))
     return report
 
 

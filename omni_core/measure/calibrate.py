@@ -567,28 +567,42 @@ def with_links(spec: GpuSpec, eff: Efficiency, collectives: dict, world: int
     """`spec` and `eff` with the links a collectives probe measured on `world` ranks of one node, and the
     fits: all-reduce gives the link's alpha and beta, the other kinds factors of them."""
     fits = {kind: fit_collective(kind, times, world) for kind, times in collectives.items()}
+    return *with_fitted_links(spec, eff, fits), fits
+
+
+def with_fitted_links(spec: GpuSpec, eff: Efficiency, fits: dict[str, tuple[float, float]]
+                      ) -> tuple[GpuSpec, Efficiency]:
+    """`spec` and `eff` with fitted links ((alpha, beta) per kind, `with_links`)."""
     base_alpha, base_beta = fits["all_reduce"]
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
     eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
                                          for kind, (a, b) in fits.items() if kind != "all_reduce"))
-    return spec, eff, fits
+    return spec, eff
 
 
 def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple[GpuSpec, Efficiency, dict]:
     """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
-    on `world` ranks, and their summary (`with_links`). An FSDP unit's cost is kept without its collectives
-    (`stage.fsdp_seconds` prices those per plan, by the size of its shard and replica groups)."""
-    spec, eff, fits = with_links(spec, eff, ranks["collectives"], world)
-    eff = replace(eff, dtensor_s=ranks["wrappers"]["dtensor"], dtensor_group_s=ranks["wrappers"]["dtensor_group"],
-                  fsdp_unit_s=max(0.0, ranks["wrappers"]["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
-                  fsdp_tensor_s=ranks["wrappers"]["fsdp_tensor"],
-                  tp_module_s=ranks["wrappers"]["tp"], pp_microbatch_s=ranks["wrappers"]["pp"],
-                  shared_memory=max(1.0, ranks["memory_share"]), straggle=max(1.0, ranks["straggle"]),
-                  link_cpu_share=ranks["link_cpu_share"])
+    on `world` ranks, and their summary (`with_ranks_summary` applies one again)."""
+    fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
     summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
                "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"],
                "link_cpu_share": ranks["link_cpu_share"]}
-    return spec, eff, summary
+    return *with_ranks_summary(spec, eff, summary, world), summary
+
+
+def with_ranks_summary(spec: GpuSpec, eff: Efficiency, summary: dict, world: int) -> tuple[GpuSpec, Efficiency]:
+    """`spec` and `eff` with a ranks probe's summary (`with_ranks`; as a validation report stores it). An FSDP
+    unit's cost is kept without its collectives (`stage.fsdp_seconds` prices those per plan, by the size of its
+    shard and replica groups)."""
+    fits = {kind: (fit["alpha_s"], fit["beta_bytes_s"]) for kind, fit in summary["collectives"].items()}
+    spec, eff = with_fitted_links(spec, eff, fits)
+    wrappers = summary["wrappers"]
+    eff = replace(eff, dtensor_s=wrappers["dtensor"], dtensor_group_s=wrappers["dtensor_group"],
+                  fsdp_unit_s=max(0.0, wrappers["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
+                  fsdp_tensor_s=wrappers["fsdp_tensor"], tp_module_s=wrappers["tp"], pp_microbatch_s=wrappers["pp"],
+                  shared_memory=max(1.0, summary["memory_share"]), straggle=max(1.0, summary["straggle"]),
+                  link_cpu_share=summary["link_cpu_share"])
+    return spec, eff
 
 
 def with_compute(spec: GpuSpec, compute: dict[str, float], at: ProbeDevice = CPU_PROBES) -> tuple[GpuSpec, Efficiency]:

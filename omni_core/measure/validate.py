@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -333,6 +334,12 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
                                                     precision=at.precision))
                 measured[case.name].append(real)
         calibrations.append({"kernels": kernels, "ranks": links})
+    return _report(cases, estimates, measured, calibrations, device.name, rounds, started)
+
+
+def _report(cases: list[Case], estimates: dict[str, list], measured: dict[str, list[dict[str, float]]],
+            calibrations: list[dict], device: str, rounds: int, started: float) -> ValidationReport:
+    """Each case's rounds of predictions and measurements, compared."""
     rows = []
     for case in cases:
         ests = estimates[case.name]
@@ -353,10 +360,51 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
         return statistics.mean(_spread(getattr(r, key)) for r in rows) if rounds > 1 else None
 
     return ValidationReport(
-        device=device.name, rows=rows, rounds=rounds, mape_pct=statistics.mean(r.ape_pct for r in rows),
+        device=device, rows=rows, rounds=rounds, mape_pct=statistics.mean(r.ape_pct for r in rows),
         mape_pct_by_world=by_world, measured_spread_pct=spread("measured_rounds_s"),
         predicted_spread_pct=spread("predicted_rounds_s"), calibration=calibrations,
         seconds=time.perf_counter() - started)
+
+
+CASE_TAIL = re.compile(r"-s(\d+)-mb(\d+)-ga(\d+)-(\w+)$")
+
+
+def repredict(rows: list[CaseResult], calibrations: list[dict], root: Path, device: GpuSpec) -> ValidationReport:
+    """A stored CPU validation's measurements predicted again by this checkout's cost model, from the
+    report's own calibrations (each case's kernels, each round's links and wrappers) and loader seconds (its
+    `host_s` term): a model change compared on the same measurements, free of the host's drift between runs
+    (`measured_spread_pct`: tens of percent here, as wide as the changes to be judged)."""
+    from omni_core.measure.calibrate import with_compute, with_ranks_summary
+
+    if any(c["ranks"] and "wrappers" not in c["ranks"] for c in calibrations):
+        raise ValueError("re-prediction reads CPU validation reports: these calibrations hold a GPU's NCCL links")
+    started = time.perf_counter()
+    host = replace(device, cores=os.cpu_count() or 1)
+    cases, profiles = [], {}
+    estimates: dict[str, list] = {}
+    measured: dict[str, list[dict[str, float]]] = {}
+    for row in rows:
+        tail = CASE_TAIL.search(row.case)
+        if tail is None or not row.case.startswith(f"{row.flavor}-{row.plan}-"):
+            raise ValueError(f"validation row {row.case!r}: not a case name (flavor-plan-sN-mbN-gaN-mix)")
+        seq_len, micro_batch, grad_accum = (int(g) for g in tail.groups()[:3])
+        case = Case(row.flavor, row.plan, seq_len, micro_batch, grad_accum, tail.group(4))
+        if case.mix not in MIXES:
+            raise ValueError(f"validation row {row.case!r}: unknown mix {case.mix!r} (known: {', '.join(MIXES)})")
+        cases.append(case)
+        key = (case.mix, case.seq_len)
+        if key not in profiles:
+            profiles[key] = _profile(case, root)
+        loader_s = row.breakdown["host_s"] / case.grad_accum  # the step's host data path: a micro-batch's each
+        estimates[case.name] = []
+        for calibration in calibrations:
+            spec, eff = with_compute(host, calibration["kernels"][row.case])
+            if case.world > 1:
+                spec, eff = with_ranks_summary(spec, eff, calibration["ranks"], 2)  # the ranks probe's two cores
+            estimates[case.name].append(predict(case, profiles[key], spec, eff, loader_s=loader_s))
+        measured[case.name] = [{"wall_s": wall, "cpu_s": row.measured_cpu_s, "delay_s": row.waited_s}
+                               for wall in row.measured_rounds_s]
+    return _report(cases, estimates, measured, calibrations, device.name, len(calibrations), started)
 
 
 def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> ValidationReport:

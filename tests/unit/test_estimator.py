@@ -295,6 +295,31 @@ def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_pa
         assert resolve_plan(case_recipe(case, tmp_path), case.world) == case.parallel_plan
 
 
+def test_repredict_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+    """A report lacking its calibrations is named with the missing field, before anything is priced; a GPU
+    validation's calibrations (NCCL links without the CPU ranks' wrappers) are refused by name; a row whose
+    name is not a case's is named."""
+    from pathlib import Path
+
+    from omni_core.measure.validate import CaseResult, repredict
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import estimator_bench
+
+    stored = tmp_path / "report.json"
+    stored.write_text(json.dumps({"mape_pct": 9.0, "validation": []}))
+    with pytest.raises(SystemExit, match=r"report.json: an estimator_bench report lacks the field 'calibration'"):
+        estimator_bench.repredicted(stored)
+    gpu = [{"kernels": {}, "ranks": {"collectives": {"all_reduce": {"alpha_s": 1e-5, "beta_bytes_s": 1e11}}}}]
+    with pytest.raises(ValueError, match="reads CPU validation reports"):
+        repredict([], gpu, tmp_path, CATALOG["cpu"])
+    row = CaseResult(case="debug-dp1-s256", world=1, flavor="debug", plan="dp1", predicted_s=1.0, measured_s=1.0,
+                     measured_cpu_s=1.0, waited_s=0.0, ape_pct=0.0, predicted_rounds_s=[1.0],
+                     measured_rounds_s=[1.0], breakdown={"host_s": 0.0})
+    with pytest.raises(ValueError, match="'debug-dp1-s256': not a case name"):
+        repredict([row], [{"kernels": {}, "ranks": {}}], tmp_path, CATALOG["cpu"])
+
+
 def test_cpu_node_terms_apply_only_where_ranks_share_the_node():
     """Straggling stretches multi-rank steps only (their compute, not the wrappers and links, whose probes ran on
     the ranks together); shared memory bandwidth slows memory-bound work only when several ranks of a CPU

@@ -17,6 +17,8 @@ from functools import lru_cache
 
 from omni_core.common.catalog import GpuSpec
 
+SMALL_MESSAGE_BYTES = 64.0  # a latency-bound message: split sizes, statistics, a scalar
+
 
 def ring_volume(kind: str, n: int) -> tuple[int, float]:
     """(latency steps, share of the buffer each rank moves) of a collective over n ranks, ring algorithms:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import EncoderPlan, ParallelPlan
+from omni_core.estimator.communication import SMALL_MESSAGE_BYTES, Network
 from omni_core.estimator.encoders import (
     coupled_encoder_work,
     disaggregated_encoders,
@@ -109,7 +110,7 @@ def sync_seconds(terms: PlanTerms) -> float:
     plan = terms.plan
     syncs = (SYNC_COLLECTIVES + (1 if terms.fsdp else 0) + TP_SYNC_COLLECTIVES * (plan.tp > 1) + (plan.ep > 1)
              + (plan.pp > 1))
-    return terms.net.time("all_reduce", 64.0, plan.world_size, plan.world_size, syncs)
+    return terms.net.time("all_reduce", SMALL_MESSAGE_BYTES, plan.world_size, plan.world_size, syncs)
 
 
 def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: list[int], encoder: float,
@@ -199,6 +200,15 @@ def llm_only(workload: Workload) -> Workload:
     return llm
 
 
+def world_sync_seconds(gpu: GpuSpec, plan: ParallelPlan, gpus_per_node: int, eff: Efficiency) -> float:
+    """What a `disaggregated` step's small all-reduces cost beyond the LLM-only estimate's: the loss and token
+    statistics span the whole world (the encoder ranks too), not the LLM's ranks, and the gradient norm adds
+    one all-reduce joining the two sides' halves (`runtime.step.clip_grad_norm`)."""
+    net, world, llm = Network(gpu, gpus_per_node, eff.link, eff.collectives), plan.world_size, plan.llm_world_size
+    return (net.time("all_reduce", SMALL_MESSAGE_BYTES, world, world, SYNC_COLLECTIVES + 1)
+            - net.time("all_reduce", SMALL_MESSAGE_BYTES, llm, llm, SYNC_COLLECTIVES))
+
+
 def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
                        gpus_per_node: int, eff: Efficiency) -> Estimate:
     """A `disaggregated` plan: the LLM's plan on its ranks and the encoders on theirs, one after the other
@@ -215,8 +225,9 @@ def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, opt
     if est.fits:
         micro = max(1, workload.global_batch // (plan.dp * options.micro_batch)) if plan.encoders.joint else 1
         hidden = eff.disaggregated_overlap * min(encoders.seconds, llm.step_time_s) * (1 - 1 / micro)
-        est.step_time_s = encoders.seconds + llm.step_time_s - hidden + encoders.handoff
+        sync = world_sync_seconds(gpu, plan, gpus_per_node, eff)
+        est.step_time_s = encoders.seconds + llm.step_time_s - hidden + encoders.handoff + sync
         est.samples_per_s = workload.global_batch / est.step_time_s
         est.breakdown = {**llm.breakdown, "llm_s": llm.step_time_s, "encoder_s": encoders.seconds,
-                         "encoder_handoff_s": encoders.handoff}
+                         "encoder_handoff_s": encoders.handoff, "sync_s": llm.breakdown["sync_s"] + sync}
     return est

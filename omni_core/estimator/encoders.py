@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import EncoderPlan, ParallelPlan
-from omni_core.estimator.communication import Network
+from omni_core.estimator.communication import SMALL_MESSAGE_BYTES, Network
 from omni_core.estimator.pipeline import Sums
 from omni_core.estimator.stage import (
     ExtraWork,
@@ -44,6 +44,8 @@ from omni_core.estimator.workloads import OPTIMIZERS, Workload
 MIB = 2**20
 ADAM_STATE_BYTES = 18.0  # disaggregated encoder ranks: bf16 weights + fp32 grads, master weights and two moments
 GATHERED_BYTES = 4.0  # FSDP-sharded encoders gather their fp32 weights (autocast casts them per call)
+METADATA_GATHERS = 2  # the items' metadata: `all_gather_object` gathers its sizes, then the pickled items
+INPUT_EXCHANGES = 3  # one inputs all-to-all per input field of a batch (image, video and audio patches / mels)
 
 
 def encoder_sums(workload: Workload) -> Sums:
@@ -236,16 +238,18 @@ def sharded_recompute_share(workload: Workload, plan: EncoderPlan) -> float:
     return sum(st.flops for key, st in parts.items() if plan.spec(key).fsdp) / total if total else 0.0
 
 
-def handoff_seconds(terms: PlanTerms) -> float:
-    """Data movement between the data shards and the encoder ranks: a shard's raw inputs out to the encoder
-    ranks (forward), its embeddings in to each of its stage-0 ranks (every TP rank the full rows of its CP
-    share) and their gradients back (mirrored), as all-to-alls over the world. The busiest rank is a sender
-    of a whole shard's inputs and a receiver of a whole CP share."""
-    workload, plan = terms.workload, terms.plan
-    world, shard = plan.world_size, workload.global_batch / plan.dp
-    inputs = terms.net.time("all_to_all", shard * workload.items.input_bytes, world, world)
-    embeddings = terms.net.time("all_to_all", shard * embedding_bytes(workload) / plan.cp, world, world)
-    return inputs + 2 * embeddings
+def handoff_seconds(workload: Workload, plan: ParallelPlan, net: Network, items: float) -> float:
+    """The collectives `parallel.encoders.EncoderStep` issues over the world each step: the items' metadata
+    (`all_gather_object`: its sizes, then the descriptions; small, so their latency), one all-to-all per input
+    field (`INPUT_EXCHANGES`, issued empty too: every rank calls every collective) carrying a data shard's raw
+    inputs out to their encoder ranks, the embeddings in to the consumers (every TP rank the full rows of its
+    CP share) and their gradients back (mirrored). `items`: what the busiest rank sends or receives."""
+    world = plan.world_size
+    metadata = net.time("all_gather", SMALL_MESSAGE_BYTES, world, world, METADATA_GATHERS)
+    inputs = (net.time("all_to_all", items * workload.items.input_bytes, world, world)
+              + net.time("all_to_all", 0.0, world, world, INPUT_EXCHANGES - 1))
+    embeddings = net.time("all_to_all", items * embedding_bytes(workload) / plan.cp, world, world)
+    return metadata + inputs + 2 * embeddings
 
 
 def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float, float]:
@@ -259,7 +263,7 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     balanced = per_sample * workload.global_batch / plan.world_size
     long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
     rounds = encoder_rounds(terms)
-    handoff = handoff_seconds(terms)
+    handoff = handoff_seconds(workload, plan, terms.net, workload.global_batch / plan.dp)  # a shard's items
     seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
                + omni_weight_seconds(terms, rounds) + handoff)
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
@@ -298,9 +302,9 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     """The encoders on their `plan.encoders.ranks` ranks: pure data parallel on unbalanced batches, no rank
     done before the longest item (split over its LSSP group when long); weights replicated, or sharded over
     the encoder ranks (`EncoderSpec.fsdp`), gradients all-reduced, the encoders' operators and an optimizer
-    step of their own; activation checkpointing when the full activations do not fit. The embeddings cross to
-    the LLM ranks, forward and back."""
-    ranks, world = plan.encoders.ranks, plan.world_size
+    step of their own; activation checkpointing when the full activations do not fit. Inputs, embeddings and
+    their gradients cross between the two sides by the `omni` layout's collectives (`handoff_seconds`)."""
+    ranks = plan.encoders.ranks
     refusal = lssp_refusal(workload, plan.encoders, ranks)
     if refusal:
         return EncoderRanks(math.inf, 0.0, math.inf, refusal)
@@ -325,7 +329,8 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     sharded = sum(st.params for key, st in encoder_parts(workload).items() if plan.encoders.spec(key).fsdp)
     reduce = (1 - eff.dp_overlap) * (net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG
                                      + net.time("all_gather", sharded * GATHERED_BYTES, ranks, ranks))  # backward's
-    ship = 2 * net.time("p2p", workload.global_batch * embedding_bytes(workload) / min(ranks, world - ranks), 2, world)
+    # the busier side of the handoff: an encoder rank's items, or a data shard's
+    ship = handoff_seconds(workload, plan, net, workload.global_batch / min(ranks, plan.dp))
     host = enc.ops * eff.op_overhead_s * passes / 3  # the encoders' operators, once per step
     straggle = eff.straggle if ranks > 1 else 1.0
     update = encoder_update_seconds(workload, gpu, plan.encoders, eff, ranks)

@@ -11,8 +11,9 @@ import pytest
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import EncoderPlan, ParallelPlan
 from omni_core.estimator.calibration import runtime_efficiency
-from omni_core.estimator.cost import Efficiency, Options, estimate_step, llm_only
-from omni_core.estimator.encoders import long_tokens_threshold
+from omni_core.estimator.communication import SMALL_MESSAGE_BYTES, Network
+from omni_core.estimator.cost import SYNC_COLLECTIVES, Efficiency, Options, estimate_step, llm_only
+from omni_core.estimator.encoders import handoff_seconds, long_tokens_threshold
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.recipe_cells import plan_overrides, predicted_step_times
 from omni_core.estimator.search import CellTable, cell_row, search_cell
@@ -84,7 +85,8 @@ def test_the_chosen_plan_carries_lssp_as_an_encoder_spec_and_cell_rows_round_tri
 
 
 def test_disaggregated_is_priced_through_the_plan():
-    """The LLM's plan on its ranks and the encoders on theirs side by side, plus the embeddings' handoff."""
+    """The LLM's plan on its ranks and the encoders on theirs side by side, plus the handoff and the step's
+    statistics and gradient-norm all-reduces over the whole world (the LLM-only estimate priced its own ranks)."""
     gpu = H100
     w = paper_workload("A", 0.5)
     plan = ParallelPlan.parse("dp4x2-tp2-cp2u+disagg32")
@@ -93,15 +95,30 @@ def test_disaggregated_is_priced_through_the_plan():
     llm = estimate_step(llm_only(w), gpu, replace(plan, encoders=EncoderPlan()), Options(1), gpus_per_node=8)
     assert est.fits and est.breakdown["llm_s"] == llm.step_time_s
     handoff, encoder_s = est.breakdown["encoder_handoff_s"], est.breakdown["encoder_s"]
-    assert est.step_time_s == pytest.approx(encoder_s + llm.step_time_s + handoff)  # phased: one after the other
+    net = Network(gpu, 8, Efficiency().link, Efficiency().collectives)
+    world_sync = (net.time("all_reduce", SMALL_MESSAGE_BYTES, 64, 64, SYNC_COLLECTIVES + 1)
+                  - net.time("all_reduce", SMALL_MESSAGE_BYTES, 32, 32, SYNC_COLLECTIVES))
+    assert world_sync > 0 and est.breakdown["sync_s"] == pytest.approx(llm.breakdown["sync_s"] + world_sync)
+    # phased: one after the other
+    assert est.step_time_s == pytest.approx(encoder_s + llm.step_time_s + handoff + world_sync)
     joint = ParallelPlan.parse("dp4x2-tp2-cp2u+disagg32-joint")
     micro = w.global_batch // (joint.dp * 1)
     overlapped = estimate_step(w, gpu, joint, Options(1), gpus_per_node=8)
     assert overlapped.step_time_s == pytest.approx(  # DistTrain's: all but one micro-batch of the shorter hidden
-        encoder_s + llm.step_time_s - min(encoder_s, llm.step_time_s) * (1 - 1 / micro) + handoff)
+        encoder_s + llm.step_time_s - min(encoder_s, llm.step_time_s) * (1 - 1 / micro) + handoff + world_sync)
     best = compare_layouts(w, gpu, 64, 8)["disaggregated"]
     parsed = ParallelPlan.parse(best.plan)
     assert parsed.encoders.layout == "disaggregated" and parsed.world_size == 64 and "on 32 GPUs" in best.detail
+
+
+def test_the_handoff_prices_every_collective_the_encoder_step_issues():
+    """Each step `EncoderStep` gathers the items' metadata (two all-gathers), exchanges inputs once per input
+    field (three all-to-alls, empty ones too) and moves the rows out and their gradients back (two): with no
+    bytes to move, seven collectives' latencies; inputs and embeddings add their bytes."""
+    net, plan, w = Network(H100, 8, 0.8), ParallelPlan.parse("dp4+omni"), paper_workload("A", 0.5)
+    latency = net.time("all_gather", SMALL_MESSAGE_BYTES, 4, 4, 2) + net.time("all_to_all", 0.0, 4, 4, 5)
+    assert handoff_seconds(w, plan, net, 0.0) == pytest.approx(latency)
+    assert handoff_seconds(w, plan, net, 8.0) > handoff_seconds(w, plan, net, 4.0) > latency
 
 
 def test_disaggregated_encoder_ranks_pay_their_operators_and_their_optimizer():

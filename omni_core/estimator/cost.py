@@ -117,13 +117,15 @@ def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: lis
                          sync: float) -> float:
     """The least a step takes when a node's ranks time-share fewer cores (`GpuSpec.cores`): their average work
     on the cores (device, wrappers, and of the links' seconds the share a collective keeps its rank's process
-    busy, `Efficiency.link_cpu_share`: the rest is waiting, which another rank's work fills) over the share of
-    a core each gets; 0 when every rank has its own."""
+    busy, `Efficiency.link_cpu_share`: the rest is waiting, which another rank's work fills) in rounds of one
+    rank per core; 0 when every rank has its own. Rounds, not the fair share n / cores: between two of the
+    step's collectives every rank must finish, and the ranks done first keep their cores polling in the
+    collective's wait (that same busy share) rather than lending them, so 3 ranks on 2 cores take 2 rounds."""
     gpu, plan = terms.gpu, terms.plan
     ranks_per_node = min(plan.world_size, terms.gpus_per_node)
     if not gpu.cores or ranks_per_node <= gpu.cores:
         return 0.0
-    share = ranks_per_node / gpu.cores
+    share = math.ceil(ranks_per_node / gpu.cores)
     idle = 1.0 - terms.eff.link_cpu_share
     busy = sum((times.device + times.runtime - idle * times.links) * count for times, count in zip(stages, counts))
     work = busy / plan.pp + terms.eff.step_overhead_s

@@ -274,6 +274,9 @@ def test_runtime_wrappers_and_shared_cores_are_priced():
         assert step(plan, **{knob: 1e-3}) > step(plan)
     # one sample per rank: four ranks on two cores get half a core each, two ranks a whole one
     assert step(ParallelPlan(dp_shard=4), batch=4) > 1.5 * step(ParallelPlan(dp_shard=2), batch=2)
+    # three in lockstep on two cores run in two rounds, as four do (the FSDP collectives of four cost more)
+    three, four = step(ParallelPlan(dp_shard=3), batch=3), step(ParallelPlan(dp_shard=4), batch=4)
+    assert 0.9 * four < three < four
     # a collective's wait is not work on a core: sharing ranks fill it; ranks with a core each wait anyway
     shared = [step(ParallelPlan(dp_shard=4), batch=4, link_cpu_share=s) for s in (1.0, 0.5)]
     assert shared[1] < shared[0]

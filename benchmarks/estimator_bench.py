@@ -137,7 +137,10 @@ def repredicted(source: Path) -> dict:
     except KeyError as exc:
         raise SystemExit(f"{source}: an estimator_bench report lacks the field {exc}") from exc
     with tempfile.TemporaryDirectory(prefix="omni-repredict-") as tmp:
-        report = repredict(rows, calibrations, Path(tmp), GpuCatalog()["cpu"])
+        try:
+            report = repredict(rows, calibrations, Path(tmp), GpuCatalog()["cpu"])
+        except ValueError as exc:
+            raise SystemExit(f"{source}: {exc}") from exc
     return {**validation_keys(report), "repredicted_from": str(source), "source_mape_pct": stored["mape_pct"],
             "source_mape_pct_by_world": stored["mape_pct_by_world"],
             "validation": [r.model_dump() for r in report.rows], "calibration": report.calibration,

@@ -391,6 +391,8 @@ def repredict(rows: list[CaseResult], calibrations: list[dict], root: Path, devi
         case = Case(row.flavor, row.plan, seq_len, micro_batch, grad_accum, tail.group(4))
         if case.mix not in MIXES:
             raise ValueError(f"validation row {row.case!r}: unknown mix {case.mix!r} (known: {', '.join(MIXES)})")
+        if any(row.case not in calibration["kernels"] for calibration in calibrations):
+            raise ValueError(f"validation row {row.case!r}: a round's calibration holds no kernels for it")
         cases.append(case)
         key = (case.mix, case.seq_len)
         if key not in profiles:

@@ -321,6 +321,13 @@ def test_repredict_refuses_what_it_cannot_read(tmp_path, monkeypatch):
                      measured_rounds_s=[1.0], breakdown={"host_s": 0.0})
     with pytest.raises(ValueError, match="'debug-dp1-s256': not a case name"):
         repredict([row], [{"kernels": {}, "ranks": {}}], tmp_path, CATALOG["cpu"])
+    stored.write_text(json.dumps({"mape_pct": 9.0, "validation": [row.model_dump()],
+                                  "calibration": [{"kernels": {}, "ranks": {}}]}))
+    with pytest.raises(SystemExit, match=r"report.json: validation row 'debug-dp1-s256': not a case name"):
+        estimator_bench.repredicted(stored)
+    named = row.model_copy(update={"case": "debug-dp1-s256-mb1-ga1-text"})
+    with pytest.raises(ValueError, match="a round's calibration holds no kernels for it"):
+        repredict([named], [{"kernels": {}, "ranks": {}}], tmp_path, CATALOG["cpu"])
 
 
 def test_cpu_node_terms_apply_only_where_ranks_share_the_node():

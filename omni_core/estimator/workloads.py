@@ -57,7 +57,9 @@ class Layer:
     sac_bytes: float = 0.0
     sac_flops: float = 0.0
     mem_bytes: float = 0.0  # memory-bound traffic (norms, activation functions, residuals, softmax)
-    tp_bytes: float = 0.0  # bytes all-reduced across TP ranks per forward (backward: the same again)
+    # the buffers of TP's collectives per forward (each all-gather's output, each reduce-scatter's input);
+    # backward mirrors every one of them (an all-gather's gradient is a reduce-scatter, and back)
+    tp_bytes: float = 0.0
     a2a_bytes: float = 0.0  # bytes dispatched to experts per forward all-to-all (dispatch + combine = 2)
     expert_params: float = 0.0  # of `params`, those sharded by expert parallelism
     ops: float = 0.0  # aten operators per micro-batch, forward + backward (launch or dispatch overhead)
@@ -65,7 +67,7 @@ class Layer:
     attn_calls: float = 0.0  # attention calls per sample (one per packed document on the CPU runtime)
     tensors: float = 0.0  # parameter tensors (the optimizer and the gradient norm pay per tensor)
     units: float = 0.0  # FSDP units it forms (a block; an encoder's remaining modules); the rest is the root's
-    tp_colls: float = 0.0  # TP collectives per forward (sequence parallel: all-gather / reduce-scatter pairs)
+    tp_colls: float = 0.0  # TP collectives per forward, each mirrored in backward
     tp_modules: float = 0.0  # modules TP parallelizes (each redistributes DTensors in forward and backward)
     expert_ops: float = 0.0  # of `ops`, those of the routed experts' loop (a rank runs E / ep experts)
     expert_tensors: float = 0.0  # of `tensors`, the routed experts' (sharded by EP)
@@ -204,7 +206,8 @@ def transformer_block(
         sac_bytes=0.0 if experts else b * tokens * (sac_kept + q),  # the matmuls' and attention's outputs
         sac_flops=0.0 if experts else tokens * sac_recomputed,  # (not modelled for MoE: `terms.recompute_share`)
         mem_bytes=b * tokens * (14 * dim + (mats + 1) * ffn * routes + 2 * masks),
-        tp_bytes=2 * b * tokens * dim,  # all-gather + reduce-scatter around attention and around the FFN
+        tp_bytes=4 * b * tokens * dim,  # sequence parallel: an all-gather and a reduce-scatter of the whole
+        # activation around attention, and again around the FFN
         a2a_bytes=b * tokens * dim * top_k if experts else 0.0,
         expert_params=ffn_params * experts,
         ops=ops,

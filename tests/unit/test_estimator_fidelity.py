@@ -17,7 +17,10 @@ from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.communication import Network, collective_time
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
+from omni_core.estimator.pipeline import Sums
 from omni_core.estimator.search import search_cell
+from omni_core.estimator.stage import tp_seconds
+from omni_core.estimator.terms import PlanTerms
 from omni_core.estimator.workloads import trace_workload, transformer
 
 CATALOG = GpuCatalog()
@@ -119,7 +122,8 @@ def gpu_bench():
 
 def test_published_table_benchmark_writes_its_keys(gpu_bench):
     report = gpu_bench.run()
-    assert report["sources"] == ["narayanan2021", "smith2022", "torchtitan2024"] and len(report["rows"]) >= 16
+    assert report["sources"] == ["megatron2020", "narayanan2021", "smith2022", "torchtitan2024"]
+    assert set(report["by_gpu"]) == {"a100-40gb", "a100-80gb", "v100"} and len(report["rows"]) >= 28
     assert {"by_gpu", "by_nodes", "by_recompute", "mape_pct", "within_1_5x_share", "median_abs_log2",
             "spearman_by_family", "oom", "targets"} <= set(report)
     assert all(math.isfinite(r["log2_error"]) for r in report["rows"])
@@ -175,6 +179,20 @@ def test_a_step_time_from_tokens_per_second_is_the_step_tokens_per_gpu_over_the_
     assert gpu_bench.measured_step_s(row) == pytest.approx(tokens_per_gpu / float(row["value"]))
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_tp_prices_every_collective_a_sequence_parallel_block_issues(recompute):
+    """Per block and micro-batch, forward: an all-gather and a reduce-scatter of the whole activation around
+    attention and around the FFN; backward mirrors all four, a recomputed forward repeats them."""
+    w = transformer("t", n_layers=2, dim=1024, heads=8, vocab=32000, seq_len=512, global_batch=8)
+    plan, options = ParallelPlan(tp=4), Options(2, recompute)
+    terms = PlanTerms.of(w, A100, plan, options, Efficiency(), 8)
+    block = Sums.of([layer for layer in w.llm if layer.attn_flops])
+    activation = 2 * 2 * 512 * 1024  # bf16, micro-batch 2
+    one = terms.net.time("all_gather", activation, 4, 4, 0)
+    assert one == terms.net.time("reduce_scatter", activation, 4, 4, 0)
+    assert tp_seconds(terms, block) == pytest.approx(2 * 8 * one * (1.5 if recompute else 1.0))
+
+
 def test_mt_nlg_iteration_times_are_the_tflops_the_paper_reports(gpu_bench):
     """Smith et al. report 126, 121 and 113 TFLOP/s per GPU for their 60.1, 50.2 and 44.4 s iterations: the
     rows' shapes and plans reproduce them with Narayanan et al.'s FLOP count (their convention)."""
@@ -182,6 +200,18 @@ def test_mt_nlg_iteration_times_are_the_tflops_the_paper_reports(gpu_bench):
     as_tflops = [{**r, "measure": "tflops_per_gpu", "value": "1"} for r in rows]
     tflops = [gpu_bench.measured_step_s(t) / gpu_bench.measured_step_s(r) for t, r in zip(as_tflops, rows)]
     assert tflops == pytest.approx([126, 121, 113], abs=0.6)
+
+
+def test_megatron_2020_iteration_times_are_the_tflops_its_readme_reports(gpu_bench):
+    """The Megatron-LM README of September 2020 reports TFLOP/s per GPU beside each iteration time (DGX-2 V100,
+    DGX A100, 128-way data parallel on DGX A100s): the rows reproduce them with Narayanan et al.'s count, whose
+    factor 96 includes the full recomputation the rows say they ran with."""
+    rows = [r for r in gpu_bench.read_table() if r["source"] == "megatron2020"]
+    as_tflops = [{**r, "measure": "tflops_per_gpu", "value": "1"} for r in rows]
+    tflops = [gpu_bench.measured_step_s(t) / gpu_bench.measured_step_s(r) for t, r in zip(as_tflops, rows)]
+    assert [r["gpu"] for r in rows] == ["v100"] * 4 + ["a100-40gb"] * 8 and {r["recompute"] for r in rows} == {"full"}
+    assert tflops == pytest.approx([71.9, 64.2, 58.5, 52.2, 149.8, 136.8, 124.7, 109.3, 139.8, 127.5, 116.7, 106.5],
+                                   abs=0.15)
 
 
 def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, tmp_path):

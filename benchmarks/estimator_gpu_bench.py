@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/estimator_gpu_bench.py [--quick] --out est_gpu.json
 
 Each row is one measured configuration: a model shape (GPT or Llama), a global batch, a GPU type and count,
-the source's parallel plan (TP x PP x DP, replicated or FSDP-sharded), its activation recomputation and its
+the source's parallel plan (TP x PP x CP x DP, replicated or FSDP-sharded), its activation recomputation and its
 measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens per
 second per GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan on that Cell with the
 catalogue's datasheet figures and the default `Efficiency` (no calibration: no GPU here), choosing only what
@@ -67,6 +67,10 @@ ARENA_JOB = re.compile(r"^(?P<model>wide_resnet|bert|moe)_(?P<size>[0-9.]+[MB])_
 TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_per_family": 0.9}
 
 
+# context parallelism as the table's sources ran it, PyTorch's ring attention over flash kernels, is priced as the
+# runtime's Ulysses CP (the same flash kernels on 1/cp of the work; all-to-alls where the ring passes K/V): the
+# runtime's own ring attention loops over fp32 tiles, which a flash kernel does not
+SOURCE_CP = "ulysses"
 MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "step_s", "oom")
 # the row's recomputation as Options (checkpoint, selective): torchtitan's selective activation checkpointing
 # keeps every second block ("layer", its default frequency 2) or a per-operator save list ("op")
@@ -120,7 +124,7 @@ def predicted(row: dict[str, str], catalog: GpuCatalog) -> Estimate:
     step time, or the closest to fitting when none fits)."""
     workload = row_workload(row)
     plan = ParallelPlan(dp_replicate=int(row["dp"]), dp_shard=int(row["dp_shard"]), tp=int(row["tp"]),
-                        pp=int(row["pp"]))
+                        pp=int(row["pp"]), cp=int(row["cp"]), cp_kind=SOURCE_CP)
     checkpoint, selective = RECOMPUTE[row["recompute"]]
     per_rank = int(row["global_batch"]) // plan.dp
     stated = (int(row["micro_batch"]),) if row["micro_batch"] else MICRO_BATCHES

@@ -122,8 +122,8 @@ def gpu_bench():
 
 def test_published_table_benchmark_writes_its_keys(gpu_bench):
     report = gpu_bench.run()
-    assert report["sources"] == ["megatron2020", "narayanan2021", "smith2022", "torchtitan2024"]
-    assert set(report["by_gpu"]) == {"a100-40gb", "a100-80gb", "v100"} and len(report["rows"]) >= 28
+    assert report["sources"] == ["automodel2025", "megatron2020", "narayanan2021", "smith2022", "torchtitan2024"]
+    assert set(report["by_gpu"]) == {"a100-40gb", "a100-80gb", "h100", "v100"} and len(report["rows"]) >= 34
     assert {"by_gpu", "by_nodes", "by_recompute", "mape_pct", "within_1_5x_share", "median_abs_log2",
             "spearman_by_family", "oom", "targets"} <= set(report)
     assert all(math.isfinite(r["log2_error"]) for r in report["rows"])

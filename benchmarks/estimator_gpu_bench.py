@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/estimator_gpu_bench.py [--quick] --out est_gpu.json
 
 Each row is one measured configuration: a model shape (GPT or Llama), a global batch, a GPU type and count,
-the source's parallel plan (TP x PP x CP x DP, replicated or FSDP-sharded), its activation recomputation and its
+the source's parallel plan (TP x PP x CP x DP, replicated or FSDP-sharded; interleaved pipeline stages; gradients
+reduced during or after the backward), its activation recomputation and its
 measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens per
 second per GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan on that Cell with the
 catalogue's datasheet figures and the default `Efficiency` (no calibration: no GPU here), choosing only what
@@ -71,6 +72,9 @@ TARGETS = {"median_abs_log2_per_gpu": 0.25, "within_1_5x_share": 0.8, "spearman_
 # runtime's Ulysses CP (the same flash kernels on 1/cp of the work; all-to-alls where the ring passes K/V): the
 # runtime's own ring attention loops over fp32 tiles, which a flash kernel does not
 SOURCE_CP = "ulysses"
+# how the data-parallel gradients are reduced: in buckets during the backward (PyTorch DDP, FSDP, ZeRO; or not
+# stated), or in one all-reduce after the last backward (Megatron-LM's "local" DDP), which hides none of it
+GRAD_SYNC = ("overlapped", "after")
 MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "step_s", "oom")
 # the row's recomputation as Options (checkpoint, selective): torchtitan's selective activation checkpointing
 # keeps every second block ("layer", its default frequency 2) or a per-operator save list ("op")
@@ -86,6 +90,10 @@ def read_table(path: Path = TABLE) -> list[dict[str, str]]:
             raise ValueError(f"{where}: measure={row['measure']!r}; known: {', '.join(MEASURES)}")
         if row["recompute"] not in RECOMPUTE:
             raise ValueError(f"{where}: recompute={row['recompute']!r}; known: {', '.join(RECOMPUTE)}")
+        if row["grad_sync"] not in GRAD_SYNC:
+            raise ValueError(f"{where}: grad_sync={row['grad_sync']!r}; known: {', '.join(GRAD_SYNC)}")
+        if not row["vp"].isdigit() or int(row["vp"]) < 1 or int(row["layers"]) % (int(row["pp"]) * int(row["vp"])):
+            raise ValueError(f"{where}: vp={row['vp']!r} must be a count of stages per rank dividing the layers per rank")
         if row["arch"] not in ("gpt", "llama"):
             raise ValueError(f"{where}: arch={row['arch']!r}; known: gpt, llama")
         if row["measure"] != "oom" and not row["value"]:
@@ -123,14 +131,17 @@ def predicted(row: dict[str, str], catalog: GpuCatalog) -> Estimate:
     """The source's plan and recomputation on the row's Cell, at the micro-batch that prices fastest (the least
     step time, or the closest to fitting when none fits)."""
     workload = row_workload(row)
+    vp = int(row["vp"])
     plan = ParallelPlan(dp_replicate=int(row["dp"]), dp_shard=int(row["dp_shard"]), tp=int(row["tp"]),
-                        pp=int(row["pp"]), cp=int(row["cp"]), cp_kind=SOURCE_CP)
+                        pp=int(row["pp"]), cp=int(row["cp"]), cp_kind=SOURCE_CP, virtual_stages=vp,
+                        pp_schedule="Interleaved1F1B" if vp > 1 else "1F1B")
+    eff = Efficiency(dp_overlap=0.0) if row["grad_sync"] == "after" else Efficiency()
     checkpoint, selective = RECOMPUTE[row["recompute"]]
     per_rank = int(row["global_batch"]) // plan.dp
     stated = (int(row["micro_batch"]),) if row["micro_batch"] else MICRO_BATCHES
     options = [Options(mb, checkpoint, selective) for mb in stated if per_rank % mb == 0]
-    estimates = [estimate_step(workload, catalog[row["gpu"]], plan, o, gpus_per_node=int(row["gpus_per_node"]))
-                 for o in options]
+    estimates = [estimate_step(workload, catalog[row["gpu"]], plan, o, gpus_per_node=int(row["gpus_per_node"]),
+                               eff=eff) for o in options]
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: e.step_time_s)

@@ -168,8 +168,14 @@ def test_published_table_rows_are_checked_by_field(gpu_bench, tmp_path):
     bad.write_text("\n".join([rows[0], rows[1].replace("tflops_per_gpu,137", "tflops_per_gpu,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: value is empty"):
         gpu_bench.read_table(bad)
-    bad.write_text("\n".join([rows[0], rows[1].replace(",512,,", ",512,3,")]) + "\n")
+    bad.write_text("\n".join([rows[0], rows[1].replace(",512,16,", ",512,3,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: micro_batch='3' does not divide"):
+        gpu_bench.read_table(bad)
+    bad.write_text("\n".join([rows[0], rows[1].replace(",overlapped,", ",eventually,")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: grad_sync='eventually'"):
+        gpu_bench.read_table(bad)
+    bad.write_text("\n".join([rows[0], rows[1].replace(",1,1,1,32,", ",1,1,5,32,")]) + "\n")  # 24 layers
+    with pytest.raises(ValueError, match=r"table\.csv:2: vp='5'"):
         gpu_bench.read_table(bad)
 
 

@@ -67,8 +67,9 @@ def device_seconds(sums: Sums, gpu: GpuSpec, eff: Efficiency, precision: str) ->
     peak = gpu.compute_flops(precision)
     attn = sums.attn_flops + (sums.causal_attn_flops if eff.attention_full else 0.0)
     mm_bw = eff.matmul_bw or gpu.mem_bw * eff.memory
+    elementwise_bw = eff.elementwise_bw or gpu.mem_bw * eff.memory
     per_sample = (sums.flops / (peak * eff.matmul) + sums.mm_bytes / mm_bw + attn / (peak * eff.attention)
-                  + sums.attn_scores * eff.score_s + sums.mem_bytes / (gpu.mem_bw * eff.memory))
+                  + sums.attn_scores * eff.score_s + sums.mem_bytes / elementwise_bw)
     return per_sample, sums.mm_weight_bytes / mm_bw
 
 

@@ -30,6 +30,10 @@ class Efficiency:
     op_overhead_s: float = 1e-6  # per aten operator (forward or backward) not hidden by asynchronous launches
     attn_call_s: float = 0.0  # per attention call, forward + backward (the CPU runtime loops over documents)
     matmul_bw: float = 0.0  # bytes/s at which matmuls move their operands (0: memory bandwidth x `memory`)
+    # bytes/s at which the runtime's element-wise operators (norms, RoPE, the gate's activation, residuals) get
+    # through the bytes a layer's `mem_bytes` counts (0: memory bandwidth x `memory`). On a CPU they run from
+    # cache but compute transcendentals and broadcasts element by element: slower than streaming
+    elementwise_bw: float = 0.0
     score_s: float = 0.0  # seconds per attention score element (forward) beyond its FLOPs: softmax, masking
     attention_full: bool = False  # attention computes whole score matrices (no causal skipping): CPU SDPA
     step_overhead_s: float = 0.0  # host work per step not in the model (data loading, bookkeeping)
@@ -122,7 +126,8 @@ def node_efficiency(eff: Efficiency, gpu: GpuSpec, plan: ParallelPlan, gpus_per_
     memory bandwidth, so memory-bound work (not matmul operands, which stay in cache) slows down by
     `shared_memory`; a GPU has its own."""
     if gpu.cores and eff.shared_memory != 1.0 and min(plan.world_size, gpus_per_node, gpu.cores) > 1:
-        return replace(eff, memory=eff.memory / eff.shared_memory, matmul_bw=eff.matmul_bw or gpu.mem_bw * eff.memory)
+        return replace(eff, memory=eff.memory / eff.shared_memory, matmul_bw=eff.matmul_bw or gpu.mem_bw * eff.memory,
+                       elementwise_bw=eff.elementwise_bw / eff.shared_memory)
     return eff
 
 

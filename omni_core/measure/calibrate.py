@@ -10,6 +10,9 @@ second, and a training step lasts through several):
     attention    the runtime's per-document attention, fwd + bwd, at several lengths and head sizes -> FLOP/s,
                  seconds per score element and per call (fitted)
     operators    a tiny LLM block, forward and backward -> seconds per aten operator it dispatches
+    elementwise  a Llama block's norms, RoPE, gate and residuals at a model's size, fwd + bwd, less their operators'
+                 overhead -> bytes/s of the element-wise work layers count (on a CPU they run from cache but
+                 compute transcendentals element by element: slower than streaming)
     memory       elementwise add over a large buffer -> bandwidth
     on `world` forked gloo ranks (one process group on loopback):
     collectives  all-reduce, all-gather, reduce-scatter, all-to-all and a point-to-point exchange at several
@@ -45,6 +48,7 @@ from omni_core.common.catalog import GpuSpec
 from omni_core.estimator.calibration import calibration_path, store_calibration
 from omni_core.estimator.communication import collective_time, ring_volume
 from omni_core.estimator.cost import COLLECTIVES, Efficiency
+from omni_core.estimator.workloads import transformer_block
 from omni_core.runtime.ranks import run_ranks
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
@@ -65,6 +69,8 @@ COMPUTE_PASSES = 2  # interleaved passes of the kernel probes per unit of `repea
 SAMPLE_SECONDS = 0.01  # the shortest sample of a kernel probe
 BIG_PARAM = 4 << 20  # elements of the optimizer's per-element probe
 STREAM = 8 << 20  # elements of the memory bandwidth probe's buffers
+# (tokens, dim, heads, kv heads, FFN width) of the element-wise probe's block: the `debug` LLM's at 512 tokens
+ELEMENTWISE_BLOCK = (512, 128, 4, 2, 384)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class ProbeDevice:
     attn_shapes: tuple[tuple[int, int, int, int], ...] = ATTN_SHAPES
     stream: int = STREAM
     big_param: int = BIG_PARAM
+    elementwise_block: tuple[int, int, int, int, int] = ELEMENTWISE_BLOCK
 
     @property
     def element_bytes(self) -> float:
@@ -108,7 +115,8 @@ CPU_PROBES = ProbeDevice()
 CUDA_PROBES = ProbeDevice(
     "cuda", "bfloat16",
     matmul_shapes=tuple((t, k, n) for t in (512, 2048, 8192) for k, n in ((1024, 4096), (4096, 4096), (4096, 8192))),
-    attn_shapes=((16, 64, 2048, 1), (16, 128, 2048, 1), (16, 128, 128, 32)), stream=256 << 20, big_param=64 << 20)
+    attn_shapes=((16, 64, 2048, 1), (16, 128, 2048, 1), (16, 128, 128, 32)), stream=256 << 20, big_param=64 << 20,
+    elementwise_block=(8192, 4096, 32, 8, 14336))
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -204,6 +212,7 @@ def kernel_probes(at: ProbeDevice = CPU_PROBES) -> dict[Any, Callable[[], Any]]:
         probes[("attention", heads, dim, length, docs)] = (
             lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward())
     probes["tiny"] = _tiny_block(dev)
+    probes["elementwise"] = _elementwise_block(at)
     for n, update in _parameter_probes(lambda n: [torch.randn(32, 32, device=dev) for _ in range(n)]).items():
         probes[("optimizer", n)] = update
     big = torch.nn.Parameter(torch.randn(at.big_param, device=dev))
@@ -230,6 +239,8 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
     attention   per document, as the runtime calls it (`varlen_attention`): seconds ~ a call's overhead + FLOPs
                 / rate + score elements x seconds each (the CPU kernel materialises the full score matrix)
     operators   a tiny LLM block (all overhead) over the aten operators it dispatches: seconds per operator
+    elementwise a block's element-wise operators at a model's size (`_elementwise_block`), their operators'
+                overhead taken off, against the bytes the cost model counts for them: their bytes/s
     optimizer   the step's gradient norm and the runtime's AdamW at two tensor counts and over one large
                 tensor: seconds per parameter group, per tensor and per element
     memory      elementwise add over a large buffer -> bandwidth
@@ -249,11 +260,13 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
         [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
          for heads, dim, length, docs in at.attn_shapes], [secs[("attention", *shape)] for shape in at.attn_shapes])
     op_s = secs["tiny"] / _count_ops(probes["tiny"])
+    elementwise_s = secs["elementwise"] - _count_ops(probes["elementwise"]) * op_s
     group_s, tensor_s = _per_group_and_tensor([secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
     mem_bw = 3 * at.stream * 4 / secs["add"]
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
+            "mem_bw": mem_bw, "op_s": op_s,
+            "elementwise_bw": 3 * _elementwise_bytes(at) / elementwise_s if elementwise_s > 0 else 0.0, "tensor_s": tensor_s, "tensor_group_s": group_s,
             "optimizer_bytes_per_param": secs["update_big"] / at.big_param * mem_bw}
 
 
@@ -308,6 +321,44 @@ def _tiny_block(device=None):
         block(x, cos, sin, [0, 4]).sum().backward()
 
     return tiny
+
+
+def _elementwise_block(at: ProbeDevice) -> Callable[[], None]:
+    """Forward + backward of a Llama block's element-wise operators, as the model runs them, at
+    `at.elementwise_block`'s size: its two RMSNorms and residual adds, RoPE on the queries and keys, and the
+    SwiGLU gate (its matmuls and attention are the other probes')."""
+    import torch
+
+    from omni_core.models.args import LLMArgs
+    from omni_core.models.llm import TransformerBlock, apply_rope, rope_cos_sin
+
+    tokens, dim, heads, kv_heads, ffn = at.elementwise_block
+    dev, dtype = torch.device(at.device), getattr(torch, at.dtype)
+    args = LLMArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden=ffn, vocab_size=8)
+    block = TransformerBlock(args).to(dev, dtype)
+    head_dim = dim // heads
+
+    def leaf(*shape: int):
+        return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
+
+    x, q, k, gate, up = leaf(tokens, dim), leaf(tokens, heads, head_dim), leaf(tokens, kv_heads, head_dim), \
+        leaf(tokens, ffn), leaf(tokens, ffn)
+    cos, sin = (t.to(dev) for t in rope_cos_sin(torch.arange(tokens), args))
+
+    def run() -> None:
+        h = x + block.attention_norm(x)
+        h = h + block.ffn_norm(h)
+        gated = block.feed_forward.act(gate) * up
+        (h.sum() + apply_rope(q, cos, sin).sum() + apply_rope(k, cos, sin).sum() + gated.sum()).backward()
+
+    return run
+
+
+def _elementwise_bytes(at: ProbeDevice) -> float:
+    """The forward bytes the cost model counts for the element-wise probe's work (`Layer.mem_bytes`)."""
+    tokens, dim, heads, kv_heads, ffn = at.elementwise_block
+    return transformer_block("probe", dim=dim, heads=heads, kv_heads=kv_heads, ffn=ffn, tokens=tokens, sum_sq=0.0,
+                             docs=1, causal=True, gated=True, bias=False, dtype_bytes=int(at.element_bytes)).mem_bytes
 
 
 def _collective_times(world: int, repeat: int, at: ProbeDevice = CPU_PROBES,
@@ -613,6 +664,7 @@ def with_compute(spec: GpuSpec, compute: dict[str, float], at: ProbeDevice = CPU
     measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=compute["mem_bw"])
     eff = replace(Efficiency(), matmul=1.0, attention=compute["attn_flops"] / peak, memory=1.0, link=1.0,
                   op_overhead_s=compute["op_s"], attn_call_s=compute["attn_call_s"], matmul_bw=compute["matmul_bw"],
+                  elementwise_bw=compute.get("elementwise_bw", 0.0),  # absent from profiles made before it was
                   score_s=compute["score_s"], attention_full=at.device == "cpu", tensor_s=compute["tensor_s"],
                   tensor_group_s=compute["tensor_group_s"],
                   optimizer_bytes_per_param=compute["optimizer_bytes_per_param"])

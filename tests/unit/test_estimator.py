@@ -188,11 +188,26 @@ def test_calibration_is_stored_per_device_and_used_by_the_search(tmp_path, monke
     spec, eff, raw = calibrate(cpu, world=1, repeat=1)
     assert (tmp_path / "cpu.json").exists() and raw["matmul_flops"] > 0
     assert spec.fp32_flops == raw["matmul_flops"] and 0 < eff.attention
+    assert eff.elementwise_bw == raw["elementwise_bw"] > 0  # the element-wise probe's rate prices `mem_bytes`
     assert calibrated(cpu) == (spec, eff)
     digest = calibration_digest("cpu")
     gpt = transformer("gpt", n_layers=2, dim=256, heads=4, vocab=1000, seq_len=128, global_batch=8)
     table = build_cell_table({"gpt": gpt}, CATALOG, {"cpu": 2})
     assert len(digest) == 12 and table.calibrations == {"cpu": digest}
+
+
+def test_element_wise_traffic_is_priced_at_the_calibrated_element_wise_rate():
+    """A layer's `mem_bytes` take `elementwise_bw` when the calibration measured one, else the memory
+    bandwidth x `memory`; matmul operands keep their own rate."""
+    from omni_core.estimator.pipeline import Sums
+    from omni_core.estimator.stage import device_seconds
+    from omni_core.estimator.workloads import Layer
+
+    cpu = CATALOG["cpu"]
+    sums = Sums.of([Layer("elementwise", params=0.0, flops=0.0, mem_bytes=6e9)])
+    streaming = Efficiency(memory=1.0)
+    assert device_seconds(sums, cpu, streaming, "fp32")[0] == pytest.approx(6e9 / cpu.mem_bw)
+    assert device_seconds(sums, cpu, replace(streaming, elementwise_bw=2e9), "fp32")[0] == pytest.approx(3.0)
 
 
 # --- the runtime's plans: executable, split like the runtime, priced with what the runtime does ------------

@@ -265,8 +265,8 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
     mem_bw = 3 * at.stream * 4 / secs["add"]
     return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
             "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s,
-            "elementwise_bw": 3 * _elementwise_bytes(at) / elementwise_s if elementwise_s > 0 else 0.0, "tensor_s": tensor_s, "tensor_group_s": group_s,
+            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
+            "elementwise_bw": 3 * _elementwise_bytes(at) / elementwise_s if elementwise_s > 0 else 0.0,
             "optimizer_bytes_per_param": secs["update_big"] / at.big_param * mem_bw}
 
 

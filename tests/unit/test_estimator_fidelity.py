@@ -134,6 +134,17 @@ def test_published_table_benchmark_writes_its_keys(gpu_bench):
     stated = [r for r in report["rows"] if r["source"] == "torchtitan2024"]
     assert all(r["micro_batch"] == r["global_batch"] // 64 for r in stated)  # its local batch, no accumulation
     assert report["spearman_by_family"]["gpt"]["models"] == 1  # MT-NLG 530B on 280, 350 and 420 nodes
+    # no Llama model at three topologies: the rank-correlation target stays undecided, never reads as met
+    assert report["spearman_by_family"]["llama"]["spearman"] is None
+    assert report["targets"]["spearman_per_family_ge_0.9"] is None
+
+
+def test_the_rank_correlation_target_is_met_only_when_every_family_is_measured(gpu_bench):
+    met, low = {"spearman": 0.95}, {"spearman": 0.5}
+    unmeasured = {"spearman": None}
+    assert gpu_bench._every_family({"gpt": met, "llama": met}) is True
+    assert gpu_bench._every_family({"gpt": met, "llama": unmeasured}) is None
+    assert gpu_bench._every_family({"gpt": low, "llama": unmeasured}) is False
 
 
 def test_selective_checkpointing_keeps_and_recomputes_between_none_and_full():

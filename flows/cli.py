@@ -93,8 +93,12 @@ def _add_recipe_args(p: argparse.ArgumentParser, what: str = "recipe YAML file")
 
 
 def _add_cells_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cells", metavar="PATH", help="the estimate stage's CellTable JSON (`omni estimate --out`): "
-                   "what parallel.plan=auto and the scheduler's oracle use instead of estimating again")
+    p.add_argument(
+        "--cells",
+        metavar="PATH",
+        help="the estimate stage's CellTable JSON (`omni estimate --out`): "
+        "what parallel.plan=auto and the scheduler's oracle use instead of estimating again",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,12 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(simulate)
     simulate.add_argument("--trace", metavar="PATH", help="trace CSV instead of schedule.trace")
-    simulate.add_argument("--policy", dest="policies", action="append", metavar="NAME",
-                          choices=["crius", "fcfs", "gavel", "sia"], help="policy to run (repeatable); "
-                          "default: schedule.policies, else schedule.policy")
+    simulate.add_argument(
+        "--policy",
+        dest="policies",
+        action="append",
+        metavar="NAME",
+        choices=["crius", "fcfs", "gavel", "sia"],
+        help="policy to run (repeatable); default: schedule.policies, else schedule.policy",
+    )
     simulate.add_argument("--rounds", type=int, metavar="N", help="rounds to simulate (default schedule.max_rounds)")
-    simulate.add_argument("--out", metavar="DIR", help="directory for the JSONs and figures "
-                          "(default <output_dir>/<experiment>/simulate)")
+    simulate.add_argument(
+        "--out", metavar="DIR", help="directory for the JSONs and figures (default <output_dir>/<experiment>/simulate)"
+    )
     simulate.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     simulate.add_argument("--json", action="store_true", help="print per-policy metrics as JSON instead of a table")
 
@@ -238,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     recipe = sub.add_parser("recipe", help="check or show a recipe without running anything")
     recipe_sub = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
     check = recipe_sub.add_parser(
-        "check", formatter_class=raw, epilog=OVERRIDES_EPILOG,
+        "check",
+        formatter_class=raw,
+        epilog=OVERRIDES_EPILOG,
         help="run every check a launch would (values, model flavor, plan, data, checkpoints, tracking) "
         "and a study's schedule.trace; "
         "prints `ok <hash>`, or each problem as FILE:LINE: field: message and exits 2",
@@ -252,27 +264,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(show)
 
-    serve = sub.add_parser("serve", help="serve prefect.yaml's deployments (schedules included) from this process",
-                           description="Serve every deployment of the deployments file until interrupted: its "
-                           "schedules create flow runs, which run here. Needs PREFECT_API_URL (a Prefect server).")
-    deploy = sub.add_parser("deploy", help="register prefect.yaml's deployments with a work pool",
-                            description="Register every deployment of the deployments file with the work pool POOL "
-                            "(created when missing). A process pool's worker (`prefect worker start --pool POOL`) "
-                            "runs their flow runs from this checkout; a kubernetes pool's (infra/k8s/prefect-worker"
-                            ".yaml) starts each as a Job in the training image, from infra/k8s/base-job-template.json.")
+    serve = sub.add_parser(
+        "serve",
+        help="serve prefect.yaml's deployments (schedules included) from this process",
+        description="Serve every deployment of the deployments file until interrupted: its "
+        "schedules create flow runs, which run here. Needs PREFECT_API_URL (a Prefect server).",
+    )
+    deploy = sub.add_parser(
+        "deploy",
+        help="register prefect.yaml's deployments with a work pool",
+        description="Register every deployment of the deployments file with the work pool POOL "
+        "(created when missing). A process pool's worker (`prefect worker start --pool POOL`) "
+        "runs their flow runs from this checkout; a kubernetes pool's (infra/k8s/prefect-worker"
+        ".yaml) starts each as a Job in the training image, from infra/k8s/base-job-template.json.",
+    )
     for p in (serve, deploy):
         p.add_argument("--file", type=Path, help="deployments file (default: the repository's prefect.yaml)")
     deploy.add_argument("--pool", default="omni-process", help="work pool name (default: omni-process)")
-    deploy.add_argument("--type", dest="pool_type", choices=["process", "kubernetes"], default="process",
-                        help="work pool type when it is created (default: process)")
+    deploy.add_argument(
+        "--type",
+        dest="pool_type",
+        choices=["process", "kubernetes"],
+        default="process",
+        help="work pool type when it is created (default: process)",
+    )
 
-    render = sub.add_parser("render", formatter_class=raw, epilog=OVERRIDES_EPILOG,
-                            help="print one launch of RECIPE for a cluster: a Kubernetes Job, a Kubeflow TrainJob "
-                            "or a Slurm script",
-                            description="Render the launch of RECIPE (parallel.nproc ranks over --nodes nodes) as "
-                            "Kubernetes manifests (YAML: a headless Service and an Indexed Job), a Kubeflow Trainer "
-                            "TrainJob (on the torch-distributed runtime), a Slurm sbatch script, or the local "
-                            "torchrun command. Paths are where the launch runs.")
+    render = sub.add_parser(
+        "render",
+        formatter_class=raw,
+        epilog=OVERRIDES_EPILOG,
+        help="print one launch of RECIPE for a cluster: a Kubernetes Job, a Kubeflow TrainJob or a Slurm script",
+        description="Render the launch of RECIPE (parallel.nproc ranks over --nodes nodes) as "
+        "Kubernetes manifests (YAML: a headless Service and an Indexed Job), a Kubeflow Trainer "
+        "TrainJob (on the torch-distributed runtime), a Slurm sbatch script, or the local "
+        "torchrun command. Paths are where the launch runs.",
+    )
     _add_recipe_args(render)
     render.add_argument("--target", choices=["kubernetes", "trainjob", "slurm", "local"], required=True)
     render.add_argument("--nodes", type=int, default=1, help="nodes; parallel.nproc must be a multiple")
@@ -327,7 +353,9 @@ def _plan_line(recipe) -> str:
     if recipe.parallel.plan == "auto":
         return "auto (the estimate stage's best plan for the train stage's Cell)"
     try:
-        return f"{ParallelPlan.from_config(recipe.parallel, recipe.parallel.nproc).name} on {recipe.parallel.nproc} ranks"
+        return (
+            f"{ParallelPlan.from_config(recipe.parallel, recipe.parallel.nproc).name} on {recipe.parallel.nproc} ranks"
+        )
     except PlanError as err:
         return f"does not fit parallel.nproc={recipe.parallel.nproc}: {err}"
 
@@ -392,8 +420,11 @@ def _flow_command(args: argparse.Namespace) -> int:
         try:
             extra["cells"] = CellTable.load(args.cells)
         except ValidationError as e:
-            print(f"omni: --cells {args.cells}: not a CellTable ({e.error_count()} problems, first: "
-                  f"{'.'.join(map(str, e.errors()[0]['loc']))}: {e.errors()[0]['msg']})", file=sys.stderr)
+            print(
+                f"omni: --cells {args.cells}: not a CellTable ({e.error_count()} problems, first: "
+                f"{'.'.join(map(str, e.errors()[0]['loc']))}: {e.errors()[0]['msg']})",
+                file=sys.stderr,
+            )
             return USAGE_ERROR
     try:
         result = flow(args.recipe, args.overrides, **extra)
@@ -525,11 +556,19 @@ def _render_command(args: argparse.Namespace) -> int:
         print(f"omni: render: parallel.nproc={nproc} ranks do not split over --nodes {args.nodes}", file=sys.stderr)
         return USAGE_ERROR
     try:
-        spec = RunSpec(name=args.name or run_name(recipe.experiment.name),
-                       recipe=str(args.recipe), result=args.result, nodes=args.nodes, ranks_per_node=nproc // args.nodes,
-                       image=args.image, cpus_per_node=args.cpus_per_node, memory_gb=args.memory_gb,
-                       gpus_per_node=args.gpus_per_node, max_restarts=recipe.train.max_restarts,
-                       overrides=tuple(args.overrides))
+        spec = RunSpec(
+            name=args.name or run_name(recipe.experiment.name),
+            recipe=str(args.recipe),
+            result=args.result,
+            nodes=args.nodes,
+            ranks_per_node=nproc // args.nodes,
+            image=args.image,
+            cpus_per_node=args.cpus_per_node,
+            memory_gb=args.memory_gb,
+            gpus_per_node=args.gpus_per_node,
+            max_restarts=recipe.train.max_restarts,
+            overrides=tuple(args.overrides),
+        )
     except ValueError as e:
         print(f"omni: render: {e}", file=sys.stderr)
         return USAGE_ERROR

@@ -52,13 +52,20 @@ class DeploymentSpec:
         from prefect.deployments.runner import EntrypointType
         from prefect.schedules import Cron, Interval
 
-        schedules = [Cron(s["cron"], timezone=s.get("timezone")) if "cron" in s
-                     else Interval(timedelta(seconds=s["interval"]), timezone=s.get("timezone"))
-                     for s in self.schedules]
-        return {"name": self.name, "description": self.description, "schedules": schedules,
-                "parameters": {"recipe": recipe or self.recipe, "overrides": list(self.overrides)},
-                "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None,
-                "entrypoint_type": EntrypointType.MODULE_PATH}
+        schedules = [
+            Cron(s["cron"], timezone=s.get("timezone"))
+            if "cron" in s
+            else Interval(timedelta(seconds=s["interval"]), timezone=s.get("timezone"))
+            for s in self.schedules
+        ]
+        return {
+            "name": self.name,
+            "description": self.description,
+            "schedules": schedules,
+            "parameters": {"recipe": recipe or self.recipe, "overrides": list(self.overrides)},
+            "concurrency_limit": ConcurrencyLimitConfig(**self.concurrency) if self.concurrency else None,
+            "entrypoint_type": EntrypointType.MODULE_PATH,
+        }
 
 
 def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
@@ -78,7 +85,9 @@ def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[DeploymentSpec]:
         except DeploymentError as err:
             problems.append(str(err))
     names = [s.name for s in specs]
-    problems += [f"{path}: deployment name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    problems += [
+        f"{path}: deployment name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})
+    ]
     if problems:
         raise DeploymentError("\n".join(problems))
     return specs
@@ -88,7 +97,9 @@ def _spec(entry: Any, root: Path, where: str) -> DeploymentSpec:
     if not isinstance(entry, dict) or not entry.get("name") or not entry.get("entrypoint"):
         raise DeploymentError(f"{where}: needs a `name` and an `entrypoint`")
     if not re.fullmatch(r"flows\.\w+:\w+", entry["entrypoint"]):
-        raise DeploymentError(f"{where}: entrypoint {entry['entrypoint']!r} must be a module path, flows.<module>:<flow>")
+        raise DeploymentError(
+            f"{where}: entrypoint {entry['entrypoint']!r} must be a module path, flows.<module>:<flow>"
+        )
     params = entry.get("parameters") or {}
     if set(params) - PARAMETERS or "recipe" not in params:
         raise DeploymentError(f"{where}: parameters must be `recipe` (and `overrides`), got {sorted(params)}")
@@ -103,9 +114,15 @@ def _spec(entry: Any, root: Path, where: str) -> DeploymentSpec:
     schedules = entry.get("schedules") or []
     if not all(isinstance(s, dict) and ("cron" in s) != ("interval" in s) for s in schedules):
         raise DeploymentError(f"{where}: each schedule is one of {{cron: ...}} or {{interval: seconds}}")
-    spec = DeploymentSpec(name=entry["name"], entrypoint=entry["entrypoint"], recipe=str(recipe),
-                          overrides=tuple(overrides), description=entry.get("description", ""),
-                          schedules=tuple(schedules), concurrency=entry.get("concurrency_limit") or {})
+    spec = DeploymentSpec(
+        name=entry["name"],
+        entrypoint=entry["entrypoint"],
+        recipe=str(recipe),
+        overrides=tuple(overrides),
+        description=entry.get("description", ""),
+        schedules=tuple(schedules),
+        concurrency=entry.get("concurrency_limit") or {},
+    )
     try:
         spec.flow()
     except (ValueError, ImportError, AttributeError) as err:
@@ -130,8 +147,10 @@ def deploy(specs: list[DeploymentSpec], pool: str, pool_type: str = "process") -
     recipes = [_in_image(spec) if kubernetes else spec.recipe for spec in specs]
     _ensure_pool(pool, pool_type, json.loads(KUBERNETES_TEMPLATE.read_text()) if kubernetes else None)
     job = {} if kubernetes else {"working_dir": str(REPO)}
-    return [str(spec.flow().to_deployment(job_variables=job, **spec.options(recipe)).apply(work_pool_name=pool))
-            for spec, recipe in zip(specs, recipes, strict=True)]
+    return [
+        str(spec.flow().to_deployment(job_variables=job, **spec.options(recipe)).apply(work_pool_name=pool))
+        for spec, recipe in zip(specs, recipes, strict=True)
+    ]
 
 
 def _in_image(spec: DeploymentSpec) -> str:
@@ -139,8 +158,10 @@ def _in_image(spec: DeploymentSpec) -> str:
     try:
         return Path(spec.recipe).relative_to(REPO).as_posix()
     except ValueError:
-        raise DeploymentError(f"deployment {spec.name}: its recipe {spec.recipe} is outside this repository, so the "
-                              "training image (a copy of it) does not hold it") from None
+        raise DeploymentError(
+            f"deployment {spec.name}: its recipe {spec.recipe} is outside this repository, so the "
+            "training image (a copy of it) does not hold it"
+        ) from None
 
 
 def _ensure_pool(pool: str, pool_type: str, template: dict[str, Any] | None) -> None:

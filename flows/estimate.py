@@ -15,8 +15,9 @@ from omni_core.tracking import stage_run
 
 
 @flow(name="estimate")
-def estimate_flow(recipe: Recipe | str, overrides: list[str] | None = None,
-                  profile: DatasetProfile | None = None) -> CellTable:
+def estimate_flow(
+    recipe: Recipe | str, overrides: list[str] | None = None, profile: DatasetProfile | None = None
+) -> CellTable:
     """Enumerate Cells, search the best plan in each (document lengths and encoder tokens from `profile`
     when given); log cells.json, a step-time/memory figure, each job's best predicted throughput, and the
     stored calibration each GPU type's estimates used (calibration/<type>.json; its digest as a tag)."""
@@ -42,4 +43,3 @@ def estimate_flow(recipe: Recipe | str, overrides: list[str] | None = None,
         run.log_metrics(metrics, step=0)
         run.log_artifacts(out_dir)
         return table
-

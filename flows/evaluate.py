@@ -49,8 +49,9 @@ def eval_chart(report: EvalReport, path: Path) -> Path:
 
 
 @flow(name="evaluate")
-def evaluate_flow(recipe: Recipe | str, overrides: list[str] | None = None,
-                  checkpoint: str | None = None) -> EvalReport:
+def evaluate_flow(
+    recipe: Recipe | str, overrides: list[str] | None = None, checkpoint: str | None = None
+) -> EvalReport:
     """Evaluate `checkpoint` (the train stage's: its plan may have its own micro-batches, hence its own
     checkpoint directory), else the recipe's newest complete one; log eval_report.json, eval/* metrics (loss,
     perplexity and word accuracy of greedy captions per modality) and a chart of both."""

@@ -28,8 +28,14 @@ def infrastructure_failure(_task: object, _task_run: object, state: State) -> bo
 
 @task(name="torchrun", cache_policy=NO_CACHE, retry_condition_fn=infrastructure_failure, retry_delay_seconds=5)
 def run_torchrun(
-    recipe_path: str, nproc: int, result_path: str, env_extra: Mapping[str, str], timeout_s: float,
-    max_restarts: int = 0, launch: LaunchConfig | None = None, name: str = "omni",
+    recipe_path: str,
+    nproc: int,
+    result_path: str,
+    env_extra: Mapping[str, str],
+    timeout_s: float,
+    max_restarts: int = 0,
+    launch: LaunchConfig | None = None,
+    name: str = "omni",
 ) -> TrainResult:
     """Train under torchrun, here or as a Slurm job (`launch.target`), streaming rank 0's output into this
     task's log; returns the TrainResult it wrote."""
@@ -40,15 +46,33 @@ def run_torchrun(
         os.remove(result_path)  # never mistake an old result for this run's
     if launch is not None and launch.target == "slurm":
         ranks = nproc // launch.nodes
-        spec = RunSpec(name=run_name(name), recipe=recipe_path, result=result_path, nodes=launch.nodes,
-                       ranks_per_node=ranks, cpus_per_node=launch.cpus_per_node or ranks,
-                       memory_gb=launch.memory_gb, gpus_per_node=launch.gpus_per_node, max_restarts=max_restarts,
-                       time_limit_s=timeout_s, partition=launch.partition, nodelist=tuple(launch.nodelist))
-        run_slurm_job(spec, Path(result_path).parent, timeout_s=timeout_s, env=env, on_line=logger.info,
-                      poll_s=launch.poll_s)
+        spec = RunSpec(
+            name=run_name(name),
+            recipe=recipe_path,
+            result=result_path,
+            nodes=launch.nodes,
+            ranks_per_node=ranks,
+            cpus_per_node=launch.cpus_per_node or ranks,
+            memory_gb=launch.memory_gb,
+            gpus_per_node=launch.gpus_per_node,
+            max_restarts=max_restarts,
+            time_limit_s=timeout_s,
+            partition=launch.partition,
+            nodelist=tuple(launch.nodelist),
+        )
+        run_slurm_job(
+            spec, Path(result_path).parent, timeout_s=timeout_s, env=env, on_line=logger.info, poll_s=launch.poll_s
+        )
     else:
-        launch_torchrun(recipe_path, nproc, result_path, timeout_s=timeout_s, env=env, on_line=logger.info,
-                        max_restarts=max_restarts)
+        launch_torchrun(
+            recipe_path,
+            nproc,
+            result_path,
+            timeout_s=timeout_s,
+            env=env,
+            on_line=logger.info,
+            max_restarts=max_restarts,
+        )
     if not os.path.exists(result_path):
         raise LaunchError(f"torchrun exited 0 but wrote no result to {result_path}")
     return TrainResult.load(result_path)

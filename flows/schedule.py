@@ -17,8 +17,12 @@ from omni_core.tracking import children_of, stage_run
 
 
 @flow(name="schedule")
-def schedule_flow(recipe: Recipe | str, overrides: list[str] | None = None, profile: DatasetProfile | None = None,
-                  cells: CellTable | None = None) -> ScheduleRun:
+def schedule_flow(
+    recipe: Recipe | str,
+    overrides: list[str] | None = None,
+    profile: DatasetProfile | None = None,
+    cells: CellTable | None = None,
+) -> ScheduleRun:
     """Run real mode (omni_core.scheduler.local), its throughput oracle answering from `cells` (the estimate
     stage's CellTable) where it holds the Cell: each launch is the train flow on the job's own recipe (this
     recipe, `overrides`, then the launch's overrides), its MLflow run a child of this stage's run. Logs
@@ -27,8 +31,9 @@ def schedule_flow(recipe: Recipe | str, overrides: list[str] | None = None, prof
     with stage_run("schedule", r, flow_run_id=flow_run.id) as run, children_of(run.run_id):
 
         def train(launch: JobRun) -> TrainResult:
-            return train_flow.with_options(flow_run_name=launch.name)(r, list(launch.overrides), run_name=launch.name,
-                                                                      profile=profile)
+            return train_flow.with_options(flow_run_name=launch.name)(
+                r, list(launch.overrides), run_name=launch.name, profile=profile
+            )
 
         result = run_schedule(r, train, profile=profile, cells=cells)
         run.log_metrics(result.metrics(), step=0)

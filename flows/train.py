@@ -16,6 +16,7 @@ from flows.launcher import run_torchrun
 from omni_core.common.control import CONTROL_ENV, LAUNCHED_ENV, read_progress
 from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import TrainResult
+from omni_core.data.profile import DatasetProfile  # a flow parameter's type: Prefect validates it at run time
 from omni_core.estimator.recipe_cells import prediction_error
 from omni_core.estimator.search import CellTable
 from omni_core.recipe import Recipe, dump_recipe
@@ -31,8 +32,6 @@ from omni_core.tracking import (
     replay_when_reachable,
     stage_run,
 )
-
-from omni_core.data.profile import DatasetProfile  # a flow parameter's type: Prefect validates it at run time
 
 if TYPE_CHECKING:
     from omni_core.estimator.cost import Estimate
@@ -52,8 +51,13 @@ def planned(recipe: Recipe, cells: CellTable | None) -> Recipe:
 
 
 @flow(name="train")
-def train_flow(recipe: Recipe | str, overrides: list[str] | None = None, cells: CellTable | None = None,
-               run_name: str = "train", profile: DatasetProfile | None = None) -> TrainResult:
+def train_flow(
+    recipe: Recipe | str,
+    overrides: list[str] | None = None,
+    cells: CellTable | None = None,
+    run_name: str = "train",
+    profile: DatasetProfile | None = None,
+) -> TrainResult:
     """Run `torchrun -m omni_core.runtime.launch` on the resolved recipe (overrides applied; `parallel.plan:
     auto` replaced by the best plan of `cells` for this machine's Cell), with the MLflow run's id (named
     `run_name`: the schedule stage names each job's segment) in MLFLOW_RUN_ID; with `replan.enabled`, watched
@@ -90,8 +94,15 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
     spool = run_dir / SPOOL_FILE  # what rank 0 could not send while the server was away
     try:
         result = run_torchrun.with_options(retries=r.train.launch_retries)(
-            str(resolved), r.parallel.nproc, str(result_path), env, r.train.timeout_s, r.train.max_restarts,
-            r.launch, r.experiment.name)
+            str(resolved),
+            r.parallel.nproc,
+            str(result_path),
+            env,
+            r.train.timeout_s,
+            r.train.max_restarts,
+            r.launch,
+            r.experiment.name,
+        )
     except BaseException:
         replay_when_reachable(run, spool, wait_s=0)
         raise
@@ -101,7 +112,8 @@ def launch(r: Recipe, run: MlflowTracker, run_dir: Path, resolved: Path, control
             f"training finished ({result.steps} steps, checkpoint {result.checkpoint}), but MLflow at {run.uri} "
             f"stayed unreachable for tracking.reconnect_timeout_s={r.tracking.reconnect_timeout_s:g} s: its unsent "
             f"metrics reach the run when omni next reaches the server; the checkpoint is neither logged nor "
-            "registered: run the same command again once the server is back (it resumes from that checkpoint)")
+            "registered: run the same command again once the server is back (it resumes from that checkpoint)"
+        )
     if replayed:
         get_run_logger().warning(f"{replayed} metrics the tracking server missed during training logged now")
     run.log_artifact(result_path)
@@ -125,8 +137,15 @@ def replanned(r: Recipe, run: MlflowTracker, run_dir: Path, run_name: str) -> Tr
     with ThreadPoolExecutor(max_workers=1) as pool:
         while True:
             recipe = replanner.launching()
-            future = pool.submit(contextvars.copy_context().run, launch, recipe, run, run_dir,
-                                 run_dir / f"recipe-{len(replanner.segments) + 1}.yaml", control)
+            future = pool.submit(
+                contextvars.copy_context().run,
+                launch,
+                recipe,
+                run,
+                run_dir,
+                run_dir / f"recipe-{len(replanner.segments) + 1}.yaml",
+                control,
+            )
             while not future.done():
                 wait([future], timeout=POLL_S)
                 progress = read_progress(control)
@@ -142,11 +161,11 @@ def replanned(r: Recipe, run: MlflowTracker, run_dir: Path, run_name: str) -> Tr
             if not again:
                 break
             switch_run, pending_run = pending_run, None
-    run.log_metrics({"replan/replans": replanner.replans, "replan/looks": len(replanner.decisions)},
-                    step=result.steps)
+    run.log_metrics({"replan/replans": replanner.replans, "replan/looks": len(replanner.decisions)}, step=result.steps)
     run.log_dict([s.model_dump(mode="json") for s in replanner.segments], "replan/segments.json")
-    run.log_artifact(replan_figure(replanner.segments, replanner.measured, replanner.decisions,
-                                   run_dir / "replan.png"), "replan")
+    run.log_artifact(
+        replan_figure(replanner.segments, replanner.measured, replanner.decisions, run_dir / "replan.png"), "replan"
+    )
     return result
 
 
@@ -157,9 +176,14 @@ POLL_S = 2.0  # how often the train stage reads its job's progress
 def log_decision(r: Recipe, decision: ReplanDecision, window: DatasetProfile) -> str:
     """One look as its own MLflow run: the window's profile, the drift, both predictions, the decision."""
     with stage_run(f"replan-{decision.step}", r, flow_run_id=flow_run.id) as look_run:
-        look_run.set_tags({"replan.decision": "replan" if decision.replan else "keep",
-                           "replan.reason": decision.reason, "replan.from": decision.running_plan,
-                           "replan.to": decision.best_plan})
+        look_run.set_tags(
+            {
+                "replan.decision": "replan" if decision.replan else "keep",
+                "replan.reason": decision.reason,
+                "replan.from": decision.running_plan,
+                "replan.to": decision.best_plan,
+            }
+        )
         look_run.log_metrics(decision.metrics(), step=decision.step)
         look_run.log_dict(decision.model_dump(mode="json"), "decision.json")
         look_run.log_dict(window.model_dump(mode="json"), "window_profile.json")

@@ -27,8 +27,12 @@ def validate_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> V
             report = calibrate_and_validate(r.estimate.validation == "quick", Path(tmp))
         (out_dir / "validation.json").write_text(report.to_json())
         validation_figure(report, out_dir / "validation.png")
-        metrics = {"validate/mape_pct": report.mape_pct, "validate/plans": len(report.rows),
-                   "validate/rounds": report.rounds, "validate/seconds": report.seconds}
+        metrics = {
+            "validate/mape_pct": report.mape_pct,
+            "validate/plans": len(report.rows),
+            "validate/rounds": report.rounds,
+            "validate/seconds": report.seconds,
+        }
         metrics.update({f"validate/mape_pct/world{w}": v for w, v in report.mape_pct_by_world.items()})
         if report.measured_spread_pct is not None:
             metrics["validate/measured_spread_pct"] = report.measured_spread_pct

@@ -71,7 +71,11 @@ class GpuSpec:
 
 _NVLINK3 = {"intra_link": "nvlink3", "intra_bw": 300 * GBps, "intra_lat": 5e-6}  # A100: 600 GB/s bidirectional
 _NVLINK4 = {"intra_link": "nvlink4", "intra_bw": 450 * GBps, "intra_lat": 4e-6}  # H100/H200: 900 GB/s bidirectional
-_PCIE4 = {"intra_link": "pcie4", "intra_bw": 25 * GBps, "intra_lat": 10e-6}  # x16: 32 GB/s/dir theoretical, ~25 achieved
+_PCIE4 = {
+    "intra_link": "pcie4",
+    "intra_bw": 25 * GBps,
+    "intra_lat": 10e-6,
+}  # x16: 32 GB/s/dir theoretical, ~25 achieved
 _HDR_IB = {"nic_bw": 8 * 25 * GBps, "inter_lat": 8e-6}  # DGX/HGX A100: 8 x 200 Gb/s HDR InfiniBand per node
 _NDR_IB = {"nic_bw": 8 * 50 * GBps, "inter_lat": 8e-6}  # DGX/HGX H100, H200: 8 x 400 Gb/s NDR InfiniBand per node
 _ETH100 = {"nic_bw": 12.5 * GBps, "inter_lat": 15e-6}  # PCIe servers: one 100 Gb/s Ethernet NIC per node
@@ -79,61 +83,185 @@ _ETH100 = {"nic_bw": 12.5 * GBps, "inter_lat": 15e-6}  # PCIe servers: one 100 G
 BUILTIN: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        GpuSpec("a100-40gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 39.59 * GiB / GB, 1555 * GBps, 8, **_NVLINK3, **_HDR_IB,
-                source="NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 1,555 GB/s HBM2, "
-                "NVLink3 600 GB/s; PyTorch reports 39.59 GiB",
-                tf32_flops=156 * TFLOPS),
-        GpuSpec("a100-80gb", 312 * TFLOPS, 312 * TFLOPS, 19.5 * TFLOPS, 79.25 * GiB / GB, 2039 * GBps, 8, **_NVLINK3, **_HDR_IB,
-                source="NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 2,039 GB/s HBM2e, "
-                "NVLink3 600 GB/s; PyTorch reports 79.25 GiB (79.15-79.33 by driver)",
-                tf32_flops=156 * TFLOPS),
-        GpuSpec("h100", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 80, 3350 * GBps, 8, **_NVLINK4, **_NDR_IB,
-                source="NVIDIA H100 datasheet (SXM5): 989 TF bf16/fp16 dense (1,979 sparse), 67 TF fp32, "
-                "3.35 TB/s HBM3, NVLink4 900 GB/s; ConnectX-7 400 Gb/s per GPU",
-                tf32_flops=494.7 * TFLOPS),
-        GpuSpec("h200", 989.4 * TFLOPS, 989.4 * TFLOPS, 66.9 * TFLOPS, 141, 4800 * GBps, 8, **_NVLINK4, **_NDR_IB,
-                source="NVIDIA H200 datasheet (SXM): 989 TF bf16/fp16 dense, 67 TF fp32, 141 GB HBM3e 4.8 TB/s, "
-                "NVLink4 900 GB/s",
-                tf32_flops=494.7 * TFLOPS),
-        GpuSpec("v100", 0.0, 125 * TFLOPS, 15.7 * TFLOPS, 31.74 * GiB / GB, 900 * GBps, 8, intra_link="nvlink2",
-                intra_bw=150 * GBps, intra_lat=6e-6, nic_bw=4 * 12.5 * GBps, inter_lat=10e-6,
-                source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
-                "NVLink2 300 GB/s; no bf16; DGX-1: 4 x 100 Gb/s EDR IB per node; PyTorch reports 31.74 GiB"),
-        GpuSpec("a40", 149.7 * TFLOPS, 149.7 * TFLOPS, 37.4 * TFLOPS, 48, 696 * GBps, 8, **_PCIE4, **_ETH100,
-                source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
-                "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=74.8 * TFLOPS,
-                fp32_shared_datapath=True),
-        GpuSpec("a10", 125 * TFLOPS, 125 * TFLOPS, 31.2 * TFLOPS, 24, 600 * GBps, 4, **_PCIE4, **_ETH100,
-                source="NVIDIA A10 datasheet: 125 TF bf16/fp16 tensor dense (250 sparse), 31.2 TF fp32, "
-                "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=62.5 * TFLOPS,
-                fp32_shared_datapath=True),
-        GpuSpec("l20", 119.5 * TFLOPS, 119.5 * TFLOPS, 59.8 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
-                source="NVIDIA L20 product brief: 119.5 TF bf16/fp16 tensor dense (239 sparse), 59.8 TF fp32, "
-                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16",
-                fp32_shared_datapath=True),
-        GpuSpec("l40s", 362.05 * TFLOPS, 362.05 * TFLOPS, 91.6 * TFLOPS, 48, 864 * GBps, 8, **_PCIE4, **_ETH100,
-                source="NVIDIA L40S datasheet: 362 TF bf16/fp16 tensor dense (733 sparse), 91.6 TF fp32, "
-                "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s",
-                tf32_flops=183 * TFLOPS,
-                fp32_shared_datapath=True),
-        GpuSpec("rtx3090", 71 * TFLOPS, 71 * TFLOPS, 35.6 * TFLOPS, 24, 936 * GBps, 4, **_PCIE4, **_ETH100,
-                source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 TF fp16/bf16 tensor with fp32 accumulate "
-                "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4",
-                tf32_flops=35.6 * TFLOPS,
-                fp32_shared_datapath=True),
-        GpuSpec("rtx4090", 165.2 * TFLOPS, 165.2 * TFLOPS, 82.6 * TFLOPS, 23.65 * GiB / GB, 1008 * GBps, 4, **_PCIE4, **_ETH100,
-                source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
-                "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4; PyTorch reports 23.65 GiB",
-                tf32_flops=82.6 * TFLOPS,
-                fp32_shared_datapath=True),
+        GpuSpec(
+            "a100-40gb",
+            312 * TFLOPS,
+            312 * TFLOPS,
+            19.5 * TFLOPS,
+            39.59 * GiB / GB,
+            1555 * GBps,
+            8,
+            **_NVLINK3,
+            **_HDR_IB,
+            source="NVIDIA A100 datasheet (SXM4 40GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 1,555 GB/s HBM2, "
+            "NVLink3 600 GB/s; PyTorch reports 39.59 GiB",
+            tf32_flops=156 * TFLOPS,
+        ),
+        GpuSpec(
+            "a100-80gb",
+            312 * TFLOPS,
+            312 * TFLOPS,
+            19.5 * TFLOPS,
+            79.25 * GiB / GB,
+            2039 * GBps,
+            8,
+            **_NVLINK3,
+            **_HDR_IB,
+            source="NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16/fp16 dense, 19.5 TF fp32, 2,039 GB/s HBM2e, "
+            "NVLink3 600 GB/s; PyTorch reports 79.25 GiB (79.15-79.33 by driver)",
+            tf32_flops=156 * TFLOPS,
+        ),
+        GpuSpec(
+            "h100",
+            989.4 * TFLOPS,
+            989.4 * TFLOPS,
+            66.9 * TFLOPS,
+            80,
+            3350 * GBps,
+            8,
+            **_NVLINK4,
+            **_NDR_IB,
+            source="NVIDIA H100 datasheet (SXM5): 989 TF bf16/fp16 dense (1,979 sparse), 67 TF fp32, "
+            "3.35 TB/s HBM3, NVLink4 900 GB/s; ConnectX-7 400 Gb/s per GPU",
+            tf32_flops=494.7 * TFLOPS,
+        ),
+        GpuSpec(
+            "h200",
+            989.4 * TFLOPS,
+            989.4 * TFLOPS,
+            66.9 * TFLOPS,
+            141,
+            4800 * GBps,
+            8,
+            **_NVLINK4,
+            **_NDR_IB,
+            source="NVIDIA H200 datasheet (SXM): 989 TF bf16/fp16 dense, 67 TF fp32, 141 GB HBM3e 4.8 TB/s, "
+            "NVLink4 900 GB/s",
+            tf32_flops=494.7 * TFLOPS,
+        ),
+        GpuSpec(
+            "v100",
+            0.0,
+            125 * TFLOPS,
+            15.7 * TFLOPS,
+            31.74 * GiB / GB,
+            900 * GBps,
+            8,
+            intra_link="nvlink2",
+            intra_bw=150 * GBps,
+            intra_lat=6e-6,
+            nic_bw=4 * 12.5 * GBps,
+            inter_lat=10e-6,
+            source="NVIDIA V100 datasheet (SXM2 32GB): 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s HBM2, "
+            "NVLink2 300 GB/s; no bf16; DGX-1: 4 x 100 Gb/s EDR IB per node; PyTorch reports 31.74 GiB",
+        ),
+        GpuSpec(
+            "a40",
+            149.7 * TFLOPS,
+            149.7 * TFLOPS,
+            37.4 * TFLOPS,
+            48,
+            696 * GBps,
+            8,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA A40 datasheet: 149.7 TF bf16/fp16 tensor dense (299.4 sparse), 37.4 TF fp32, "
+            "48 GB GDDR6 696 GB/s, PCIe Gen4 x16 64 GB/s",
+            tf32_flops=74.8 * TFLOPS,
+            fp32_shared_datapath=True,
+        ),
+        GpuSpec(
+            "a10",
+            125 * TFLOPS,
+            125 * TFLOPS,
+            31.2 * TFLOPS,
+            24,
+            600 * GBps,
+            4,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA A10 datasheet: 125 TF bf16/fp16 tensor dense (250 sparse), 31.2 TF fp32, "
+            "24 GB GDDR6 600 GB/s, PCIe Gen4 x16 64 GB/s",
+            tf32_flops=62.5 * TFLOPS,
+            fp32_shared_datapath=True,
+        ),
+        GpuSpec(
+            "l20",
+            119.5 * TFLOPS,
+            119.5 * TFLOPS,
+            59.8 * TFLOPS,
+            48,
+            864 * GBps,
+            8,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA L20 product brief: 119.5 TF bf16/fp16 tensor dense (239 sparse), 59.8 TF fp32, "
+            "48 GB GDDR6 864 GB/s, PCIe Gen4 x16",
+            fp32_shared_datapath=True,
+        ),
+        GpuSpec(
+            "l40s",
+            362.05 * TFLOPS,
+            362.05 * TFLOPS,
+            91.6 * TFLOPS,
+            48,
+            864 * GBps,
+            8,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA L40S datasheet: 362 TF bf16/fp16 tensor dense (733 sparse), 91.6 TF fp32, "
+            "48 GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s",
+            tf32_flops=183 * TFLOPS,
+            fp32_shared_datapath=True,
+        ),
+        GpuSpec(
+            "rtx3090",
+            71 * TFLOPS,
+            71 * TFLOPS,
+            35.6 * TFLOPS,
+            24,
+            936 * GBps,
+            4,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 TF fp16/bf16 tensor with fp32 accumulate "
+            "dense, 35.6 TF fp32, 24 GB GDDR6X 936 GB/s, PCIe Gen4",
+            tf32_flops=35.6 * TFLOPS,
+            fp32_shared_datapath=True,
+        ),
+        GpuSpec(
+            "rtx4090",
+            165.2 * TFLOPS,
+            165.2 * TFLOPS,
+            82.6 * TFLOPS,
+            23.65 * GiB / GB,
+            1008 * GBps,
+            4,
+            **_PCIE4,
+            **_ETH100,
+            source="NVIDIA Ada Lovelace whitepaper (RTX 4090): 165.2 TF fp16/bf16 tensor with fp32 accumulate "
+            "dense, 82.6 TF fp32, 24 GB GDDR6X 1,008 GB/s, PCIe Gen4; PyTorch reports 23.65 GiB",
+            tf32_flops=82.6 * TFLOPS,
+            fp32_shared_datapath=True,
+        ),
         # This machine's CPU: placeholder peaks of a few cores with AVX2 FMA; `calibrate.py` measures the real
         # ones. Ranks are processes, "links" are gloo over loopback shared memory.
-        GpuSpec("cpu", 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 50 * TFLOPS / 1000, 24, 10 * GBps, 4,
-                intra_link="gloo-loopback", intra_bw=1 * GBps, intra_lat=50e-6, nic_bw=0.1 * GBps,
-                inter_lat=1e-3, reserved_gb=4.0,
-                source="placeholder; replaced by the on-device micro-profile (omni_core.measure.calibrate)"),
+        GpuSpec(
+            "cpu",
+            50 * TFLOPS / 1000,
+            50 * TFLOPS / 1000,
+            50 * TFLOPS / 1000,
+            24,
+            10 * GBps,
+            4,
+            intra_link="gloo-loopback",
+            intra_bw=1 * GBps,
+            intra_lat=50e-6,
+            nic_bw=0.1 * GBps,
+            inter_lat=1e-3,
+            reserved_gb=4.0,
+            source="placeholder; replaced by the on-device micro-profile (omni_core.measure.calibrate)",
+        ),
     )
 }
 ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "l40": "l40s", "3090": "rtx3090", "4090": "rtx4090"}

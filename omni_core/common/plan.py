@@ -59,7 +59,9 @@ _NAME = re.compile(
 )
 
 
-_ENCODER_NAME = re.compile(r"^(?P<layout>coupled|omni|disagg(?P<ranks>\d+))(?P<joint>-joint)?(?P<specs>(?:\.[va](?:-[a-z]+\d*)*)*)$")
+_ENCODER_NAME = re.compile(
+    r"^(?P<layout>coupled|omni|disagg(?P<ranks>\d+))(?P<joint>-joint)?(?P<specs>(?:\.[va](?:-[a-z]+\d*)*)*)$"
+)
 _SPEC_TOKEN = re.compile(r"^(?:sp(?P<lssp>\d+)|t(?P<tokens>\d+)|m(?P<mb>\d+)|(?P<fsdp>fsdp))$")
 
 
@@ -83,8 +85,12 @@ class EncoderSpec:
 
     @property
     def name(self) -> str:
-        tokens = [f"sp{self.lssp}" if self.lssp > 1 else "", f"t{self.long_tokens}" if self.long_tokens else "",
-                  f"m{self.long_mb}" if self.long_mb else "", "fsdp" if self.fsdp else ""]
+        tokens = [
+            f"sp{self.lssp}" if self.lssp > 1 else "",
+            f"t{self.long_tokens}" if self.long_tokens else "",
+            f"m{self.long_mb}" if self.long_mb else "",
+            "fsdp" if self.fsdp else "",
+        ]
         return "-".join(t for t in tokens if t)
 
 
@@ -99,8 +105,9 @@ class EncoderPlan:
     schedule: EncoderSchedule = "phased"
 
     def problems(self) -> list[str]:
-        return encoder_layout_problems(self.layout, self.ranks, {key: asdict(self.spec(key)) for key in ENCODER_KEYS},
-                                       self.schedule)
+        return encoder_layout_problems(
+            self.layout, self.ranks, {key: asdict(self.spec(key)) for key in ENCODER_KEYS}, self.schedule
+        )
 
     @property
     def joint(self) -> bool:
@@ -119,15 +126,20 @@ class EncoderPlan:
         """`coupled`, `omni`, `disagg2`, then `.v-...` / `.a-...` for each encoder whose spec is not the default."""
         head = f"disagg{self.ranks}" if self.layout == "disaggregated" else self.layout
         head += "-joint" if self.joint else ""
-        specs = "".join(f".{letter}-{self.spec(key).name}" for key, letter in ENCODER_KEYS.items()
-                        if self.spec(key) != EncoderSpec())
+        specs = "".join(
+            f".{letter}-{self.spec(key).name}"
+            for key, letter in ENCODER_KEYS.items()
+            if self.spec(key) != EncoderSpec()
+        )
         return head + specs
 
     @classmethod
     def parse(cls, name: str) -> EncoderPlan:
         match = _ENCODER_NAME.match(name)
         if not match:
-            raise PlanError(f"cannot parse encoder layout {name!r} (expected e.g. omni, omni-joint.v-sp2-t256, disagg2)")
+            raise PlanError(
+                f"cannot parse encoder layout {name!r} (expected e.g. omni, omni-joint.v-sp2-t256, disagg2)"
+            )
         specs = {}
         for part in filter(None, match["specs"].split(".")):
             letter, *tokens = part.split("-")
@@ -136,15 +148,18 @@ class EncoderPlan:
                 t = _SPEC_TOKEN.match(token)
                 if not t:
                     raise PlanError(f"encoder layout {name!r}: unknown setting {token!r} (sp<N>, t<N>, m<N>, fsdp)")
-                values.update(lssp=int(t["lssp"] or 0) or values.get("lssp", 1),
-                              long_tokens=int(t["tokens"] or 0) or values.get("long_tokens", 0),
-                              long_mb=int(t["mb"] or 0) or values.get("long_mb", 0),
-                              fsdp=bool(t["fsdp"]) or values.get("fsdp", False))
+                values.update(
+                    lssp=int(t["lssp"] or 0) or values.get("lssp", 1),
+                    long_tokens=int(t["tokens"] or 0) or values.get("long_tokens", 0),
+                    long_mb=int(t["mb"] or 0) or values.get("long_mb", 0),
+                    fsdp=bool(t["fsdp"]) or values.get("fsdp", False),
+                )
             key = {v: k for k, v in ENCODER_KEYS.items()}[letter]
             specs[key] = EncoderSpec(**values)
         layout = "disaggregated" if match["ranks"] else match["layout"]
-        return cls(layout=layout, ranks=int(match["ranks"] or 0), schedule="joint" if match["joint"] else "phased",
-                   **specs)
+        return cls(
+            layout=layout, ranks=int(match["ranks"] or 0), schedule="joint" if match["joint"] else "phased", **specs
+        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +189,11 @@ class ParallelPlan:
     encoders: EncoderPlan = EncoderPlan()
 
     def __post_init__(self) -> None:
-        problems = [f"{f.name}={getattr(self, f.name)} must be >= 1" for f in fields(self)
-                    if f.type == "int" and getattr(self, f.name) < 1]
+        problems = [
+            f"{f.name}={getattr(self, f.name)} must be >= 1"
+            for f in fields(self)
+            if f.type == "int" and getattr(self, f.name) < 1
+        ]
         if self.cp_kind not in ("ulysses", "ring"):
             problems.append(f"cp_kind={self.cp_kind!r} must be 'ulysses' or 'ring'")
         if self.pp_schedule not in ("1F1B", "Interleaved1F1B", "GPipe"):
@@ -248,34 +266,56 @@ class ParallelPlan:
         virtual = int(g["v"] or 1)
         schedule = "GPipe" if g["gpipe"] else ("Interleaved1F1B" if virtual > 1 else "1F1B")
         return cls(
-            dp_replicate=replicate, dp_shard=shard, tp=int(g["tp"] or 1), pp=int(g["pp"] or 1),
-            cp=int(g["cp"] or 1), ep=int(g["ep"] or 1), cp_kind="ring" if g["kind"] == "r" else "ulysses",
-            pp_schedule=schedule, virtual_stages=virtual, encoders=encoders,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            tp=int(g["tp"] or 1),
+            pp=int(g["pp"] or 1),
+            cp=int(g["cp"] or 1),
+            ep=int(g["ep"] or 1),
+            cp_kind="ring" if g["kind"] == "r" else "ulysses",
+            pp_schedule=schedule,
+            virtual_stages=virtual,
+            encoders=encoders,
         )
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelPlan:
         """The recipe's degrees on `world_size` ranks; dp_shard=-1 takes whatever the others leave."""
         if cfg.plan == "auto":
-            raise PlanError("parallel.plan is auto: the train stage (omni train, omni run) replaces it with the "
-                            "estimate's best plan for its Cell before launching; the runtime runs explicit degrees")
+            raise PlanError(
+                "parallel.plan is auto: the train stage (omni train, omni run) replaces it with the "
+                "estimate's best plan for its Cell before launching; the runtime runs explicit degrees"
+            )
         e = cfg.encoders
-        encoders = EncoderPlan(e.layout, EncoderSpec(**e.vision.model_dump()), EncoderSpec(**e.audio.model_dump()),
-                               e.ranks, e.schedule)
+        encoders = EncoderPlan(
+            e.layout, EncoderSpec(**e.vision.model_dump()), EncoderSpec(**e.audio.model_dump()), e.ranks, e.schedule
+        )
         llm_ranks = world_size - encoders.ranks
         others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             if llm_ranks < 1 or llm_ranks % others:
-                ranks = (f"the LLM's {llm_ranks} ranks (world size {world_size} less encoders.ranks="
-                         f"{encoders.ranks}) are" if encoders.ranks else f"world size {world_size} is")
-                raise PlanError(f"{ranks} not divisible by pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x cp={cfg.cp} "
-                                f"x tp={cfg.tp} = {others}")
+                ranks = (
+                    f"the LLM's {llm_ranks} ranks (world size {world_size} less encoders.ranks={encoders.ranks}) are"
+                    if encoders.ranks
+                    else f"world size {world_size} is"
+                )
+                raise PlanError(
+                    f"{ranks} not divisible by pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x cp={cfg.cp} "
+                    f"x tp={cfg.tp} = {others}"
+                )
             dp_shard = llm_ranks // others
         schedule = cfg.pp_schedule if cfg.pp > 1 else "1F1B"  # one stage has no schedule to choose
         plan = cls(
-            dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
-            cp_kind=cfg.cp_kind, pp_schedule=schedule, virtual_stages=2 if schedule == "Interleaved1F1B" else 1,
+            dp_replicate=cfg.dp_replicate,
+            dp_shard=dp_shard,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            cp=cfg.cp,
+            ep=cfg.ep,
+            cp_kind=cfg.cp_kind,
+            pp_schedule=schedule,
+            virtual_stages=2 if schedule == "Interleaved1F1B" else 1,
             encoders=encoders,
         )
         plan.check_world(world_size)
@@ -332,12 +372,16 @@ class ParallelPlan:
         if self.pp == 1 or self.pp_schedule == "GPipe":
             return
         if self.pp_schedule == "1F1B" and n < self.pp:
-            raise PlanError(f"plan {self.name}: pp={self.pp} (1F1B) needs at least {self.pp} micro-batches per step, "
-                            f"got {n} (raise train.grad_accum)")
+            raise PlanError(
+                f"plan {self.name}: pp={self.pp} (1F1B) needs at least {self.pp} micro-batches per step, "
+                f"got {n} (raise train.grad_accum)"
+            )
         rounds = max(1, n // self.pp)
         if self.pp_schedule == "Interleaved1F1B" and n % rounds:
-            raise PlanError(f"plan {self.name}: pp={self.pp} (interleaved 1F1B) runs micro-batches in rounds of "
-                            f"{rounds}, which must divide the {n} per step (train.grad_accum)")
+            raise PlanError(
+                f"plan {self.name}: pp={self.pp} (interleaved 1F1B) runs micro-batches in rounds of "
+                f"{rounds}, which must divide the {n} per step (train.grad_accum)"
+            )
 
     # --- meshes ------------------------------------------------------------------------------------------
 

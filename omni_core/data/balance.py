@@ -54,14 +54,22 @@ class SampleCost:
 
     def of_records(self, records: Sequence[Any]) -> np.ndarray:
         """[n, 2] costs of records (`sources.Record`)."""
-        return self.of(SimpleNamespace(**{name: np.array([getattr(r, name) for r in records], dtype=np.int64)
-                                          for name in COST_FIELDS}))
+        return self.of(
+            SimpleNamespace(
+                **{name: np.array([getattr(r, name) for r in records], dtype=np.int64) for name in COST_FIELDS}
+            )
+        )
 
     def of(self, sizes: Any) -> np.ndarray:
         """[n, 2] costs of samples given as columns (`sources.Sizes`) or one record's fields (`Record`)."""
         f = self.flops
-        encoder = f.encoder(sizes.vision_tokens, sizes.vision_sq, np.add(sizes.image_llm, sizes.video_llm),
-                            sizes.audio_frames, sizes.audio_sq)
+        encoder = f.encoder(
+            sizes.vision_tokens,
+            sizes.vision_sq,
+            np.add(sizes.image_llm, sizes.video_llm),
+            sizes.audio_frames,
+            sizes.audio_sq,
+        )
         return np.stack([np.atleast_1d(encoder), np.atleast_1d(f.llm(sizes.tokens))], axis=-1).reshape(-1, 2)
 
 
@@ -119,8 +127,9 @@ def balance_group_size(policy: str, group_size: int, dp: int, shards_per_node: i
     return size
 
 
-def place(tokens: Sequence[int], costs: np.ndarray, waits: Sequence[int], ranks: int, bins: int,
-          capacity: int) -> list[tuple[int, int] | None]:
+def place(
+    tokens: Sequence[int], costs: np.ndarray, waits: Sequence[int], ranks: int, bins: int, capacity: int
+) -> list[tuple[int, int] | None]:
     """Where each window item goes: (rank, sequence) or None (it waits). The same on every caller.
 
     Longest processing time first under the token budget: items overdue (passed over OVERDUE times) first,
@@ -158,8 +167,14 @@ def place(tokens: Sequence[int], costs: np.ndarray, waits: Sequence[int], ranks:
     return out
 
 
-def _polish(out: list[tuple[int, int] | None], tokens: Sequence[int], total: np.ndarray, loads: list[float],
-            room: list[list[int]], rounds: int = POLISH_ROUNDS) -> None:
+def _polish(
+    out: list[tuple[int, int] | None],
+    tokens: Sequence[int],
+    total: np.ndarray,
+    loads: list[float],
+    room: list[list[int]],
+    rounds: int = POLISH_ROUNDS,
+) -> None:
     """Swaps that LPT's greedy order missed: while some pair of one item of the most loaded rank and one of
     the least loaded (sizes permitting, in their sequences) narrows the gap between them, swap the best pair."""
     if len(loads) < 2:
@@ -201,8 +216,16 @@ class GroupPacker(BatchPacker[S]):
     After a pack, `costs` and `filled` are every member's predicted (encoder, LLM) cost and tokens of what it
     placed, `balance_s` the seconds the placement took."""
 
-    def __init__(self, members: int, member: int, sequences: int, capacity: int, lookahead: float,
-                 costs_of: Callable[[list[S]], np.ndarray], size: Callable[[S], int] = attrgetter("tokens")) -> None:
+    def __init__(
+        self,
+        members: int,
+        member: int,
+        sequences: int,
+        capacity: int,
+        lookahead: float,
+        costs_of: Callable[[list[S]], np.ndarray],
+        size: Callable[[S], int] = attrgetter("tokens"),
+    ) -> None:
         super().__init__(members * sequences, capacity, lookahead, size)
         self.members, self.member, self.sequences, self.costs_of = members, member, sequences, costs_of
         self.costs, self.filled = np.zeros((members, 2)), np.zeros(members)
@@ -237,8 +260,9 @@ def imbalance(loads: np.ndarray) -> float:
     return float(np.max(loads)) / mean if mean > 0 else 1.0
 
 
-def make_packer(policy: str, members: int, member: int, bins: int, capacity: int, lookahead: float,
-                cost: SampleCost | None) -> BatchPacker | GroupPacker:
+def make_packer(
+    policy: str, members: int, member: int, bins: int, capacity: int, lookahead: float, cost: SampleCost | None
+) -> BatchPacker | GroupPacker:
     if policy == "none":
         return BatchPacker(bins, capacity, lookahead)
     if cost is None:
@@ -246,8 +270,17 @@ def make_packer(policy: str, members: int, member: int, bins: int, capacity: int
     return GroupPacker(members, member, bins, capacity, lookahead, cost.of_records)
 
 
-def simulate(tokens: np.ndarray, costs: np.ndarray, policy: str, ranks: int, group: int, bins: int,
-             capacity: int, lookahead: float, steps: int) -> dict[str, float]:
+def simulate(
+    tokens: np.ndarray,
+    costs: np.ndarray,
+    policy: str,
+    ranks: int,
+    group: int,
+    bins: int,
+    capacity: int,
+    lookahead: float,
+    steps: int,
+) -> dict[str, float]:
     """What `steps` steps of `ranks` data ranks would see under a policy, from samples' tokens and [n, 2] costs
     alone (a stream in order: the profile's, or a benchmark's draw): medians over steps of the imbalance (max /
     mean of per-rank cost, encoders + LLM), of the share of sequence tokens filled, and of the metadata bytes a
@@ -260,8 +293,12 @@ def simulate(tokens: np.ndarray, costs: np.ndarray, policy: str, ranks: int, gro
     def costs_of(items: list[int]) -> np.ndarray:
         return costs[np.asarray(items, dtype=np.int64)]
 
-    packers = [BatchPacker(bins, capacity, lookahead, size=size) if members == 1 and policy == "none" else
-               GroupPacker(members, 0, bins, capacity, lookahead, costs_of, size=size) for _ in range(streams)]
+    packers = [
+        BatchPacker(bins, capacity, lookahead, size=size)
+        if members == 1 and policy == "none"
+        else GroupPacker(members, 0, bins, capacity, lookahead, costs_of, size=size)
+        for _ in range(streams)
+    ]
     cursors = [iter(range(k, len(tokens), streams)) for k in range(streams)]
     per_step: dict[str, list[float]] = {"imbalance": [], "fill": [], "metadata_bytes_per_rank": []}
     for _ in range(steps):

@@ -73,30 +73,44 @@ class ManifestDataset:
             media = self.source.media(record, seg)
             if seg.kind == "image":
                 self._check(record, seg, f"{media.width}x{media.height}", f"{seg.width}x{seg.height}")
-                patches, grid = patchify(media, self.cfg.patch_size, self.cfg.max_image_patches,
-                                         self.cfg.min_image_patches)
+                patches, grid = patchify(
+                    media, self.cfg.patch_size, self.cfg.max_image_patches, self.cfg.min_image_patches
+                )
                 doc.image_patches.append(patches)
                 doc.image_grids.append(grid)
             elif seg.kind == "video":
                 frames, total = media
-                self._check(record, seg, f"{frames[0].width}x{frames[0].height}, {total} frames",
-                            f"{seg.width}x{seg.height}, {seg.num_frames} frames")
+                self._check(
+                    record,
+                    seg,
+                    f"{frames[0].width}x{frames[0].height}, {total} frames",
+                    f"{seg.width}x{seg.height}, {seg.num_frames} frames",
+                )
                 patches = [patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches) for frame in frames]
                 doc.video_patches.append(torch.cat([p for p, _ in patches]))
                 doc.video_grids.append((len(frames), *patches[0][1]))  # frames of one clip share their size
             else:
                 wave, rate = media
-                self._check(record, seg, f"{len(wave)} samples at {rate} Hz",
-                            f"{seg.num_samples} samples at {seg.sample_rate} Hz")
-                doc.audio_mels.append(log_mel(resample(wave, rate, self.cfg.sample_rate), self.cfg.sample_rate,
-                                              self.cfg.n_mels))
+                self._check(
+                    record,
+                    seg,
+                    f"{len(wave)} samples at {rate} Hz",
+                    f"{seg.num_samples} samples at {seg.sample_rate} Hz",
+                )
+                doc.audio_mels.append(
+                    log_mel(resample(wave, rate, self.cfg.sample_rate), self.cfg.sample_rate, self.cfg.n_mels)
+                )
         return doc
 
     def _check(self, record: Record, seg: Segment, actual: str, expected: str) -> None:
         """The packer trusted the metadata's sizes; a file that disagrees would break the placeholder count."""
         if actual != expected:
-            raise CorruptSample(record.id, self.source.where(record, seg), "size_mismatch",
-                                f"file has {actual}, metadata says {expected}")
+            raise CorruptSample(
+                record.id,
+                self.source.where(record, seg),
+                "size_mismatch",
+                f"file has {actual}, metadata says {expected}",
+            )
 
 
 def open_dataset(recipe: Recipe) -> ManifestDataset:

@@ -59,8 +59,10 @@ class FlopModel:
         projector = train * model_flops.projector_forward_flops(*dims["image"], 1) * rescale
 
         def audio(frames: float) -> float:
-            return train * (model_flops.audio_forward_flops(args.audio, int(frames))
-                            + model_flops.projector_forward_flops(*dims["audio"], int(frames) // 2))
+            return train * (
+                model_flops.audio_forward_flops(args.audio, int(frames))
+                + model_flops.projector_forward_flops(*dims["audio"], int(frames) // 2)
+            )
 
         per_frame, per_frame_sq = _coefficients(audio, at=2.0)  # frames are even: t = F / 2, so t^2 = F^2 / 4
         return cls(*_coefficients(llm), *_coefficients(vision), projector, per_frame, 4 * per_frame_sq)
@@ -69,12 +71,20 @@ class FlopModel:
         t = np.asarray(tokens, dtype=np.float64)
         return self.llm_per_token * t + self.llm_per_token_sq * t * t
 
-    def encoder(self, vision_tokens: np.ndarray, vision_sq: np.ndarray, vision_llm: np.ndarray,
-                audio_frames: np.ndarray, audio_sq: np.ndarray) -> np.ndarray:
+    def encoder(
+        self,
+        vision_tokens: np.ndarray,
+        vision_sq: np.ndarray,
+        vision_llm: np.ndarray,
+        audio_frames: np.ndarray,
+        audio_sq: np.ndarray,
+    ) -> np.ndarray:
         """From a sample's measured sizes: patches and sum of patches^2 over its images and frames, LLM tokens of
         its images and videos, log-mel frames and sum of encoder tokens^2 over its clips."""
-        return (self.vision_per_patch * np.asarray(vision_tokens, dtype=np.float64)
-                + self.vision_per_patch_sq * np.asarray(vision_sq, dtype=np.float64)
-                + self.projector_per_token * np.asarray(vision_llm, dtype=np.float64)
-                + self.audio_per_frame * np.asarray(audio_frames, dtype=np.float64)
-                + self.audio_per_token_sq * np.asarray(audio_sq, dtype=np.float64))
+        return (
+            self.vision_per_patch * np.asarray(vision_tokens, dtype=np.float64)
+            + self.vision_per_patch_sq * np.asarray(vision_sq, dtype=np.float64)
+            + self.projector_per_token * np.asarray(vision_llm, dtype=np.float64)
+            + self.audio_per_frame * np.asarray(audio_frames, dtype=np.float64)
+            + self.audio_per_token_sq * np.asarray(audio_sq, dtype=np.float64)
+        )

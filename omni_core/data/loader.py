@@ -39,13 +39,22 @@ MAX_REJECTED = 10_000  # consecutive samples over seq_len after which a stream i
 class ConsumerStream:
     """One consumer's batches: records from its stream, packed (or placed over its group), decoded."""
 
-    def __init__(self, dataset: ManifestDataset, cfg: DataConfig, view: View, step_of: Callable[[int], int],
-                 state: dict[str, Any] | None = None, *, balance: Balance | None = None) -> None:
+    def __init__(
+        self,
+        dataset: ManifestDataset,
+        cfg: DataConfig,
+        view: View,
+        step_of: Callable[[int], int],
+        state: dict[str, Any] | None = None,
+        *,
+        balance: Balance | None = None,
+    ) -> None:
         self.dataset, self.cfg, self.view, self.step_of = dataset, cfg, view, step_of
         self.balance = balance or Balance()
         b = self.balance
-        self.packer = make_packer(b.policy, b.members, b.member, cfg.micro_batch * b.placed_batches, cfg.seq_len,
-                                  cfg.pack_lookahead, b.cost)
+        self.packer = make_packer(
+            b.policy, b.members, b.member, cfg.micro_batch * b.placed_batches, cfg.seq_len, cfg.pack_lookahead, b.cost
+        )
         self.queue: list[list[list[Record]]] = []  # batches placed on this rank, not yet drawn
         self.batch, self.stats, self.rejected = 0, {}, 0
         position = None
@@ -53,8 +62,10 @@ class ConsumerStream:
             self.batch, self.stats, position = state["batch"], dict(state["stats"]), state["position"]
             for ref, waited in state["pending"]:
                 self.packer.add(dataset.source.refetch(view, ref), waited)
-            self.queue = [[[dataset.source.refetch(view, ref) for ref in seq] for seq in batch]
-                          for batch in state.get("queued", [])]
+            self.queue = [
+                [[dataset.source.refetch(view, ref) for ref in seq] for seq in batch]
+                for batch in state.get("queued", [])
+            ]
         self.stream = dataset.source.stream(view, position, self._count)
 
     def _count(self, reason: str) -> None:
@@ -72,8 +83,10 @@ class ConsumerStream:
             self._count("too_long")
             self.rejected += 1
             if self.rejected >= MAX_REJECTED:
-                raise ValueError(f"{self.dataset.location}: {MAX_REJECTED} samples in a row are longer than "
-                                 f"seq_len={self.cfg.seq_len}")
+                raise ValueError(
+                    f"{self.dataset.location}: {MAX_REJECTED} samples in a row are longer than "
+                    f"seq_len={self.cfg.seq_len}"
+                )
 
     def next_sequences(self) -> list[list[Record]] | None:
         """The next batch's records per sequence (None when a one-pass stream is done)."""
@@ -83,7 +96,7 @@ class ConsumerStream:
                 return None
             sequences = self.packer.pack()
             mb = self.cfg.micro_batch
-            self.queue = [sequences[i:i + mb] for i in range(0, len(sequences), mb)]
+            self.queue = [sequences[i : i + mb] for i in range(0, len(sequences), mb)]
         self.batch += 1
         return self.queue.pop(0)
 
@@ -108,9 +121,13 @@ class ConsumerStream:
             return DecodedSample.padding(record.tokens)
 
     def state(self) -> dict[str, Any]:
-        return {"batch": self.batch, "position": self.stream.position(), "stats": dict(self.stats),
-                "pending": [[p.item.ref, p.waited] for p in self.packer.pool],
-                "queued": [[[record.ref for record in seq] for seq in batch] for batch in self.queue]}
+        return {
+            "batch": self.batch,
+            "position": self.stream.position(),
+            "stats": dict(self.stats),
+            "pending": [[p.item.ref, p.waited] for p in self.packer.pool],
+            "queued": [[[record.ref for record in seq] for seq in batch] for batch in self.queue],
+        }
 
 
 class _Workers(torch.utils.data.IterableDataset):
@@ -135,8 +152,16 @@ class PackedLoader:
     group and the cost model); held-out passes are never rebalanced. `stats` counts what this rank skipped, by
     reason (sources.SKIP_REASONS)."""
 
-    def __init__(self, dataset: ManifestDataset, data_cfg: DataConfig, split: Split = "train", rank: int = 0,
-                 world_size: int = 1, seed: int = 0, balance: Balance | None = None) -> None:
+    def __init__(
+        self,
+        dataset: ManifestDataset,
+        data_cfg: DataConfig,
+        split: Split = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        balance: Balance | None = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.dataset, self.cfg, self.split = dataset, data_cfg, split
@@ -144,8 +169,9 @@ class PackedLoader:
         self.balance = balance if balance is not None and split == "train" else Balance()
         readers = self.balance.readers
         if world_size % readers or (readers > 1 and self.balance.member != rank % readers):
-            raise ValueError(f"rank {rank} of {world_size} is not member {self.balance.member} of a balancing "
-                             f"group of {readers}")
+            raise ValueError(
+                f"rank {rank} of {world_size} is not member {self.balance.member} of a balancing group of {readers}"
+            )
         self.slots = max(1, data_cfg.num_workers)
         self._states: list[dict[str, Any] | None] = [None] * self.slots
         self._batches = 0
@@ -153,19 +179,34 @@ class PackedLoader:
     def view(self, slot: int) -> View:
         """The consumer's share of the source: its rank's, or its group's (every member reads the same)."""
         readers = self.balance.readers
-        return View(self.rank // readers * self.slots + slot, self.world_size // readers * self.slots, self.split,
-                    self.seed, one_pass=self.split == "heldout", shuffle=self.split == "train")
+        return View(
+            self.rank // readers * self.slots + slot,
+            self.world_size // readers * self.slots,
+            self.split,
+            self.seed,
+            one_pass=self.split == "heldout",
+            shuffle=self.split == "train",
+        )
 
     def consumer(self, slot: int) -> ConsumerStream:
         slots = self.slots
         per_step = self.balance.step_batches  # a scheduled source follows the optimizer step, whatever the plan
-        return ConsumerStream(self.dataset, self.cfg, self.view(slot), lambda b: (b * slots + slot) // per_step,
-                              self._states[slot], balance=self.balance)
+        return ConsumerStream(
+            self.dataset,
+            self.cfg,
+            self.view(slot),
+            lambda b: (b * slots + slot) // per_step,
+            self._states[slot],
+            balance=self.balance,
+        )
 
     def __iter__(self) -> Iterator[PackedBatch]:
         if self.cfg.num_workers:
-            batches: Iterator[tuple[int, PackedBatch, dict[str, Any]]] = iter(torch.utils.data.DataLoader(
-                _Workers(self, self._batches % self.slots), batch_size=None, num_workers=self.slots))
+            batches: Iterator[tuple[int, PackedBatch, dict[str, Any]]] = iter(
+                torch.utils.data.DataLoader(
+                    _Workers(self, self._batches % self.slots), batch_size=None, num_workers=self.slots
+                )
+            )
         else:
             batches = self._in_process()
         for slot, batch, state in batches:
@@ -190,8 +231,13 @@ class PackedLoader:
     def state_dict(self) -> dict[str, Any]:
         """Position of the next batch: what each consumer has drawn, decoded or left pending."""
         return {
-            "split": self.split, "seed": self.seed, "world_size": self.world_size, "num_workers": self.cfg.num_workers,
-            "source": self.dataset.source.identity, "batches": self._batches, "consumers": list(self._states),
+            "split": self.split,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "num_workers": self.cfg.num_workers,
+            "source": self.dataset.source.identity,
+            "batches": self._batches,
+            "consumers": list(self._states),
             "balance": self.balance.identity,
         }
 

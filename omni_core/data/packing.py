@@ -40,8 +40,9 @@ class BatchPacker(Generic[S]):
     An item's size is `size(item)` (its `tokens` by default; the profile packs bare token counts). The pool is
     kept as parallel lists of items, sizes and waits: packing touches only integers."""
 
-    def __init__(self, bins: int, capacity: int, lookahead: float,
-                 size: Callable[[S], int] = attrgetter("tokens")) -> None:
+    def __init__(
+        self, bins: int, capacity: int, lookahead: float, size: Callable[[S], int] = attrgetter("tokens")
+    ) -> None:
         self.bins, self.capacity, self.size = bins, capacity, size
         self.target = lookahead * bins * capacity
         self.items: list[S] = []

@@ -23,8 +23,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from omni_core.common.results import Result
-from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.balance import POLICIES, balance_group_size, simulate
+from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
 from omni_core.data.sample import KIND_CODE, KINDS, SIZE_FIELDS
@@ -132,9 +132,11 @@ MEDIA = ("image", "video", "audio")
 def media_columns(sizes: Sizes) -> dict[str, tuple[np.ndarray, ...]]:
     """Per media kind, MediaProfile's fields per sample."""
     image_patches = sizes.vision_tokens - sizes.video_patches
-    return {"image": (sizes.image_items, sizes.image_items, image_patches, sizes.image_llm),
-            "video": (sizes.video_items, sizes.video_frames, sizes.video_patches, sizes.video_llm),
-            "audio": (sizes.audio_items, sizes.audio_frames, sizes.audio_tokens, sizes.audio_tokens)}
+    return {
+        "image": (sizes.image_items, sizes.image_items, image_patches, sizes.image_llm),
+        "video": (sizes.video_items, sizes.video_frames, sizes.video_patches, sizes.video_llm),
+        "audio": (sizes.audio_items, sizes.audio_frames, sizes.audio_tokens, sizes.audio_tokens),
+    }
 
 
 class Counts:
@@ -198,8 +200,9 @@ class _Window:
     def __init__(self, modality: np.ndarray, tokens: np.ndarray) -> None:
         self.count = len(tokens)
         self.pooled = np.bincount(tokens)
-        self.by_modality = {m: np.bincount(tokens[modality == code]) for code, m in enumerate(KINDS)
-                            if (modality == code).any()}
+        self.by_modality = {
+            m: np.bincount(tokens[modality == code]) for code, m in enumerate(KINDS) if (modality == code).any()
+        }
         self.sizes = {m: int(c.sum()) for m, c in self.by_modality.items()}
         self.tokens_mean = float(tokens.mean())
 
@@ -270,8 +273,9 @@ class Profiler:
     def _flush(self, sizes: Sizes) -> None:
         """One window's statistics."""
         modality, tokens = sizes.modality, sizes.tokens
-        encoder = self.flops.encoder(sizes.vision_tokens, sizes.vision_sq, sizes.image_llm + sizes.video_llm,
-                                     sizes.audio_frames, sizes.audio_sq)
+        encoder = self.flops.encoder(
+            sizes.vision_tokens, sizes.vision_sq, sizes.image_llm + sizes.video_llm, sizes.audio_frames, sizes.audio_sq
+        )
         for kind, columns in media_columns(sizes).items():
             self.media[kind] += [int(c.sum()) for c in columns]
         llm = self.flops.llm(tokens)
@@ -296,16 +300,29 @@ class Profiler:
             return  # a short last window is all noise
         ref = self.reference
         ks = ks_statistic(window.pooled, ref.pooled)
-        ks_by = {m: ks_statistic(c, ref.by_modality[m]) for m, c in window.by_modality.items()
-                 if m in ref.by_modality and min(window.sizes[m], ref.sizes[m]) >= MIN_KS_SAMPLES}
+        ks_by = {
+            m: ks_statistic(c, ref.by_modality[m])
+            for m, c in window.by_modality.items()
+            if m in ref.by_modality and min(window.sizes[m], ref.sizes[m]) >= MIN_KS_SAMPLES
+        }
         mix = 0.5 * float(np.abs(window.shares() - ref.shares()).sum())
-        drift = (ks > max(self.threshold, significant(window.count, ref.count))
-                 or mix > max(self.threshold, significant(window.count, ref.count))
-                 or any(v > max(self.threshold, significant(window.sizes[m], ref.sizes[m])) for m, v in ks_by.items()))
-        self.windows.append(DriftWindow(
-            start=self.seen, count=window.count, shares={m: float(s) for m, s in zip(KINDS, window.shares()) if s},
-            tokens_mean=window.tokens_mean, ks=ks, ks_by_modality=ks_by, mix_distance=mix, drift=drift,
-        ))
+        drift = (
+            ks > max(self.threshold, significant(window.count, ref.count))
+            or mix > max(self.threshold, significant(window.count, ref.count))
+            or any(v > max(self.threshold, significant(window.sizes[m], ref.sizes[m])) for m, v in ks_by.items())
+        )
+        self.windows.append(
+            DriftWindow(
+                start=self.seen,
+                count=window.count,
+                shares={m: float(s) for m, s in zip(KINDS, window.shares()) if s},
+                tokens_mean=window.tokens_mean,
+                ks=ks,
+                ks_by_modality=ks_by,
+                mix_distance=mix,
+                drift=drift,
+            )
+        )
 
     def balance(self, ranks: int, group: int, step_batches: int) -> dict[str, BalanceProfile]:
         """Each policy's imbalance over `ranks` data ranks in groups of `group`, from the first profiled samples
@@ -316,15 +333,31 @@ class Profiler:
         tokens, costs = columns[:, 0].astype(np.int64), columns[:, 1:]
         out = {}
         for policy in POLICIES:
-            figures = simulate(tokens, costs, policy, ranks, balance_group_size(policy, group, ranks, ranks),
-                               self.cfg.micro_batch * step_batches, self.cfg.seq_len, self.cfg.pack_lookahead,
-                               BALANCE_STEPS)
+            figures = simulate(
+                tokens,
+                costs,
+                policy,
+                ranks,
+                balance_group_size(policy, group, ranks, ranks),
+                self.cfg.micro_batch * step_batches,
+                self.cfg.seq_len,
+                self.cfg.pack_lookahead,
+                BALANCE_STEPS,
+            )
             if not np.isnan(figures["imbalance"]):
                 out[policy] = BalanceProfile(**figures)
         return out
 
-    def result(self, *, location: str, source: str, skipped: dict[str, int], decode_rates: dict[str, float],
-               balance_ranks: int = 1, step_batches: int = 1) -> DatasetProfile:
+    def result(
+        self,
+        *,
+        location: str,
+        source: str,
+        skipped: dict[str, int],
+        decode_rates: dict[str, float],
+        balance_ranks: int = 1,
+        step_batches: int = 1,
+    ) -> DatasetProfile:
         if self.rows:
             self._take_rows()
         if self.pending_count:  # the last, short window
@@ -343,27 +376,48 @@ class Profiler:
             edges, hist = counts.histogram()
             enc_tokens, enc_flops, llm_flops, n = self.sums[m]
             modalities[m] = ModalityProfile(
-                count=counts.n, share=counts.n / total, tokens=counts.total(), encoder_tokens_mean=enc_tokens / n,
-                mean=counts.total() / counts.n, p50=counts.quantile(0.5), p90=counts.quantile(0.9),
-                p99=counts.quantile(0.99), max=counts.max(), hist_edges=edges, hist_counts=hist,
-                encoder_flops_mean=enc_flops / n, llm_flops_mean=llm_flops / n,
+                count=counts.n,
+                share=counts.n / total,
+                tokens=counts.total(),
+                encoder_tokens_mean=enc_tokens / n,
+                mean=counts.total() / counts.n,
+                p50=counts.quantile(0.5),
+                p90=counts.quantile(0.9),
+                p99=counts.quantile(0.99),
+                max=counts.max(),
+                hist_edges=edges,
+                hist_counts=hist,
+                encoder_flops_mean=enc_flops / n,
+                llm_flops_mean=llm_flops / n,
             )
         sequences = self._sequence_profile()
         group = self.cfg.balance.group_size  # a group that does not divide one node's data ranks: the node's
         group = group if group and balance_ranks % group == 0 else balance_ranks
         return DatasetProfile(
-            manifest=location, source=source, manifest_samples=total + sum(v for k, v in skipped.items()
-                                                                            if k != "too_long"),
-            total_samples=total, total_tokens=sum(p.tokens for p in modalities.values()), seq_len=self.cfg.seq_len,
-            modalities=modalities, media=self._media_profiles(), skipped=skipped, packed_sequences=sequences.count,
-            packing_efficiency=sequences.real_tokens_mean / sequences.capacity, sequences=sequences,
+            manifest=location,
+            source=source,
+            manifest_samples=total + sum(v for k, v in skipped.items() if k != "too_long"),
+            total_samples=total,
+            total_tokens=sum(p.tokens for p in modalities.values()),
+            seq_len=self.cfg.seq_len,
+            modalities=modalities,
+            media=self._media_profiles(),
+            skipped=skipped,
+            packed_sequences=sequences.count,
+            packing_efficiency=sequences.real_tokens_mean / sequences.capacity,
+            sequences=sequences,
             encoder_flops=float(sum(self.sums[m][1] for m in KINDS)),
-            llm_flops=float(sum(self.sums[m][2] for m in KINDS)), flops_formula=FORMULA,
-            window=self.window, drift_threshold=self.threshold, drift_detected=any(w.drift for w in self.windows),
-            windows=self.windows, decode_samples_per_s=decode_rates, balance_ranks=balance_ranks,
-            balance_group=group, balance=self.balance(balance_ranks, group, step_batches),
+            llm_flops=float(sum(self.sums[m][2] for m in KINDS)),
+            flops_formula=FORMULA,
+            window=self.window,
+            drift_threshold=self.threshold,
+            drift_detected=any(w.drift for w in self.windows),
+            windows=self.windows,
+            decode_samples_per_s=decode_rates,
+            balance_ranks=balance_ranks,
+            balance_group=group,
+            balance=self.balance(balance_ranks, group, step_batches),
         )
-
 
     def _media_profiles(self) -> dict[str, MediaProfile]:
         names = list(MediaProfile.model_fields)
@@ -372,21 +426,44 @@ class Profiler:
     def _sequence_profile(self) -> SequenceProfile:
         capacity, count = self.cfg.seq_len, self.real.n
         if not count:  # every sample was longer than seq_len
-            return SequenceProfile(count=0, capacity=capacity, real_tokens_mean=0, real_tokens_p50=0,
-                                   real_tokens_min=0, padding_mean=capacity, padding_p90=capacity,
-                                   padding_max=capacity, documents_mean=0)
+            return SequenceProfile(
+                count=0,
+                capacity=capacity,
+                real_tokens_mean=0,
+                real_tokens_p50=0,
+                real_tokens_min=0,
+                padding_mean=capacity,
+                padding_p90=capacity,
+                padding_max=capacity,
+                documents_mean=0,
+            )
         mean = self.real.total() / count
         return SequenceProfile(
-            count=count, capacity=capacity, real_tokens_mean=mean, real_tokens_p50=self.real.quantile(0.5),
-            real_tokens_min=self.real.min(), padding_mean=capacity - mean,
-            padding_p90=capacity - self.real.quantile(0.1), padding_max=capacity - self.real.min(),
+            count=count,
+            capacity=capacity,
+            real_tokens_mean=mean,
+            real_tokens_p50=self.real.quantile(0.5),
+            real_tokens_min=self.real.min(),
+            padding_mean=capacity - mean,
+            padding_p90=capacity - self.real.quantile(0.1),
+            padding_max=capacity - self.real.min(),
             documents_mean=self.docs / count,
         )
 
 
-def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: FlopModel,
-                   limit: int | None = None, decode: bool = False, by_record: bool = False,
-                   balance_ranks: int = 1, step_batches: int = 1, at_step: int = 0, skip: int = 0) -> DatasetProfile:
+def profile_source(
+    dataset: ManifestDataset,
+    cfg: DataConfig,
+    seed: int,
+    flops: FlopModel,
+    limit: int | None = None,
+    decode: bool = False,
+    by_record: bool = False,
+    balance_ranks: int = 1,
+    step_batches: int = 1,
+    at_step: int = 0,
+    skip: int = 0,
+) -> DatasetProfile:
     """One pass over (at most `limit` samples of) the dataset's stream. From metadata, a sharded source is
     read as columns, CHUNK records at a time; decoding, a scheduled source (which draws each sample at the
     training step the packer has reached, `step_batches` micro-batches a step, counted from `at_step`), or
@@ -401,16 +478,32 @@ def profile_source(dataset: ManifestDataset, cfg: DataConfig, seed: int, flops: 
         _profile_columns(source.measured(view), profiler, cfg.seq_len, skipped, limit)
         rates = {}
     else:
-        rates = _profile_records(dataset, view, profiler, cfg.seq_len, skipped, limit, decode, at_step, skip,
-                                 step_batches)
+        rates = _profile_records(
+            dataset, view, profiler, cfg.seq_len, skipped, limit, decode, at_step, skip, step_batches
+        )
     kind = "dynamic" if dynamic else type(source).__name__.removesuffix("Source").lower()
-    return profiler.result(location=dataset.location, source=kind, skipped=skipped, decode_rates=rates,
-                           balance_ranks=balance_ranks, step_batches=step_batches)
+    return profiler.result(
+        location=dataset.location,
+        source=kind,
+        skipped=skipped,
+        decode_rates=rates,
+        balance_ranks=balance_ranks,
+        step_batches=step_batches,
+    )
 
 
-def _profile_records(dataset: ManifestDataset, view: View, profiler: Profiler, seq_len: int,
-                     skipped: dict[str, int], limit: int | None, decode: bool, at_step: int = 0,
-                     skip: int = 0, step_batches: int = 1) -> dict[str, float]:
+def _profile_records(
+    dataset: ManifestDataset,
+    view: View,
+    profiler: Profiler,
+    seq_len: int,
+    skipped: dict[str, int],
+    limit: int | None,
+    decode: bool,
+    at_step: int = 0,
+    skip: int = 0,
+    step_batches: int = 1,
+) -> dict[str, float]:
     """Record by record; returns the decode rates per modality."""
 
     def count(reason: str) -> None:
@@ -444,8 +537,13 @@ def _profile_records(dataset: ManifestDataset, view: View, profiler: Profiler, s
     return {m: n / s for m, (s, n) in decode_s.items() if n}
 
 
-def _profile_columns(chunks: Iterator[tuple[Sizes, list[tuple[int, str]]]], profiler: Profiler, seq_len: int,
-                     skipped: dict[str, int], limit: int | None) -> None:
+def _profile_columns(
+    chunks: Iterator[tuple[Sizes, list[tuple[int, str]]]],
+    profiler: Profiler,
+    seq_len: int,
+    skipped: dict[str, int],
+    limit: int | None,
+) -> None:
     """Chunk by chunk, counting what `_profile_records` would: the skips met before the limit-th record, and
     too_long records; `skipped` gets its reasons in the order they are first met, as record by record."""
     met = 0
@@ -483,9 +581,16 @@ def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list
     cfg = recipe.data
     dataset = open_dataset(recipe)
     flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
-    profile = profile_source(dataset, cfg, recipe.experiment.seed, flops, cfg.profile_max_samples or None,
-                             decode=cfg.profile_decode, balance_ranks=data_ranks(recipe),
-                             step_batches=recipe.train.grad_accum)
+    profile = profile_source(
+        dataset,
+        cfg,
+        recipe.experiment.seed,
+        flops,
+        cfg.profile_max_samples or None,
+        decode=cfg.profile_decode,
+        balance_ranks=data_ranks(recipe),
+        step_batches=recipe.train.grad_accum,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     profile.save(out_dir / "profile.json")
@@ -532,8 +637,12 @@ def figures(profile: DatasetProfile, out_dir: Path) -> list[Path]:
     drift = Figure(figsize=(6, 3))
     ax = drift.subplots()
     ax.plot(starts, [w.ks for w in profile.windows], marker=".", label="KS, all lengths")
-    ax.plot(starts, [max(w.ks_by_modality.values(), default=0.0) for w in profile.windows], marker=".",
-            label="KS, worst modality")
+    ax.plot(
+        starts,
+        [max(w.ks_by_modality.values(), default=0.0) for w in profile.windows],
+        marker=".",
+        label="KS, worst modality",
+    )
     ax.plot(starts, [w.mix_distance for w in profile.windows], marker=".", label="mix distance")
     ax.axhline(profile.drift_threshold, color="red", linestyle="--", label="threshold")
     for w in profile.windows:
@@ -546,8 +655,14 @@ def figures(profile: DatasetProfile, out_dir: Path) -> list[Path]:
     ax = packing.subplots()
     seqs = profile.sequences
     ax.bar(["real", "padding"], [seqs.real_tokens_mean, seqs.padding_mean])
-    ax.set(title=f"packing efficiency {profile.packing_efficiency:.3f} ({seqs.count} sequences)",
-           ylabel=f"tokens per sequence (of {seqs.capacity})")
-    return [_save(lengths, out_dir / "token_lengths.png"), _save(shares, out_dir / "modality_shares.png"),
-            _save(mix, out_dir / "mix_over_time.png"), _save(drift, out_dir / "drift.png"),
-            _save(packing, out_dir / "packing.png")]
+    ax.set(
+        title=f"packing efficiency {profile.packing_efficiency:.3f} ({seqs.count} sequences)",
+        ylabel=f"tokens per sequence (of {seqs.capacity})",
+    )
+    return [
+        _save(lengths, out_dir / "token_lengths.png"),
+        _save(shares, out_dir / "modality_shares.png"),
+        _save(mix, out_dir / "mix_over_time.png"),
+        _save(drift, out_dir / "drift.png"),
+        _save(packing, out_dir / "packing.png"),
+    ]

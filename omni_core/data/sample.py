@@ -33,9 +33,11 @@ from omni_core.recipe.schema import MODALITIES, DataConfig
 KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 # per media kind, the sizes its metadata carries: (position in a Segment's fields, key, least value)
-_SIZES = {"image": ((3, "width", 1), (4, "height", 1)),
-          "audio": ((5, "num_samples", 0), (6, "sample_rate", 1)),  # an empty clip is skipped later: empty_audio
-          "video": ((3, "width", 1), (4, "height", 1), (7, "num_frames", 1))}
+_SIZES = {
+    "image": ((3, "width", 1), (4, "height", 1)),
+    "audio": ((5, "num_samples", 0), (6, "sample_rate", 1)),  # an empty clip is skipped later: empty_audio
+    "video": ((3, "width", 1), (4, "height", 1), (7, "num_frames", 1)),
+}
 TOKENIZER = ByteTokenizer()
 # The model's merges that a video's placeholders count by. DataConfig names no flavor, so these are OmniModelArgs'
 # defaults, which the flavors that train on data keep (debug, debug-moe, small); images likewise take one
@@ -61,8 +63,16 @@ class Segment:
         return {"type": self.kind, "path": self.path} | {key: getattr(self, key) for _, key, _ in _SIZES[self.kind]}
 
     def fields(self) -> SegmentFields:
-        return (self.kind, self.text, self.path, self.width, self.height, self.num_samples, self.sample_rate,
-                self.num_frames)
+        return (
+            self.kind,
+            self.text,
+            self.path,
+            self.width,
+            self.height,
+            self.num_samples,
+            self.sample_rate,
+            self.num_frames,
+        )
 
 
 def segment_fields(obj: Any) -> SegmentFields:
@@ -168,8 +178,18 @@ class SegmentRows:
     def add(self, fields: Iterable[SegmentFields]) -> None:
         owner = self.samples
         for kind, text, _, width, height, num_samples, sample_rate, num_frames in fields:
-            self.flat.extend((owner, KIND_CODE[kind], width, height, num_samples, sample_rate, num_frames,
-                              text_length(text) if kind == "text" else 0))
+            self.flat.extend(
+                (
+                    owner,
+                    KIND_CODE[kind],
+                    width,
+                    height,
+                    num_samples,
+                    sample_rate,
+                    num_frames,
+                    text_length(text) if kind == "text" else 0,
+                )
+            )
         self.samples += 1
 
     def segments(self) -> Segments:
@@ -210,8 +230,21 @@ class Measures:
 
 
 # A sample's sizes, in the order `sources.Record` and `sources.Sizes` carry them.
-SIZE_FIELDS = ("tokens", "vision_tokens", "vision_sq", "audio_tokens", "audio_sq", "audio_frames", "image_items",
-               "audio_items", "video_items", "image_llm", "video_llm", "video_frames", "video_patches")
+SIZE_FIELDS = (
+    "tokens",
+    "vision_tokens",
+    "vision_sq",
+    "audio_tokens",
+    "audio_sq",
+    "audio_frames",
+    "image_items",
+    "audio_items",
+    "video_items",
+    "image_llm",
+    "video_llm",
+    "video_frames",
+    "video_patches",
+)
 
 
 def text_length(text: str) -> int:
@@ -252,11 +285,22 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"
     return Measures(
-        tokens=2 + per_sample(llm), vision_tokens=per_sample(vision), vision_sq=per_sample(vision_sq),
-        audio_tokens=per_sample(aud), audio_sq=per_sample(aud_sq), audio_frames=per_sample(mels),
-        image_items=per_sample(img), audio_items=per_sample(au), video_items=per_sample(vid),
-        image_llm=per_sample(llm * img), video_llm=per_sample(llm * vid), video_frames=per_sample(shown),
-        video_patches=per_sample(vision * vid), problem=problem, segment_owner=segs.owner, segment_llm=llm,
+        tokens=2 + per_sample(llm),
+        vision_tokens=per_sample(vision),
+        vision_sq=per_sample(vision_sq),
+        audio_tokens=per_sample(aud),
+        audio_sq=per_sample(aud_sq),
+        audio_frames=per_sample(mels),
+        image_items=per_sample(img),
+        audio_items=per_sample(au),
+        video_items=per_sample(vid),
+        image_llm=per_sample(llm * img),
+        video_llm=per_sample(llm * vid),
+        video_frames=per_sample(shown),
+        video_patches=per_sample(vision * vid),
+        problem=problem,
+        segment_owner=segs.owner,
+        segment_llm=llm,
     )
 
 

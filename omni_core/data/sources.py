@@ -30,8 +30,18 @@ from PIL import Image
 
 from omni_core.data.audio import EmptyAudio, audio_header, read_audio
 from omni_core.data.image import OversizedImage, image_header, open_image, open_video_frames, video_header
-from omni_core.data.sample import (KIND_CODE, SIZE_FIELDS, Measures, Sample, Segment, SegmentFields, SegmentRows,
-                                   measure, modality_of, record_fields)
+from omni_core.data.sample import (
+    KIND_CODE,
+    SIZE_FIELDS,
+    Measures,
+    Sample,
+    Segment,
+    SegmentFields,
+    SegmentRows,
+    measure,
+    modality_of,
+    record_fields,
+)
 from omni_core.data.storage import Storage, join, parent
 from omni_core.recipe.schema import DataConfig
 
@@ -47,7 +57,7 @@ SKIP_REASONS = {
     "oversized_image": "an image over data.max_image_pixels",
     "truncated_shard": "a tar that ends mid-member: the rest of the shard is lost",
     "lost_sample": "a sample of a truncated shard after where it broke off, counted where the dataset's "
-                   "shardindex.json (webdataset's wids format) says how many the shard holds",
+    "shardindex.json (webdataset's wids format) says how many the shard holds",
     "too_long": "a sample longer than data.seq_len",
     "unsafe_path": "a media path that is absolute or climbs out of the manifest's folder (never read)",
 }
@@ -215,8 +225,20 @@ class _Parsed:
                 items.append((extra if i < 0 else sizes.problem[i], after))
             else:
                 sample = extra[0]
-                items.append((Record([raw.offset, raw.index], 0, sample.id, sample.modality, *(c[i] for c in columns),
-                                     sizes.segment_tokens[i], extra), after))
+                items.append(
+                    (
+                        Record(
+                            [raw.offset, raw.index],
+                            0,
+                            sample.id,
+                            sample.modality,
+                            *(c[i] for c in columns),
+                            sizes.segment_tokens[i],
+                            extra,
+                        ),
+                        after,
+                    )
+                )
         return items
 
     def columns(self) -> tuple[Sizes, list[tuple[int, str]]]:
@@ -318,12 +340,15 @@ class ShardedSource(Source):
             if view.one_pass:
                 return
             if whole_epoch and not records:
-                raise ValueError(f"{self.location}: a whole epoch without one usable {view.split} sample "
-                                 f"for consumer {view.consumer} of {view.consumers}")
+                raise ValueError(
+                    f"{self.location}: a whole epoch without one usable {view.split} sample "
+                    f"for consumer {view.consumer} of {view.consumers}"
+                )
             epoch, slot = epoch + 1, 0
 
-    def _shard_chunks(self, view: View, shard: str, offset: int, index: int, keep: Callable[[int], bool],
-                      build: bool) -> Iterator[_Parsed]:
+    def _shard_chunks(
+        self, view: View, shard: str, offset: int, index: int, keep: Callable[[int], bool], build: bool
+    ) -> Iterator[_Parsed]:
         """A shard's entries from byte `offset` (entry `index`) in order, parsed and measured CHUNK samples at
         a time; samples go into columns as they are parsed."""
         entries: list[tuple[_Raw | None, int, Any]] = []
@@ -341,9 +366,14 @@ class ShardedSource(Source):
             if isinstance(raw, _Truncated):
                 held = self.held.get(shard)
                 lost = sum(map(keep, range(raw.met, held))) if held is not None else 0
-                log.warning("%s: truncated_shard: %s; %s", shard, raw.detail,
-                            f"{lost} samples lost" if held is not None else "no shardindex.json entry: lost samples "
-                            "not counted")
+                log.warning(
+                    "%s: truncated_shard: %s; %s",
+                    shard,
+                    raw.detail,
+                    f"{lost} samples lost"
+                    if held is not None
+                    else "no shardindex.json entry: lost samples not counted",
+                )
                 entries.append((None, -1, "truncated_shard"))
                 entries += [(None, -1, "lost_sample")] * lost
                 yield flush()
@@ -375,8 +405,12 @@ class _ShardStream(Stream):
     """Hands out the items of `_Parsed.stream_items` one by one: counts skips, numbers records, and knows
     the position after the last item handed out."""
 
-    def __init__(self, chunks: Iterator[tuple[int, int, list[tuple[Record | str, tuple[int, int]]]]],
-                 on_skip: Callable[[str], None], position: list[int] | None) -> None:
+    def __init__(
+        self,
+        chunks: Iterator[tuple[int, int, list[tuple[Record | str, tuple[int, int]]]]],
+        on_skip: Callable[[str], None],
+        position: list[int] | None,
+    ) -> None:
         self._chunks, self._on_skip = chunks, on_skip
         self._epoch, self._slot, self._offset, self._index, self._ordinal = Position(*(position or ()))
         self._items: list[tuple[Record | str, tuple[int, int]]] = []
@@ -417,9 +451,15 @@ def decode_media(seg: Segment, data: bytes, cfg: DataConfig) -> Any:
 
 def media_error(sample_id: str, where: str, err: Exception) -> CorruptSample:
     """The skip reason of a decoding failure."""
-    reason = ("missing_file" if isinstance(err, FileNotFoundError) else "oversized_image"
-              if isinstance(err, (OversizedImage, Image.DecompressionBombError)) else "empty_audio"
-              if isinstance(err, EmptyAudio) else "unreadable_file")
+    reason = (
+        "missing_file"
+        if isinstance(err, FileNotFoundError)
+        else "oversized_image"
+        if isinstance(err, (OversizedImage, Image.DecompressionBombError))
+        else "empty_audio"
+        if isinstance(err, EmptyAudio)
+        else "unreadable_file"
+    )
     return CorruptSample(sample_id, where, reason, str(err))
 
 

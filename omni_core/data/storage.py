@@ -50,8 +50,10 @@ def s3_client(endpoint_url: str = "") -> Any:
     import boto3
     from botocore.config import Config
 
-    retries = {"mode": os.environ.get("AWS_RETRY_MODE") or S3_RETRY_MODE,
-               "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_MAX_ATTEMPTS)}
+    retries = {
+        "mode": os.environ.get("AWS_RETRY_MODE") or S3_RETRY_MODE,
+        "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_MAX_ATTEMPTS),
+    }
     return boto3.client("s3", endpoint_url=endpoint_url or None, config=Config(retries=retries))
 
 
@@ -68,7 +70,7 @@ def parent(location: str) -> str:
 
 
 def _bucket_key(location: str) -> tuple[str, str]:
-    bucket, _, key = location[len("s3://"):].partition("/")
+    bucket, _, key = location[len("s3://") :].partition("/")
     if not bucket:
         raise ValueError(f"{location}: an S3 location needs a bucket: s3://bucket/key")
     return bucket, key

@@ -55,9 +55,14 @@ def check_templates(cfg: SyntheticConfig) -> None:
     mix, schedule or bursts can draw."""
     drawn = {m for mix in [cfg.mix, *(p.mix for p in cfg.schedule)] for m, share in mix.items() if share > 0}
     drawn |= {burst.modality for burst in cfg.bursts}
-    least = {"text_words": ("text", cfg.text_words, 4), "text_tokens": ("text", cfg.text_tokens, 16),
-             "image_side_px": ("image", cfg.image_side_px, 4), "audio_ms": ("audio", cfg.audio_ms, 20),
-             "video_side_px": ("video", cfg.video_side_px, 4), "video_frames": ("video", cfg.video_frames, 1)}
+    least = {
+        "text_words": ("text", cfg.text_words, 4),
+        "text_tokens": ("text", cfg.text_tokens, 16),
+        "image_side_px": ("image", cfg.image_side_px, 4),
+        "audio_ms": ("audio", cfg.audio_ms, 20),
+        "video_side_px": ("video", cfg.video_side_px, 4),
+        "video_frames": ("video", cfg.video_frames, 1),
+    }
     for name, (modality, dist, minimum) in least.items():
         if modality in drawn and dist is not None and dist.min < minimum:
             raise ValueError(f"data.synthetic.{name}.min must be >= {minimum} for the generator's templates")
@@ -172,21 +177,29 @@ def draw_specs(cfg: SyntheticConfig, seed: int, stream: int, index: np.ndarray, 
     height = np.where(is_video, draw_lengths(cfg.video_side_px, c, d), draw_lengths(cfg.image_side_px, c, d))
     duration_ms = draw_lengths(cfg.audio_ms, a, b)
     tones = np.clip(np.round(duration_ms / TONE_MS), max(1, -(-cfg.audio_ms.min // TONE_MS)), None).astype(np.int64)
-    short = cfg.text_tokens or LengthDist(min=TEXT_PER_WORD * cfg.text_words.min + 3,
-                                          max=TEXT_PER_WORD * cfg.text_words.max + 3)
+    short = cfg.text_tokens or LengthDist(
+        min=TEXT_PER_WORD * cfg.text_words.min + 3, max=TEXT_PER_WORD * cfg.text_words.max + 3
+    )
     long_doc = u(_LONG) < cfg.long_doc_share
     text_tokens = np.where(long_doc, draw_lengths(cfg.long_doc_tokens, c, d), draw_lengths(short, c, d))
     return Specs(
-        index=index, modality=np.asarray(modality, dtype=np.int64), width=width, height=height, tones=tones,
-        frames=draw_lengths(cfg.video_frames, c, d), text_tokens=text_tokens,
-        shape=(u(_SHAPE) * len(SHAPES)).astype(np.int64), color=(u(_COLOR) * len(COLORS)).astype(np.int64),
+        index=index,
+        modality=np.asarray(modality, dtype=np.int64),
+        width=width,
+        height=height,
+        tones=tones,
+        frames=draw_lengths(cfg.video_frames, c, d),
+        text_tokens=text_tokens,
+        shape=(u(_SHAPE) * len(SHAPES)).astype(np.int64),
+        color=(u(_COLOR) * len(COLORS)).astype(np.int64),
         background=(u(_BACKGROUND) * len(BACKGROUNDS)).astype(np.int64),
         direction=(u(_DIRECTION) * len(DIRECTIONS)).astype(np.int64),
     )
 
 
-def draw_at_steps(cfg: SyntheticConfig, schedule: MixSchedule, seed: int, stream: int, index: np.ndarray,
-                  steps: np.ndarray | int) -> Specs:
+def draw_at_steps(
+    cfg: SyntheticConfig, schedule: MixSchedule, seed: int, stream: int, index: np.ndarray, steps: np.ndarray | int
+) -> Specs:
     """Samples drawn at the given training steps: modality from the schedule there, then sizes."""
     index = np.asarray(index, dtype=np.int64)
     modality = draw_modalities(schedule.at(steps), uniforms(seed, stream, index, MODALITY_FIELD))
@@ -227,5 +240,13 @@ def segments_of(specs: Specs, sample_rate: int) -> Segments:
             frames[rows] = specs.frames[mine] if modality == "video" else 0
     text_rows = np.concatenate([first[~media], first[media] + 1])
     text[text_rows] = caption_lengths(specs)[np.concatenate([np.flatnonzero(~media), np.flatnonzero(media)])]
-    return Segments(owner=owner, kind=kind, width=width, height=height, num_samples=n_samples, sample_rate=rate,
-                    num_frames=frames, text_bytes=text)
+    return Segments(
+        owner=owner,
+        kind=kind,
+        width=width,
+        height=height,
+        num_samples=n_samples,
+        sample_rate=rate,
+        num_frames=frames,
+        text_bytes=text,
+    )

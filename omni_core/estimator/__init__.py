@@ -23,7 +23,21 @@ from omni_core.estimator.search import CellTable, best_for_gpus, build_cell_tabl
 from omni_core.estimator.workloads import Workload, omni_workload, paper_workload, trace_workload, transformer
 
 __all__ = [
-    "CellOracle", "CellTable", "Efficiency", "Estimate", "GpuCatalog", "GpuSpec", "Options", "ThroughputOracle",
-    "Workload", "best_for_gpus", "build_cell_table", "estimate_step", "omni_workload", "paper_workload",
-    "search_cell", "trace_workload", "transformer",
+    "CellOracle",
+    "CellTable",
+    "Efficiency",
+    "Estimate",
+    "GpuCatalog",
+    "GpuSpec",
+    "Options",
+    "ThroughputOracle",
+    "Workload",
+    "best_for_gpus",
+    "build_cell_table",
+    "estimate_step",
+    "omni_workload",
+    "paper_workload",
+    "search_cell",
+    "trace_workload",
+    "transformer",
 ]

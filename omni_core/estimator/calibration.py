@@ -40,8 +40,10 @@ def load_calibration(device: str) -> tuple[GpuSpec, Efficiency] | None:
         spec["nic_bw"] = spec.pop("inter_bw") * spec["gpus_per_node"]
     unknown = set(spec) - {f.name for f in fields(GpuSpec)}
     if unknown:
-        raise ValueError(f"{path}: spec.{sorted(unknown)[0]} is not a GpuSpec field; calibrate again "
-                         f"(python -m omni_core.measure.calibrate {device})")
+        raise ValueError(
+            f"{path}: spec.{sorted(unknown)[0]} is not a GpuSpec field; calibrate again "
+            f"(python -m omni_core.measure.calibrate {device})"
+        )
     return GpuSpec(**spec), Efficiency(**eff)
 
 
@@ -54,8 +56,15 @@ def runtime_efficiency(eff: Efficiency) -> Efficiency:
     """What omni_core's runtime does, on top of a device's calibration: every collective is waited for
     (gloo's calls block: nothing overlaps), and the `coupled` encoders and MoE experts run replicated on each TP
     (and CP) rank."""
-    return replace(eff, dp_overlap=0.0, tp_overlap=0.0, ep_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
-                   split_encoders_experts=False)
+    return replace(
+        eff,
+        dp_overlap=0.0,
+        tp_overlap=0.0,
+        ep_overlap=0.0,
+        cp_overlap=0.0,
+        pp_overlap=0.0,
+        split_encoders_experts=False,
+    )
 
 
 def calibration_digest(device: str) -> str:
@@ -67,6 +76,7 @@ def calibration_digest(device: str) -> str:
 def store_calibration(measured: GpuSpec, eff: Efficiency, raw: dict[str, Any]) -> Path:
     path = calibration_path(measured.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": measured.name, "spec": asdict(measured), "efficiency": asdict(eff),
-                                "raw": raw}, indent=2))
+    path.write_text(
+        json.dumps({"device": measured.name, "spec": asdict(measured), "efficiency": asdict(eff), "raw": raw}, indent=2)
+    )
     return path

@@ -53,8 +53,13 @@ class Network:
 
     __slots__ = ("inter_lat", "intra", "nic_bw", "per_node", "scales")
 
-    def __init__(self, gpu: GpuSpec, gpus_per_node: int, link: float = 1.0,
-                 collectives: tuple[tuple[str, float, float], ...] = ()):
+    def __init__(
+        self,
+        gpu: GpuSpec,
+        gpus_per_node: int,
+        link: float = 1.0,
+        collectives: tuple[tuple[str, float, float], ...] = (),
+    ):
         """`link`: the share of the links' bandwidth collectives reach (`Efficiency.link`); `collectives`:
         per-kind (kind, latency, bandwidth) multipliers (`Efficiency.collectives`)."""
         self.intra = (gpu.intra_bw * link, gpu.intra_lat)

@@ -108,13 +108,19 @@ def sync_seconds(terms: PlanTerms) -> float:
     """The step's small synchronising all-reduces over the world: loss and token statistics, FSDP's, TP's
     (`TP_SYNC_COLLECTIVES`), EP's and the pipeline's."""
     plan = terms.plan
-    syncs = (SYNC_COLLECTIVES + (1 if terms.fsdp else 0) + TP_SYNC_COLLECTIVES * (plan.tp > 1) + (plan.ep > 1)
-             + (plan.pp > 1))
+    syncs = (
+        SYNC_COLLECTIVES
+        + (1 if terms.fsdp else 0)
+        + TP_SYNC_COLLECTIVES * (plan.tp > 1)
+        + (plan.ep > 1)
+        + (plan.pp > 1)
+    )
     return terms.net.time("all_reduce", SMALL_MESSAGE_BYTES, plan.world_size, plan.world_size, syncs)
 
 
-def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: list[int], encoder: float,
-                         sync: float) -> float:
+def shared_cores_seconds(
+    terms: PlanTerms, stages: list[StageTimes], counts: list[int], encoder: float, sync: float
+) -> float:
     """The least a step takes when a node's ranks time-share fewer cores (`GpuSpec.cores`): their average work
     on the cores (device, wrappers, and of the links' seconds the share a collective keeps its rank's process
     busy, `Efficiency.link_cpu_share`: the rest is waiting, which another rank's work fills) in rounds of one
@@ -142,16 +148,24 @@ def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes], per
     if not gpu.cores or ranks_per_node <= gpu.cores or plan.pp == 1 or plan.pp_schedule == "Interleaved1F1B":
         return 0.0
     idle = 1.0 - terms.eff.link_cpu_share
-    work = [(times.micro_batch - idle * times.micro_batch_links, idle * times.micro_batch_links)
-            for times in (stages[g] for g in stage_group_positions(terms.workload, plan.pp))]
-    pipeline = time_shared_pipeline(plan.pp_schedule, terms.micro_batches, work, 1 / terms.passes,
-                                    ranks_per_node / plan.pp, gpu.cores)
+    work = [
+        (times.micro_batch - idle * times.micro_batch_links, idle * times.micro_batch_links)
+        for times in (stages[g] for g in stage_group_positions(terms.workload, plan.pp))
+    ]
+    pipeline = time_shared_pipeline(
+        plan.pp_schedule, terms.micro_batches, work, 1 / terms.passes, ranks_per_node / plan.pp, gpu.cores
+    )
     return pipeline + per_step * ranks_per_node / gpu.cores + terms.eff.step_overhead_s
 
 
 def estimate_step(
-    workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
-    gpus_per_node: int, eff: Efficiency = Efficiency(),
+    workload: Workload,
+    gpu: GpuSpec,
+    plan: ParallelPlan,
+    options: Options,
+    *,
+    gpus_per_node: int,
+    eff: Efficiency = Efficiency(),
 ) -> Estimate:
     """Step time and peak memory of `plan` (its world = the Cell's GPUs), its encoders where `plan.encoders`
     puts them. Never raises for a plan that does not fit: the Estimate's `reason` says why (memory, batch
@@ -180,16 +194,27 @@ def estimate_step(
     per_step = max(times.per_step for times in stages)
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
-    shared = max(shared_cores_seconds(terms, stages, counts, encoder, sync),
-                 time_shared_pipeline_seconds(terms, stages, per_step) + encoder + sync)
+    shared = max(
+        shared_cores_seconds(terms, stages, counts, encoder, sync),
+        time_shared_pipeline_seconds(terms, stages, per_step) + encoder + sync,
+    )
     step = max(step, shared)
 
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step
-    est.breakdown = {"pipeline_s": pipeline, "bubble_s": bubble, "encoder_s": encoder, "encoder_long_item_s": long_item,
-                     "encoder_handoff_s": handoff, "optimizer_s": per_step, "sync_s": sync,
-                     "host_s": terms.eff.step_overhead_s, "device_s": stages[0].device * counts[0],
-                     "runtime_s": stages[0].runtime * counts[0], **worst}
+    est.breakdown = {
+        "pipeline_s": pipeline,
+        "bubble_s": bubble,
+        "encoder_s": encoder,
+        "encoder_long_item_s": long_item,
+        "encoder_handoff_s": handoff,
+        "optimizer_s": per_step,
+        "sync_s": sync,
+        "host_s": terms.eff.step_overhead_s,
+        "device_s": stages[0].device * counts[0],
+        "runtime_s": stages[0].runtime * counts[0],
+        **worst,
+    }
     return est
 
 
@@ -197,8 +222,9 @@ def llm_only(workload: Workload) -> Workload:
     """The workload without its encoders: what a `disaggregated` plan's LLM ranks run. Memoised."""
     llm = workload.cache.get("llm_only")
     if llm is None:
-        llm = workload.cache["llm_only"] = replace(workload, encoder=(), encoder_cv=0.0, encoder_max_item=0.0,
-                                                   items=EncoderItems(), cache={})
+        llm = workload.cache["llm_only"] = replace(
+            workload, encoder=(), encoder_cv=0.0, encoder_max_item=0.0, items=EncoderItems(), cache={}
+        )
     return llm
 
 
@@ -207,17 +233,20 @@ def world_sync_seconds(gpu: GpuSpec, plan: ParallelPlan, gpus_per_node: int, eff
     statistics span the whole world (the encoder ranks too), not the LLM's ranks, and the gradient norm adds
     one all-reduce joining the two sides' halves (`runtime.step.clip_grad_norm`)."""
     net, world, llm = Network(gpu, gpus_per_node, eff.link, eff.collectives), plan.world_size, plan.llm_world_size
-    return (net.time("all_reduce", SMALL_MESSAGE_BYTES, world, world, SYNC_COLLECTIVES + 1)
-            - net.time("all_reduce", SMALL_MESSAGE_BYTES, llm, llm, SYNC_COLLECTIVES))
+    return net.time("all_reduce", SMALL_MESSAGE_BYTES, world, world, SYNC_COLLECTIVES + 1) - net.time(
+        "all_reduce", SMALL_MESSAGE_BYTES, llm, llm, SYNC_COLLECTIVES
+    )
 
 
-def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *,
-                       gpus_per_node: int, eff: Efficiency) -> Estimate:
+def disaggregated_step(
+    workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, *, gpus_per_node: int, eff: Efficiency
+) -> Estimate:
     """A `disaggregated` plan: the LLM's plan on its ranks and the encoders on theirs, one after the other
     within the step (phased), or overlapped as DistTrain pipelines them (joint: `Efficiency.disaggregated_overlap`
     of the shorter side's (m - 1) / m), plus the embeddings' handoff; memory is the fuller side's."""
-    llm = estimate_step(llm_only(workload), gpu, replace(plan, encoders=EncoderPlan()), options,
-                        gpus_per_node=gpus_per_node, eff=eff)
+    llm = estimate_step(
+        llm_only(workload), gpu, replace(plan, encoders=EncoderPlan()), options, gpus_per_node=gpus_per_node, eff=eff
+    )
     est = Estimate(plan, options, peak_mem_bytes=llm.peak_mem_bytes, reason=llm.reason)
     if not llm.fits or not workload.encoder:
         est.step_time_s, est.samples_per_s, est.breakdown = llm.step_time_s, llm.samples_per_s, llm.breakdown
@@ -230,6 +259,11 @@ def disaggregated_step(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, opt
         sync = world_sync_seconds(gpu, plan, gpus_per_node, eff)
         est.step_time_s = encoders.seconds + llm.step_time_s - hidden + encoders.handoff + sync
         est.samples_per_s = workload.global_batch / est.step_time_s
-        est.breakdown = {**llm.breakdown, "llm_s": llm.step_time_s, "encoder_s": encoders.seconds,
-                         "encoder_handoff_s": encoders.handoff, "sync_s": llm.breakdown["sync_s"] + sync}
+        est.breakdown = {
+            **llm.breakdown,
+            "llm_s": llm.step_time_s,
+            "encoder_s": encoders.seconds,
+            "encoder_handoff_s": encoders.handoff,
+            "sync_s": llm.breakdown["sync_s"] + sync,
+        }
     return est

@@ -68,7 +68,8 @@ def encoder_parts(workload: Workload) -> dict[str, Sums]:
     if parts is None:
         keys = dict.fromkeys(encoder_of(layer.name) for layer in workload.encoder)
         parts = workload.cache["encoder_parts"] = {
-            key: Sums.of([layer for layer in workload.encoder if encoder_of(layer.name) == key]) for key in keys}
+            key: Sums.of([layer for layer in workload.encoder if encoder_of(layer.name) == key]) for key in keys
+        }
     return parts
 
 
@@ -92,8 +93,10 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
     if not workload.encoder:
         return 0.0
     enc = encoder_sums(workload)
-    return (device_seconds(enc, gpu, eff, workload.precision)[0]
-            + (enc.attn_calls * eff.attn_call_s + enc.sample_ops * eff.op_overhead_s) / 3)
+    return (
+        device_seconds(enc, gpu, eff, workload.precision)[0]
+        + (enc.attn_calls * eff.attn_call_s + enc.sample_ops * eff.op_overhead_s) / 3
+    )
 
 
 # --- coupled -----------------------------------------------------------------------------------------------
@@ -121,7 +124,8 @@ def coupled_encoder_work(terms: PlanTerms) -> ExtraWork | None:
     enc = encoder_sums(terms.workload)
     params = enc.params / terms.encoder_split
     fsdp_micro_batch, fsdp_step = fsdp_seconds(terms, params, enc.units, enc.tensors, 0.0, 0.0).exposed(
-        terms.eff.dp_overlap)
+        terms.eff.dp_overlap
+    )
     optimizer = optimizer_seconds(terms, params / (terms.shards if terms.fsdp else 1), enc.tensors)
     compute, host = coupled_encoder_seconds(terms, enc)
     return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer)
@@ -214,11 +218,13 @@ def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
         if plan.encoders.spec(key).fsdp:
             gather = exposed_dp_seconds(terms, "all_gather", st.params * GATHERED_BYTES, world, world, st.units)
             reduce = exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world, st.units)
-            seconds += (rounds * (2 * gather + reduce + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s)
-                        + optimizer_seconds(terms, st.params / world, st.tensors))
+            seconds += rounds * (
+                2 * gather + reduce + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s
+            ) + optimizer_seconds(terms, st.params / world, st.tensors)
         else:
-            seconds += (exposed_dp_seconds(terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1)
-                        + optimizer_seconds(terms, st.params, st.tensors))
+            seconds += exposed_dp_seconds(
+                terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1
+            ) + optimizer_seconds(terms, st.params, st.tensors)
     return seconds
 
 
@@ -246,8 +252,9 @@ def handoff_seconds(workload: Workload, plan: ParallelPlan, net: Network, items:
     CP share) and their gradients back (mirrored). `items`: what the busiest rank sends or receives."""
     world = plan.world_size
     metadata = net.time("all_gather", SMALL_MESSAGE_BYTES, world, world, METADATA_GATHERS)
-    inputs = (net.time("all_to_all", items * workload.items.input_bytes, world, world)
-              + net.time("all_to_all", 0.0, world, world, INPUT_EXCHANGES - 1))
+    inputs = net.time("all_to_all", items * workload.items.input_bytes, world, world) + net.time(
+        "all_to_all", 0.0, world, world, INPUT_EXCHANGES - 1
+    )
     embeddings = net.time("all_to_all", items * embedding_bytes(workload) / plan.cp, world, world)
     return metadata + inputs + 2 * embeddings
 
@@ -264,8 +271,12 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(workload, plan, terms.net, workload.global_batch / plan.dp)  # a shard's items
-    seconds = (max(balanced, long_item) + encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
-               + omni_weight_seconds(terms, rounds) + handoff)
+    seconds = (
+        max(balanced, long_item)
+        + encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
+        + omni_weight_seconds(terms, rounds)
+        + handoff
+    )
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
     return max(seconds - filled, 0.0), long_item, handoff
 
@@ -276,12 +287,16 @@ def omni_encoder_bytes(terms: PlanTerms) -> float:
     micro-batch's under the joint schedule) or of its slice of the longest item, whichever is larger."""
     workload, plan = terms.workload, terms.plan
     enc, world = encoder_sums(workload), plan.world_size
-    states = sum(encoder_state_bytes(st, terms.state_bytes, terms.eff.grad_bytes, world, plan.encoders.spec(key).fsdp)
-                 for key, st in encoder_parts(workload).items())
+    states = sum(
+        encoder_state_bytes(st, terms.state_bytes, terms.eff.grad_bytes, world, plan.encoders.spec(key).fsdp)
+        for key, st in encoder_parts(workload).items()
+    )
     share = 1.0 if terms.options.checkpoint else sharded_recompute_share(workload, plan.encoders)
     acts = share * (enc.out_bytes + enc.max_act) + (1 - share) * enc.act_bytes
-    in_flight = max(workload.global_batch / world / encoder_rounds(terms),
-                    long_item_share(workload, long_item_group(workload, plan.encoders)))  # samples' activations
+    in_flight = max(
+        workload.global_batch / world / encoder_rounds(terms),
+        long_item_share(workload, long_item_group(workload, plan.encoders)),
+    )  # samples' activations
     return states + acts * in_flight * (1 + terms.eff.workspace_frac)
 
 
@@ -297,8 +312,9 @@ class EncoderRanks(NamedTuple):
     reason: str = ""  # why they do not fit ("" when they do)
 
 
-def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan, eff: Efficiency,
-                           gpus_per_node: int) -> EncoderRanks:
+def disaggregated_encoders(
+    workload: Workload, gpu: GpuSpec, plan: ParallelPlan, eff: Efficiency, gpus_per_node: int
+) -> EncoderRanks:
     """The encoders on their `plan.encoders.ranks` ranks: pure data parallel on unbalanced batches, no rank
     done before the longest item (split over its LSSP group when long); weights replicated, or sharded over
     the encoder ranks (`EncoderSpec.fsdp`), gradients all-reduced, the encoders' operators and an optimizer
@@ -309,8 +325,10 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     if refusal:
         return EncoderRanks(math.inf, 0.0, math.inf, refusal)
     enc, per_rank = encoder_sums(workload), workload.global_batch / ranks
-    states = sum(encoder_state_bytes(st, ADAM_STATE_BYTES, eff.grad_bytes, ranks, plan.encoders.spec(key).fsdp)
-                 for key, st in encoder_parts(workload).items())
+    states = sum(
+        encoder_state_bytes(st, ADAM_STATE_BYTES, eff.grad_bytes, ranks, plan.encoders.spec(key).fsdp)
+        for key, st in encoder_parts(workload).items()
+    )
     group = long_item_group(workload, plan.encoders)
     in_flight = max(min(per_rank, 1.0), long_item_share(workload, group))  # samples' activations at once
     share = sharded_recompute_share(workload, plan.encoders)  # sharded blocks recompute in any case
@@ -320,15 +338,22 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
         if peak <= gpu.usable_bytes:
             break
     else:
-        return EncoderRanks(math.inf, 0.0, peak, f"out of memory on the {ranks} encoder ranks: {peak / 1e9:.1f} GB "
-                            f"needed ({states / 1e9:.1f} GB encoder states) > {gpu.usable_bytes / 1e9:.1f} GB usable")
+        return EncoderRanks(
+            math.inf,
+            0.0,
+            peak,
+            f"out of memory on the {ranks} encoder ranks: {peak / 1e9:.1f} GB "
+            f"needed ({states / 1e9:.1f} GB encoder states) > {gpu.usable_bytes / 1e9:.1f} GB usable",
+        )
     net = Network(gpu, gpus_per_node, eff.link, eff.collectives)
     per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
     balanced = per_sample * per_rank * unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
     longest = long_item_seconds(workload, net, passes, per_sample, group)
     sharded = sum(st.params for key, st in encoder_parts(workload).items() if plan.encoders.spec(key).fsdp)
-    reduce = (1 - eff.dp_overlap) * (net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG
-                                     + net.time("all_gather", sharded * GATHERED_BYTES, ranks, ranks))  # backward's
+    reduce = (1 - eff.dp_overlap) * (
+        net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG
+        + net.time("all_gather", sharded * GATHERED_BYTES, ranks, ranks)
+    )  # backward's
     # the busier side of the handoff: an encoder rank's items, or a data shard's
     ship = handoff_seconds(workload, plan, net, workload.global_batch / min(ranks, plan.dp))
     host = enc.ops * eff.op_overhead_s * passes / 3  # the encoders' operators, once per step
@@ -337,8 +362,9 @@ def disaggregated_encoders(workload: Workload, gpu: GpuSpec, plan: ParallelPlan,
     return EncoderRanks((max(balanced, longest) + host) * straggle + reduce + update, ship, peak)
 
 
-def encoder_update_seconds(workload: Workload, gpu: GpuSpec, encoders: EncoderPlan, eff: Efficiency,
-                           ranks: int) -> float:
+def encoder_update_seconds(
+    workload: Workload, gpu: GpuSpec, encoders: EncoderPlan, eff: Efficiency, ranks: int
+) -> float:
     """The disaggregated encoder ranks' optimizer step over their encoders' weights (a rank's share of a
     sharded encoder's, DTensors), per tensor and per byte (as `stage.optimizer_seconds` prices the LLM's),
     and its parameter groups (decay and no decay)."""
@@ -346,6 +372,7 @@ def encoder_update_seconds(workload: Workload, gpu: GpuSpec, encoders: EncoderPl
     seconds = 2 * eff.tensor_group_s
     for key, st in encoder_parts(workload).items():
         sharded = encoders.spec(key).fsdp and ranks > 1
-        seconds += (st.tensors * (eff.dtensor_s if sharded else eff.tensor_s)
-                    + st.params / (ranks if sharded else 1) * traffic / (gpu.mem_bw * eff.memory))
+        seconds += st.tensors * (eff.dtensor_s if sharded else eff.tensor_s) + st.params / (
+            ranks if sharded else 1
+        ) * traffic / (gpu.mem_bw * eff.memory)
     return seconds

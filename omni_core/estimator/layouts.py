@@ -36,15 +36,19 @@ def layout_result(layout: str, cell: CellResult | None) -> LayoutResult:
     best = cell.best
     detail = ""
     if best.plan.encoders.layout == "disaggregated":
-        detail = (f"encoder {best.breakdown['encoder_s']:.2f}s on {best.plan.encoders.ranks} GPUs, "
-                  f"LLM {best.breakdown['llm_s']:.2f}s")
+        detail = (
+            f"encoder {best.breakdown['encoder_s']:.2f}s on {best.plan.encoders.ranks} GPUs, "
+            f"LLM {best.breakdown['llm_s']:.2f}s"
+        )
     return LayoutResult(layout, best.step_time_s, best.plan.name, detail)
 
 
-def compare_layouts(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int,
-                    eff: Efficiency | None = None) -> dict[str, LayoutResult]:
+def compare_layouts(
+    workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, eff: Efficiency | None = None
+) -> dict[str, LayoutResult]:
     """Each layout's best step time on `num_gpus` GPUs over pipeline depths (None where nothing fits)."""
     eff = eff or Efficiency()
-    return {layout: layout_result(layout, best_for_gpus(workload, gpu, num_gpus, gpus_per_node, eff=eff,
-                                                        layout=layout))
-            for layout in LAYOUTS}
+    return {
+        layout: layout_result(layout, best_for_gpus(workload, gpu, num_gpus, gpus_per_node, eff=eff, layout=layout))
+        for layout in LAYOUTS
+    }

@@ -47,8 +47,9 @@ def coupled_encoder_bytes(terms: PlanTerms) -> float:
     micro-batch's samples' activations."""
     enc, mb = encoder_sums(terms.workload), terms.options.micro_batch
     acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
-    return (enc.params * terms.state_bytes / max(terms.shards, 1)
-            + acts * mb / terms.encoder_split * (1 + terms.eff.workspace_frac))
+    return enc.params * terms.state_bytes / max(terms.shards, 1) + acts * mb / terms.encoder_split * (
+        1 + terms.eff.workspace_frac
+    )
 
 
 def peak_memory(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...]) -> tuple[float, dict[str, float]]:
@@ -72,6 +73,8 @@ def peak_memory(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...]) -> 
 
 def out_of_memory(peak: float, worst: dict[str, float], gpu: GpuSpec) -> str:
     """The reason a plan needing `peak` bytes (`peak_memory`) does not fit `gpu`."""
-    return (f"out of memory: {peak / 1e9:.1f} GB needed on stage {worst['stage']} "
-            f"({worst['states_gb']:.1f} GB model states, {worst['activations_gb']:.1f} GB activations) > "
-            f"{gpu.usable_bytes / 1e9:.1f} GB usable on {gpu.name}")
+    return (
+        f"out of memory: {peak / 1e9:.1f} GB needed on stage {worst['stage']} "
+        f"({worst['states_gb']:.1f} GB model states, {worst['activations_gb']:.1f} GB activations) > "
+        f"{gpu.usable_bytes / 1e9:.1f} GB usable on {gpu.name}"
+    )

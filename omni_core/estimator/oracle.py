@@ -41,8 +41,9 @@ class CellOracle:
     a (model, global batch) into the estimator's Workload; the default reads trace model names.
     """
 
-    def __init__(self, catalog: GpuCatalog, gpus_per_node: dict[str, int],
-                 workload: Callable[[str, int], Workload] | None = None):
+    def __init__(
+        self, catalog: GpuCatalog, gpus_per_node: dict[str, int], workload: Callable[[str, int], Workload] | None = None
+    ):
         self.catalog = catalog
         self.gpus_per_node = dict(gpus_per_node)
         self.workload = workload

@@ -22,9 +22,31 @@ from dataclasses import dataclass
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.estimator.workloads import Layer, Workload
 
-_SUMMED = ("flops", "expert_flops", "attn_flops", "attn_scores", "mm_bytes", "mm_weight_bytes", "mem_bytes", "ops",
-           "sample_ops", "expert_ops", "attn_calls", "tp_bytes", "tp_colls", "tp_modules", "a2a_bytes", "act_bytes",
-           "sac_bytes", "sac_flops", "params", "expert_params", "tensors", "expert_tensors", "units")
+_SUMMED = (
+    "flops",
+    "expert_flops",
+    "attn_flops",
+    "attn_scores",
+    "mm_bytes",
+    "mm_weight_bytes",
+    "mem_bytes",
+    "ops",
+    "sample_ops",
+    "expert_ops",
+    "attn_calls",
+    "tp_bytes",
+    "tp_colls",
+    "tp_modules",
+    "a2a_bytes",
+    "act_bytes",
+    "sac_bytes",
+    "sac_flops",
+    "params",
+    "expert_params",
+    "tensors",
+    "expert_tensors",
+    "units",
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +93,8 @@ class Sums:
             **{name: sum(getattr(layer, name) for layer in layers) for name in _SUMMED},
             causal_attn_flops=sum(layer.attn_flops for layer in layers if layer.causal),
             attn_layers=sum(1 for layer in layers if layer.attn_flops or layer.attn_calls),
-            moe_layers=sum(1 for layer in layers if layer.a2a_bytes), routed_experts=experts,
+            moe_layers=sum(1 for layer in layers if layer.a2a_bytes),
+            routed_experts=experts,
             block_io=sum(layer.out_bytes for layer in layers if layer.attn_flops or layer.attn_calls),
             out_bytes=sum(layer.out_bytes for layer in layers),
             max_act=max((layer.act_bytes for layer in layers), default=0.0),
@@ -113,7 +136,8 @@ def stage_sums(workload: Workload, pp: int) -> tuple[Sums, ...]:
         cuts = partition(workload, pp)
         experts = workload.shape.num_experts
         stages = workload.cache[key] = tuple(
-            Sums.of(workload.llm[start:end], experts) for start, end in itertools.pairwise(cuts))
+            Sums.of(workload.llm[start:end], experts) for start, end in itertools.pairwise(cuts)
+        )
     return stages
 
 
@@ -133,8 +157,9 @@ def stage_groups(workload: Workload, pp: int) -> tuple[tuple[Sums, int, int], ..
 def stage_group_positions(workload: Workload, pp: int) -> tuple[int, ...]:
     """For each pipeline stage in order, the position of its group in `stage_groups`."""
     positions: dict[tuple[Sums, bool], int] = {}
-    return tuple(positions.setdefault((sums, index == 0), len(positions))
-                 for index, sums in enumerate(stage_sums(workload, pp)))
+    return tuple(
+        positions.setdefault((sums, index == 0), len(positions)) for index, sums in enumerate(stage_sums(workload, pp))
+    )
 
 
 def schedule_refusal(plan: ParallelPlan, m: int) -> str:
@@ -147,8 +172,9 @@ def schedule_refusal(plan: ParallelPlan, m: int) -> str:
     return ""
 
 
-def pipeline_seconds(plan: ParallelPlan, m: int, stage_times: Sequence[float],
-                     counts: Sequence[int]) -> tuple[float, float]:
+def pipeline_seconds(
+    plan: ParallelPlan, m: int, stage_times: Sequence[float], counts: Sequence[int]
+) -> tuple[float, float]:
     """(pipeline, bubble) seconds of a step's `m` micro-batches through stages taking `stage_times` each
     (one per distinct stage, `counts` stages alike; the module's formula)."""
     slowest = max(stage_times)
@@ -172,8 +198,9 @@ def schedule_order(schedule: str, pp: int, stage: int, m: int) -> list[tuple[str
     return order + [("B", j) for j in range(m - warm, m)]
 
 
-def time_shared_pipeline(schedule: str, m: int, work: Sequence[tuple[float, float]], forward_share: float,
-                         ranks_per_stage: float, cores: int) -> float:
+def time_shared_pipeline(
+    schedule: str, m: int, work: Sequence[tuple[float, float]], forward_share: float, ranks_per_stage: float, cores: int
+) -> float:
     """Seconds of `m` micro-batches through a GPipe or 1F1B pipeline whose ranks time-share `cores`, simulated:
     a micro-batch's forward and backward on stage s take `work[s]` = (seconds on a core, seconds waiting on a
     collective, which need none), `forward_share` of each in forward; every stage runs its schedule in order,

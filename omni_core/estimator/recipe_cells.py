@@ -9,8 +9,8 @@ model at its own batch (micro_batch x grad_accum x nproc packed sequences). The 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,16 +29,23 @@ if TYPE_CHECKING:
     from omni_core.recipe.schema import Recipe
 
 
-def flavor_workload(recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None,
-                    name: str = "", precision: str = "") -> Workload:
+def flavor_workload(
+    recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None, name: str = "", precision: str = ""
+) -> Workload:
     """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences,
     in `precision` (default: the estimate's, `estimate.precision`). Balancing loaders (`data.balance`) leave
     the imbalance the profile simulated for the recipe's policy (none when there is no profile to read)."""
     from omni_core.models.flavors import get_flavor
 
     args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
-    workload = omni_workload(args, seq_len=recipe.data.seq_len, global_batch=batch, profile=profile,
-                             name=name or flavor, precision=precision or recipe.estimate.precision)
+    workload = omni_workload(
+        args,
+        seq_len=recipe.data.seq_len,
+        global_batch=batch,
+        profile=profile,
+        name=name or flavor,
+        precision=precision or recipe.estimate.precision,
+    )
     policy = recipe.data.balance.policy
     if policy == "none":
         return workload
@@ -86,8 +93,14 @@ def recipe_cluster(recipe: Recipe, catalog: GpuCatalog) -> tuple[dict[str, int],
 def estimate_recipe(recipe: Recipe, profile: DatasetProfile | None = None, *, workers: int = 1) -> CellTable:
     catalog = GpuCatalog().with_overrides(recipe.estimate.gpus)
     gpus, per_node = recipe_cluster(recipe, catalog)
-    return build_cell_table(recipe_workloads(recipe, profile), catalog, gpus, gpus_per_node=per_node,
-                            layout=recipe.estimate.layout, workers=workers)
+    return build_cell_table(
+        recipe_workloads(recipe, profile),
+        catalog,
+        gpus,
+        gpus_per_node=per_node,
+        layout=recipe.estimate.layout,
+        workers=workers,
+    )
 
 
 def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, global_batch: int) -> list[str]:
@@ -95,8 +108,10 @@ def plan_overrides(plan: ParallelPlan, micro_batch: int, checkpoint: bool, globa
     activation checkpointing as the estimate priced them, the gradient accumulation keeping `global_batch`
     packed sequences per step."""
     if global_batch % (micro_batch * plan.dp):
-        raise ValueError(f"plan {plan.name} at micro-batch {micro_batch} cannot keep the global batch of "
-                         f"{global_batch} sequences: {micro_batch} x dp {plan.dp} does not divide it")
+        raise ValueError(
+            f"plan {plan.name} at micro-batch {micro_batch} cannot keep the global batch of "
+            f"{global_batch} sequences: {micro_batch} x dp {plan.dp} does not divide it"
+        )
     values = {
         "parallel.plan": "explicit",
         "parallel.nproc": plan.world_size,
@@ -115,15 +130,24 @@ def with_best_plan(recipe: Recipe, table: CellTable, gpu_type: str) -> Recipe:
     cells = table.best_cells(job)
     if (gpu_type, nproc) not in cells:
         priced = ", ".join(f"{t} x{n}" for t, n in sorted(cells)) or "none"
-        raise RecipeError([f"parallel.plan: auto, but the estimate has no Cell {gpu_type} x{nproc} for job {job!r} "
-                           f"(priced: {priced}; estimate.gpu_types and estimate.max_gpus choose them)"])
+        raise RecipeError(
+            [
+                f"parallel.plan: auto, but the estimate has no Cell {gpu_type} x{nproc} for job {job!r} "
+                f"(priced: {priced}; estimate.gpu_types and estimate.max_gpus choose them)"
+            ]
+        )
     best = cells[gpu_type, nproc]
     if best.nodes != 1:  # torchrun --standalone: the train stage's ranks are one node
-        raise RecipeError([f"parallel.plan: auto, but the estimate priced {gpu_type} x{nproc} as {best.nodes} nodes "
-                           f"of {best.gpus_per_node}, and the train stage runs on one node (give its size in "
-                           f"cluster.node_groups or estimate.gpus.{gpu_type}.gpus_per_node)"])
-    return override_recipe(recipe, plan_overrides(best.parallel_plan(), best.micro_batch, best.checkpoint,
-                                                  recipe_batch(recipe)))
+        raise RecipeError(
+            [
+                f"parallel.plan: auto, but the estimate priced {gpu_type} x{nproc} as {best.nodes} nodes "
+                f"of {best.gpus_per_node}, and the train stage runs on one node (give its size in "
+                f"cluster.node_groups or estimate.gpus.{gpu_type}.gpus_per_node)"
+            ]
+        )
+    return override_recipe(
+        recipe, plan_overrides(best.parallel_plan(), best.micro_batch, best.checkpoint, recipe_batch(recipe))
+    )
 
 
 def estimate_own_cells(recipe: Recipe, gpu_type: str) -> CellTable:
@@ -141,8 +165,9 @@ def runtime_precision(recipe: Recipe, gpu: GpuSpec) -> str:
     return {"float32": "fp32", "bfloat16": "bf16"}[recipe.train.dtype]
 
 
-def predict_plan(recipe: Recipe, plan: ParallelPlan, profile: DatasetProfile | None, *,
-                 gpu_type: str = "cpu") -> Estimate:
+def predict_plan(
+    recipe: Recipe, plan: ParallelPlan, profile: DatasetProfile | None, *, gpu_type: str = "cpu"
+) -> Estimate:
     """`plan`'s predicted step (time, memory) for `recipe` as the runtime trains it on one node of `gpu_type`
     (this machine by default: its stored calibration, $OMNI_CALIBRATION_DIR, with what the runtime does on top
     of it, `calibration.runtime_efficiency`): the recipe's model on the profiled data (defaults without a
@@ -153,17 +178,23 @@ def predict_plan(recipe: Recipe, plan: ParallelPlan, profile: DatasetProfile | N
     gpu, eff = calibrated(GpuCatalog().with_overrides(recipe.estimate.gpus)[gpu_type])
     eff, precision = runtime_efficiency(eff), runtime_precision(recipe, gpu)
     micro_batch, accum = recipe.data.micro_batch, recipe.train.grad_accum
-    workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile,
-                               precision=precision)
-    est = estimate_step(workload, gpu, plan, Options(micro_batch, recipe.train.activation_checkpointing),
-                        gpus_per_node=plan.world_size, eff=eff)
+    workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile, precision=precision)
+    est = estimate_step(
+        workload,
+        gpu,
+        plan,
+        Options(micro_batch, recipe.train.activation_checkpointing),
+        gpus_per_node=plan.world_size,
+        eff=eff,
+    )
     if not est.fits:
         raise ValueError(f"plan {plan.name}: {est.reason}")
     return est
 
 
-def predicted_step_times(recipe: Recipe, plans: Sequence[ParallelPlan], profile: DatasetProfile | None, *,
-                         gpu_type: str = "cpu") -> dict[str, float]:
+def predicted_step_times(
+    recipe: Recipe, plans: Sequence[ParallelPlan], profile: DatasetProfile | None, *, gpu_type: str = "cpu"
+) -> dict[str, float]:
     """Each plan's predicted step seconds (by plan name), as `predict_plan` prices it: what the layout
     benchmark divides (omni / coupled, disaggregated / coupled, plans of one world) and the watcher compares."""
     return {plan.name: predict_plan(recipe, plan, profile, gpu_type=gpu_type).step_time_s for plan in plans}
@@ -173,9 +204,11 @@ def prediction_error(predicted: Estimate, result: TrainResult) -> dict[str, floa
     """A run's measured step beside the estimator's prediction for its plan. Measured memory is rank 0's peak
     (on CPU the process's resident set, which holds the runtime too, not only the model's step)."""
     return {
-        "perf/predicted_step_s": predicted.step_time_s, "perf/measured_step_s": result.step_s,
+        "perf/predicted_step_s": predicted.step_time_s,
+        "perf/measured_step_s": result.step_s,
         "estimate/error_pct": 100 * (predicted.step_time_s / result.step_s - 1),
-        "perf/predicted_peak_mem_mb": predicted.peak_mem_bytes / 2**20, "perf/measured_peak_mem_mb": result.peak_mem_mb,
+        "perf/predicted_peak_mem_mb": predicted.peak_mem_bytes / 2**20,
+        "perf/measured_peak_mem_mb": result.peak_mem_mb,
         "estimate/mem_error_pct": 100 * (predicted.peak_mem_bytes / 2**20 / result.peak_mem_mb - 1),
     }
 
@@ -185,13 +218,17 @@ def format_table(table: CellTable, top: int = 10) -> str:
     lines = []
     for job in dict.fromkeys(c.job for c in table.cells):
         lines.append(f"{job}")
-        lines.append(f"  {'gpu':<10}{'gpus':>5}{'nodes':>6}{'pp':>4}  {'plan':<36}{'mb':>3}{'ckpt':>5}"
-                     f"{'step s':>10}{'samples/s':>11}{'mem GB':>8}")
+        lines.append(
+            f"  {'gpu':<10}{'gpus':>5}{'nodes':>6}{'pp':>4}  {'plan':<36}{'mb':>3}{'ckpt':>5}"
+            f"{'step s':>10}{'samples/s':>11}{'mem GB':>8}"
+        )
         rows = sorted((c for c in table.cells if c.job == job), key=lambda c: -c.samples_per_s)[:top]
         for c in rows:
-            lines.append(f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<36}{c.micro_batch:>3}"
-                         f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
-                         f"{c.peak_mem_gb:>8.2f}")
+            lines.append(
+                f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<36}{c.micro_batch:>3}"
+                f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
+                f"{c.peak_mem_gb:>8.2f}"
+            )
     for u in table.unfit:
         lines.append(f"{u.job}: {u.reason}")
     return "\n".join(lines)

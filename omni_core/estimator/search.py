@@ -36,16 +36,17 @@ def powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 
-def candidate_plans(workload: Workload, num_gpus: int, gpus_per_node: int, pp: int, *,
-                    dp_only: bool = False) -> Iterator[ParallelPlan]:
+def candidate_plans(
+    workload: Workload, num_gpus: int, gpus_per_node: int, pp: int, *, dp_only: bool = False
+) -> Iterator[ParallelPlan]:
     """Every plan of `pp` stages on `num_gpus` GPUs the model can be split by (TP inside a node)."""
     if num_gpus % pp:
         return
     per_stage = num_gpus // pp
     shape = workload.shape
     long = (shape.seq_len or 0) >= LONG_SEQ and not dp_only
-    for tp in ([1] if dp_only else powers_of_two(min(per_stage, gpus_per_node))):
-        for cp in (powers_of_two(per_stage // tp) if long else [1]):
+    for tp in [1] if dp_only else powers_of_two(min(per_stage, gpus_per_node)):
+        for cp in powers_of_two(per_stage // tp) if long else [1]:
             dp = per_stage // (tp * cp)
             if dp * tp * cp != per_stage:
                 continue
@@ -56,16 +57,24 @@ def candidate_plans(workload: Workload, num_gpus: int, gpus_per_node: int, pp: i
                 splits.add((dp // inside, inside))
             for replicate, shard in sorted(splits):
                 eps = [e for e in powers_of_two(shard * cp) if shape.num_experts % e == 0] if shape.num_experts else [1]
-                for ep in ([1] if dp_only else eps):
-                    for kind in (("ulysses", "ring") if cp > 1 else ("ulysses",)):
+                for ep in [1] if dp_only else eps:
+                    for kind in ("ulysses", "ring") if cp > 1 else ("ulysses",):
                         schedules = [("1F1B", 1)]
                         if pp > 1 and shape.n_layers >= 2 * pp:
                             schedules.append(("Interleaved1F1B", 2))
                         for schedule, virtual in schedules:
                             try:
-                                plan = ParallelPlan(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp,
-                                                    ep=ep, cp_kind=kind, pp_schedule=schedule,
-                                                    virtual_stages=virtual)
+                                plan = ParallelPlan(
+                                    dp_replicate=replicate,
+                                    dp_shard=shard,
+                                    tp=tp,
+                                    pp=pp,
+                                    cp=cp,
+                                    ep=ep,
+                                    cp_kind=kind,
+                                    pp_schedule=schedule,
+                                    virtual_stages=virtual,
+                                )
                                 plan.check_model(shape)
                             except PlanError:
                                 continue
@@ -77,12 +86,21 @@ def lssp_groups(workload: Workload, ranks: int, gpus_per_node: int) -> list[int]
     the long-item encoder's heads, up to the one that cuts the longest item below a rank's balanced share of
     the encoder work."""
     needed = workload.encoder_max_item * ranks / workload.global_batch
-    return [g for g in powers_of_two(min(gpus_per_node, ranks))
-            if g == 1 or (g / 2 < needed and workload.items.heads % g == 0)]
+    return [
+        g
+        for g in powers_of_two(min(gpus_per_node, ranks))
+        if g == 1 or (g / 2 < needed and workload.items.heads % g == 0)
+    ]
 
 
-def encoder_plans(workload: Workload, layout: EncoderLayout, ranks: int, encoder_ranks: int,
-                  gpus_per_node: int, schedules: tuple[EncoderSchedule, ...] = ("phased",)) -> list[EncoderPlan]:
+def encoder_plans(
+    workload: Workload,
+    layout: EncoderLayout,
+    ranks: int,
+    encoder_ranks: int,
+    gpus_per_node: int,
+    schedules: tuple[EncoderSchedule, ...] = ("phased",),
+) -> list[EncoderPlan]:
     """The encoder halves of `layout` on `encoder_ranks` ranks (`ranks` of them the encoders' own): each LSSP
     group of `lssp_groups` for the long-item encoder, with the threshold that splits what balancing cannot
     even out (`encoders.long_tokens_threshold`), every encoder's weights replicated or FSDP-sharded, under
@@ -105,8 +123,13 @@ def disaggregated_splits(num_gpus: int, gpus_per_node: int) -> list[int]:
     return sorted(e for e in splits if 0 < e < num_gpus and (num_gpus <= gpus_per_node or e % gpus_per_node == 0))
 
 
-def encoder_variants(workload: Workload, layout: EncoderLayout, num_gpus: int, gpus_per_node: int,
-                     schedules: tuple[EncoderSchedule, ...] = ("phased",)) -> list[tuple[int, list[EncoderPlan]]]:
+def encoder_variants(
+    workload: Workload,
+    layout: EncoderLayout,
+    num_gpus: int,
+    gpus_per_node: int,
+    schedules: tuple[EncoderSchedule, ...] = ("phased",),
+) -> list[tuple[int, list[EncoderPlan]]]:
     """(encoder-only ranks, the encoder halves to try with LLM plans on the rest) for `layout` under each of
     `schedules`; a workload without encoder items (text only: the encoders run a dummy input wherever they
     are) has the default half only."""
@@ -114,8 +137,10 @@ def encoder_variants(workload: Workload, layout: EncoderLayout, num_gpus: int, g
         return [(0, [EncoderPlan()])]
     if layout == "omni":
         return [(0, encoder_plans(workload, "omni", 0, num_gpus, gpus_per_node, schedules))]
-    return [(k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node, schedules))
-            for k in disaggregated_splits(num_gpus, gpus_per_node)]
+    return [
+        (k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node, schedules))
+        for k in disaggregated_splits(num_gpus, gpus_per_node)
+    ]
 
 
 def encoder_schedules(gpu: GpuSpec) -> tuple[EncoderSchedule, ...]:
@@ -125,9 +150,16 @@ def encoder_schedules(gpu: GpuSpec) -> tuple[EncoderSchedule, ...]:
     return ("phased", "joint") if gpu.name == "cpu" else ("phased",)
 
 
-def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan],
-                 encoders: Sequence[EncoderPlan] = (EncoderPlan(),), *, gpus_per_node: int, eff: Efficiency,
-                 max_micro_batch: int = 8) -> tuple[list[Estimate], str]:
+def search_plans(
+    workload: Workload,
+    gpu: GpuSpec,
+    plans: Iterable[ParallelPlan],
+    encoders: Sequence[EncoderPlan] = (EncoderPlan(),),
+    *,
+    gpus_per_node: int,
+    eff: Efficiency,
+    max_micro_batch: int = 8,
+) -> tuple[list[Estimate], str]:
     """Fitting estimates, fastest first, one per LLM plan of `plans` (with the fastest of `encoders` as its
     encoder half), and (when none fits) the reason of the plan closest to fitting."""
     fits: list[Estimate] = []
@@ -135,8 +167,12 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
     for plan in plans:
         local = workload.global_batch // plan.dp if workload.global_batch % plan.dp == 0 else 0
         if not local:
-            closest = closest or Estimate(plan, Options(), peak_mem_bytes=math.inf, reason=(
-                f"global_batch={workload.global_batch} is not divisible by dp={plan.dp}"))
+            closest = closest or Estimate(
+                plan,
+                Options(),
+                peak_mem_bytes=math.inf,
+                reason=(f"global_batch={workload.global_batch} is not divisible by dp={plan.dp}"),
+            )
             continue
         sizes = [mb for mb in powers_of_two(min(local, max_micro_batch)) if local % mb == 0]
         # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
@@ -148,14 +184,20 @@ def search_plans(workload: Workload, gpu: GpuSpec, plans: Iterable[ParallelPlan]
         variants = [replace(plan, encoders=e) for e in encoders]
         options: list[Estimate] = []
         memory_bound = False
-        for checkpoint in ((False, True) if workload.recompute is None else (workload.recompute,)):
+        for checkpoint in (False, True) if workload.recompute is None else (workload.recompute,):
             if checkpoint and workload.recompute is None and not memory_bound:
                 break
             tried: list[Estimate] = []
-            for mb in (sizes[::-1] if descending else sizes):
-                est = min((estimate_step(workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node,
-                                         eff=eff) for variant in variants),
-                          key=lambda e: (not e.fits, e.step_time_s))
+            for mb in sizes[::-1] if descending else sizes:
+                est = min(
+                    (
+                        estimate_step(
+                            workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node, eff=eff
+                        )
+                        for variant in variants
+                    ),
+                    key=lambda e: (not e.fits, e.step_time_s),
+                )
                 if not est.fits:
                     memory_bound |= est.reason.startswith("out of memory")
                     if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
@@ -200,8 +242,17 @@ def cell_shape(num_gpus: int, gpus_per_node: int) -> tuple[int, int]:
     return math.ceil(num_gpus / gpus_per_node), min(num_gpus, gpus_per_node)
 
 
-def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, pp: int, *,
-                eff: Efficiency, layout: EncoderLayout = "omni", dp_only: bool = False) -> CellResult:
+def search_cell(
+    workload: Workload,
+    gpu: GpuSpec,
+    num_gpus: int,
+    gpus_per_node: int,
+    pp: int,
+    *,
+    eff: Efficiency,
+    layout: EncoderLayout = "omni",
+    dp_only: bool = False,
+) -> CellResult:
     """The Cell's best plans whose encoders are laid out as `layout` (`encoder_variants`)."""
     nodes, per_node = cell_shape(num_gpus, gpus_per_node)
     fits: list[Estimate] = []
@@ -216,22 +267,30 @@ def search_cell(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: 
         reasons.append(reason)
     fits.sort(key=lambda e: e.step_time_s)
     reason = "" if fits else next((r for r in reasons if r != NO_PLAN), NO_PLAN)
-    return CellResult(gpu.name, num_gpus, nodes, per_node, pp, fits[0] if fits else None,
-                      fits[1:1 + RUNNERS_UP], reason)
+    return CellResult(
+        gpu.name, num_gpus, nodes, per_node, pp, fits[0] if fits else None, fits[1 : 1 + RUNNERS_UP], reason
+    )
 
 
 def pipeline_depths(workload: Workload, num_gpus: int) -> list[int]:
     return [p for p in powers_of_two(num_gpus) if p <= workload.shape.n_layers]
 
 
-def best_for_gpus(workload: Workload, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, *,
-                  eff: Efficiency | None = None, layout: EncoderLayout = "omni",
-                  dp_only: bool = False) -> CellResult | None:
+def best_for_gpus(
+    workload: Workload,
+    gpu: GpuSpec,
+    num_gpus: int,
+    gpus_per_node: int,
+    *,
+    eff: Efficiency | None = None,
+    layout: EncoderLayout = "omni",
+    dp_only: bool = False,
+) -> CellResult | None:
     """The fastest Cell over pipeline depths for this GPU count (pp=1 only when dp_only); None if none fits."""
     if eff is None:
         gpu, eff = calibrated(gpu)
     best = None
-    for pp in ([1] if dp_only else pipeline_depths(workload, num_gpus)):
+    for pp in [1] if dp_only else pipeline_depths(workload, num_gpus):
         cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout, dp_only=dp_only)
         if cell.best and (best is None or cell.best.step_time_s < best.best.step_time_s):
             best = cell
@@ -273,8 +332,14 @@ class CellRow(Result):
     def cell_result(self) -> CellResult:
         """The search's result this row was made from (`cell_row`), without its runners-up."""
         options = Options(self.micro_batch, self.checkpoint)
-        best = Estimate(self.parallel_plan(), options, self.step_time_s, self.samples_per_s, self.peak_mem_gb * 1e9,
-                        breakdown=dict(self.breakdown))
+        best = Estimate(
+            self.parallel_plan(),
+            options,
+            self.step_time_s,
+            self.samples_per_s,
+            self.peak_mem_gb * 1e9,
+            breakdown=dict(self.breakdown),
+        )
         return CellResult(self.gpu_type, self.num_gpus, self.nodes, self.gpus_per_node, self.pp, best)
 
 
@@ -311,21 +376,41 @@ class CellTable(Result):
 
 
 def _plan_row(est: Estimate) -> PlanRow:
-    return PlanRow(plan=est.plan.name, micro_batch=est.options.micro_batch, checkpoint=est.options.checkpoint,
-                   step_time_s=est.step_time_s, samples_per_s=est.samples_per_s, peak_mem_gb=est.peak_mem_bytes / 1e9)
+    return PlanRow(
+        plan=est.plan.name,
+        micro_batch=est.options.micro_batch,
+        checkpoint=est.options.checkpoint,
+        step_time_s=est.step_time_s,
+        samples_per_s=est.samples_per_s,
+        peak_mem_gb=est.peak_mem_bytes / 1e9,
+    )
 
 
 def cell_row(job: str, cell: CellResult, layout: EncoderLayout = "omni") -> CellRow:
     best = cell.best
     assert best is not None
-    return CellRow(job=job, gpu_type=cell.gpu_type, num_gpus=cell.num_gpus, nodes=cell.nodes,
-                   gpus_per_node=cell.gpus_per_node, pp=cell.pp, layout=layout, **_plan_row(best).model_dump(),
-                   breakdown={k: float(v) for k, v in best.breakdown.items()},
-                   runners_up=[_plan_row(e) for e in cell.runners_up])
+    return CellRow(
+        job=job,
+        gpu_type=cell.gpu_type,
+        num_gpus=cell.num_gpus,
+        nodes=cell.nodes,
+        gpus_per_node=cell.gpus_per_node,
+        pp=cell.pp,
+        layout=layout,
+        **_plan_row(best).model_dump(),
+        breakdown={k: float(v) for k, v in best.breakdown.items()},
+        runners_up=[_plan_row(e) for e in cell.runners_up],
+    )
 
 
-def job_cells(job: str, workload: Workload, catalog: GpuCatalog, gpus: dict[str, int],
-              gpus_per_node: dict[str, int], layout: EncoderLayout = "omni") -> tuple[list[CellRow], Unfit | None]:
+def job_cells(
+    job: str,
+    workload: Workload,
+    catalog: GpuCatalog,
+    gpus: dict[str, int],
+    gpus_per_node: dict[str, int],
+    layout: EncoderLayout = "omni",
+) -> tuple[list[CellRow], Unfit | None]:
     """One job's Cells on the cluster: GPU counts 1, 2, 4, ... up to what each type has, each pipeline
     depth; the job is `Unfit` (with the reason of its largest Cell) when none of them holds it."""
     rows: list[CellRow] = []
@@ -348,9 +433,15 @@ def _job_cells(args: tuple) -> tuple[list[CellRow], Unfit | None]:
     return job_cells(*args)
 
 
-def build_cell_table(jobs: dict[str, Workload], catalog: GpuCatalog, gpus: dict[str, int], *,
-                     gpus_per_node: dict[str, int] | None = None, layout: EncoderLayout = "omni",
-                     workers: int = 1) -> CellTable:
+def build_cell_table(
+    jobs: dict[str, Workload],
+    catalog: GpuCatalog,
+    gpus: dict[str, int],
+    *,
+    gpus_per_node: dict[str, int] | None = None,
+    layout: EncoderLayout = "omni",
+    workers: int = 1,
+) -> CellTable:
     """Every Cell of every job on the cluster `gpus` (GPU type -> GPUs of that type), jobs spread over
     `workers` forked processes. A job no Cell can hold is reported in `unfit`, not dropped."""
     import time
@@ -366,5 +457,9 @@ def build_cell_table(jobs: dict[str, Workload], catalog: GpuCatalog, gpus: dict[
         results = [_job_cells(t) for t in tasks]
     rows = [row for job_rows, _ in results for row in job_rows]
     unfit = [u for _, u in results if u is not None]
-    return CellTable(cells=rows, unfit=unfit, seconds=time.perf_counter() - start,
-                     calibrations={gpu_type: calibration_digest(catalog[gpu_type].name) for gpu_type in gpus})
+    return CellTable(
+        cells=rows,
+        unfit=unfit,
+        seconds=time.perf_counter() - start,
+        calibrations={gpu_type: calibration_digest(catalog[gpu_type].name) for gpu_type in gpus},
+    )

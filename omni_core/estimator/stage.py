@@ -68,8 +68,13 @@ def device_seconds(sums: Sums, gpu: GpuSpec, eff: Efficiency, precision: str) ->
     attn = sums.attn_flops + (sums.causal_attn_flops if eff.attention_full else 0.0)
     mm_bw = eff.matmul_bw or gpu.mem_bw * eff.memory
     elementwise_bw = eff.elementwise_bw or gpu.mem_bw * eff.memory
-    per_sample = (sums.flops / (peak * eff.matmul) + sums.mm_bytes / mm_bw + attn / (peak * eff.attention)
-                  + sums.attn_scores * eff.score_s + sums.mem_bytes / elementwise_bw)
+    per_sample = (
+        sums.flops / (peak * eff.matmul)
+        + sums.mm_bytes / mm_bw
+        + attn / (peak * eff.attention)
+        + sums.attn_scores * eff.score_s
+        + sums.mem_bytes / elementwise_bw
+    )
     return per_sample, sums.mm_weight_bytes / mm_bw
 
 
@@ -113,8 +118,9 @@ def forward_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> f
     eff, plan, mb = terms.eff, terms.plan, terms.options.micro_batch
     per_sample, per_call = device_seconds(st, terms.gpu, eff, terms.workload.precision)
     if ring:
-        per_sample -= ((st.attn_flops + (st.causal_attn_flops if eff.attention_full else 0.0)) / terms.attn_rate
-                       + st.attn_scores * eff.score_s)
+        per_sample -= (
+            st.attn_flops + (st.causal_attn_flops if eff.attention_full else 0.0)
+        ) / terms.attn_rate + st.attn_scores * eff.score_s
     forward = per_sample * mb / terms.split + per_call / plan.tp
     if not eff.split_encoders_experts:  # every TP rank runs the experts on all of its tokens
         forward += st.expert_flops * mb / terms.mm_rate * (1 / plan.cp - 1 / terms.split)
@@ -166,13 +172,16 @@ def cp_exchange_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) 
     q_bytes = st.block_io * terms.options.micro_batch / terms.split
     if ring:
         kv = 2 * q_bytes * workload.shape.n_kv_heads / workload.shape.n_heads
-        passing = ((cp - 1) * (1 + terms.recompute / 3) * 2 * net.time("p2p", kv / layers, 2, terms.split)
-                   + cp * net.time("p2p", kv * 4 / terms.weight_bytes / layers, 2, terms.split)) * layers
+        passing = (
+            (cp - 1) * (1 + terms.recompute / 3) * 2 * net.time("p2p", kv / layers, 2, terms.split)
+            + cp * net.time("p2p", kv * 4 / terms.weight_bytes / layers, 2, terms.split)
+        ) * layers
         return max(0.0, passing - terms.eff.cp_overlap * layers * ring.tile_compute)
     heads, kv_heads = workload.shape.n_heads // plan.tp, max(1, workload.shape.n_kv_heads // plan.tp)
     kv_share = math.lcm(kv_heads, cp) / heads  # K/V heads sent (repeated to a multiple of cp) per query head
-    forward = (2 * net.time("all_to_all", q_bytes / layers, cp, terms.split)
-               + 2 * net.time("all_to_all", kv_share * q_bytes / layers, cp, terms.split))
+    forward = 2 * net.time("all_to_all", q_bytes / layers, cp, terms.split) + 2 * net.time(
+        "all_to_all", kv_share * q_bytes / layers, cp, terms.split
+    )
     return forward * layers * (2 + terms.recompute)
 
 
@@ -192,13 +201,18 @@ def ep_seconds(terms: PlanTerms, st: Sums) -> float:
     a2a = st.a2a_bytes * terms.options.micro_batch / terms.ep_split
     return (1 - terms.eff.ep_overlap) * (
         2 * terms.net.time("all_to_all", a2a, ep, tp * ep) * terms.passes / 3
-        + terms.net.time("all_to_all", 4.0 * st.routed_experts, ep, tp * ep, st.moe_layers))
+        + terms.net.time("all_to_all", 4.0 * st.routed_experts, ep, tp * ep, st.moe_layers)
+    )
 
 
 def collectives_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
     """A micro-batch's exposed TP, CP and EP collectives (summed in this order)."""
-    return tp_seconds(terms, st) + cp_exchange_seconds(terms, ring, st) + cp_routing_seconds(terms, st) + ep_seconds(
-        terms, st)
+    return (
+        tp_seconds(terms, st)
+        + cp_exchange_seconds(terms, ring, st)
+        + cp_routing_seconds(terms, st)
+        + ep_seconds(terms, st)
+    )
 
 
 def send_seconds(terms: PlanTerms, st: Sums) -> float:
@@ -216,8 +230,10 @@ def rank_params(terms: PlanTerms, st: Sums) -> tuple[float, float]:
     """(dense, expert) parameters of a stage on one rank before FSDP: dense ones split by TP, experts by EP
     (and by TP where the implementation splits them)."""
     tp, eff = terms.plan.tp, terms.eff
-    return ((st.params - st.expert_params) / tp,
-            st.expert_params / (terms.plan.ep * (tp if eff.split_encoders_experts else 1)))
+    return (
+        (st.params - st.expert_params) / tp,
+        st.expert_params / (terms.plan.ep * (tp if eff.split_encoders_experts else 1)),
+    )
 
 
 def dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, span: int, calls: float) -> tuple[float, float]:
@@ -256,8 +272,9 @@ def _summed(parts: list[tuple[float, float]], times: float = 1.0) -> tuple[float
     return times * sum(latency for latency, _ in parts), times * sum(volume for _, volume in parts)
 
 
-def fsdp_seconds(terms: PlanTerms, params: float, units: float, tensors: float, expert_params: float,
-                 expert_units: float) -> FsdpTimes:
+def fsdp_seconds(
+    terms: PlanTerms, params: float, units: float, tensors: float, expert_params: float, expert_units: float
+) -> FsdpTimes:
     """FSDP over a rank's units: each unit's wrapper and its collectives, the parameter all-gathers
     (forward and backward) per micro-batch, the gradients' reduce-scatter (+ HSDP all-reduce) once per step,
     in the last micro-batch's backward. Experts under EP form their own units, sharded over `expert_shards`."""
@@ -267,16 +284,22 @@ def fsdp_seconds(terms: PlanTerms, params: float, units: float, tensors: float, 
     shards, span = terms.shards, terms.rank_span
     all_units = units + expert_units
     gathers = [dp_seconds(terms, "all_gather", params * wbytes, shards, span, units)]
-    reduces = [dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units),
-               dp_seconds(terms, "all_reduce", params * eff.grad_bytes / shards, plan.dp_replicate,
-                          span * plan.dp_replicate, all_units)]
+    reduces = [
+        dp_seconds(terms, "reduce_scatter", params * eff.grad_bytes, shards, span, units),
+        dp_seconds(
+            terms,
+            "all_reduce",
+            params * eff.grad_bytes / shards,
+            plan.dp_replicate,
+            span * plan.dp_replicate,
+            all_units,
+        ),
+    ]
     if expert_units:
         experts = terms.expert_shards
         gathers.append(dp_seconds(terms, "all_gather", expert_params * wbytes, experts, span, expert_units))
-        reduces.append(dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span,
-                                  expert_units))
-    return FsdpTimes(all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s, _summed(gathers, 2.0),
-                     _summed(reduces))
+        reduces.append(dp_seconds(terms, "reduce_scatter", expert_params * eff.grad_bytes, experts, span, expert_units))
+    return FsdpTimes(all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s, _summed(gathers, 2.0), _summed(reduces))
 
 
 def hidden_dp_seconds(terms: PlanTerms, fsdp: FsdpTimes, compute: float) -> tuple[float, float]:
@@ -314,15 +337,22 @@ def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[FsdpTimes,
     dense_params, expert_params = rank_params(terms, st)
     expert_units = st.moe_layers * st.routed_experts / ep if ep > 1 else 0.0
     tensors = st.tensors - st.expert_tensors * (1 - 1 / ep)
-    fsdp = fsdp_seconds(terms, dense_params + (expert_params if ep == 1 else 0.0), st.units + first, tensors,
-                        expert_params, expert_units)
+    fsdp = fsdp_seconds(
+        terms,
+        dense_params + (expert_params if ep == 1 else 0.0),
+        st.units + first,
+        tensors,
+        expert_params,
+        expert_units,
+    )
     sharded_params = (dense_params + expert_params) / (terms.shards if terms.fsdp else 1)
     optimizer = param_group_seconds(terms) + optimizer_seconds(terms, sharded_params, tensors)
     return fsdp, optimizer
 
 
-def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: bool,
-                extra: ExtraWork | None = None) -> StageTimes:
+def price_stage(
+    terms: PlanTerms, ring: RingAttention | None, st: Sums, first: bool, extra: ExtraWork | None = None
+) -> StageTimes:
     """One stage's times; `extra`: work it hosts besides its layers. A rank's own work (compute and host,
     profiled on one rank alone) is stretched by the ranks' straggling."""
     compute = compute_seconds(terms, ring, st)
@@ -341,14 +371,19 @@ def price_stage(terms: PlanTerms, ring: RingAttention | None, st: Sums, first: b
     compute, host = compute * terms.straggle, host * terms.straggle
     micro_batches = terms.micro_batches
     links = comm + send + fsdp_micro_batch - fsdp.wrappers
-    return StageTimes(micro_batch=compute + host + wrappers + comm + send + fsdp_micro_batch,
-                      device=micro_batches * (compute + host),
-                      runtime=micro_batches * (wrappers + comm + send + fsdp_micro_batch) + fsdp_step + optimizer,
-                      per_step=optimizer + fsdp_step, links=micro_batches * links + fsdp_step, micro_batch_links=links)
+    return StageTimes(
+        micro_batch=compute + host + wrappers + comm + send + fsdp_micro_batch,
+        device=micro_batches * (compute + host),
+        runtime=micro_batches * (wrappers + comm + send + fsdp_micro_batch) + fsdp_step + optimizer,
+        per_step=optimizer + fsdp_step,
+        links=micro_batches * links + fsdp_step,
+        micro_batch_links=links,
+    )
 
 
-def price_stages(terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...],
-                 stage0_extra: ExtraWork | None = None) -> list[StageTimes]:
+def price_stages(
+    terms: PlanTerms, groups: tuple[tuple[Sums, int, int], ...], stage0_extra: ExtraWork | None = None
+) -> list[StageTimes]:
     """The times of each distinct stage (`pipeline.stage_groups`), stage 0 hosting `stage0_extra`."""
     ring = ring_attention(terms)
     return [price_stage(terms, ring, st, index == 0, stage0_extra if index == 0 else None) for st, index, _ in groups]

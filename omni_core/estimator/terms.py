@@ -113,8 +113,10 @@ def recompute_share(workload: Workload, options: Options) -> float:
     if not options.checkpoint:
         return 0.0
     if options.selective and (workload.encoder or workload.is_moe or not workload.head_dim):
-        raise ValueError(f"{workload.name}: selective checkpointing ({options.selective!r}) is modelled for dense "
-                         "transformer LLMs only, not for encoders, MoE or convolutions")
+        raise ValueError(
+            f"{workload.name}: selective checkpointing ({options.selective!r}) is modelled for dense "
+            "transformer LLMs only, not for encoders, MoE or convolutions"
+        )
     if options.selective == "op":
         flops = sum(layer.flops + layer.attn_flops for layer in workload.llm)
         return sum(layer.sac_flops for layer in workload.llm) / flops
@@ -126,8 +128,12 @@ def node_efficiency(eff: Efficiency, gpu: GpuSpec, plan: ParallelPlan, gpus_per_
     memory bandwidth, so memory-bound work (not matmul operands, which stay in cache) slows down by
     `shared_memory`; a GPU has its own."""
     if gpu.cores and eff.shared_memory != 1.0 and min(plan.world_size, gpus_per_node, gpu.cores) > 1:
-        return replace(eff, memory=eff.memory / eff.shared_memory, matmul_bw=eff.matmul_bw or gpu.mem_bw * eff.memory,
-                       elementwise_bw=eff.elementwise_bw / eff.shared_memory)
+        return replace(
+            eff,
+            memory=eff.memory / eff.shared_memory,
+            matmul_bw=eff.matmul_bw or gpu.mem_bw * eff.memory,
+            elementwise_bw=eff.elementwise_bw / eff.shared_memory,
+        )
     return eff
 
 
@@ -166,8 +172,9 @@ class PlanTerms:
     encoder_split: int  # `coupled`: ranks an encoder's work is split over, tp x cp, or 1 when they run replicated
 
     @classmethod
-    def of(cls, workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, eff: Efficiency,
-           gpus_per_node: int) -> PlanTerms:
+    def of(
+        cls, workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, eff: Efficiency, gpus_per_node: int
+    ) -> PlanTerms:
         eff = node_efficiency(eff, gpu, plan, gpus_per_node)
         peak = gpu.compute_flops(workload.precision)
         split = plan.tp * plan.cp
@@ -176,17 +183,32 @@ class PlanTerms:
         optimizer_states, traffic = OPTIMIZERS[workload.optimizer]
         shards = plan.dp_shard * plan.cp
         return cls(
-            workload=workload, gpu=gpu, plan=plan, options=options, eff=eff,
-            net=Network(gpu, gpus_per_node, eff.link, eff.collectives), gpus_per_node=gpus_per_node,
+            workload=workload,
+            gpu=gpu,
+            plan=plan,
+            options=options,
+            eff=eff,
+            net=Network(gpu, gpus_per_node, eff.link, eff.collectives),
+            gpus_per_node=gpus_per_node,
             micro_batches=workload.global_batch // (plan.dp * options.micro_batch),
-            mm_rate=peak * eff.matmul, attn_rate=peak * eff.attention, mem_rate=gpu.mem_bw * eff.memory,
-            split=split, recompute=recompute, passes=3.0 + recompute, weight_bytes=weight_bytes,
+            mm_rate=peak * eff.matmul,
+            attn_rate=peak * eff.attention,
+            mem_rate=gpu.mem_bw * eff.memory,
+            split=split,
+            recompute=recompute,
+            passes=3.0 + recompute,
+            weight_bytes=weight_bytes,
             state_bytes=weight_bytes + eff.grad_bytes + optimizer_states + (4.0 if weight_bytes == 2 else 0.0),
             optimizer_traffic=eff.optimizer_bytes_per_param * traffic,
-            shards=shards, fsdp=plan.dp * plan.cp > 1, expert_shards=max(1, shards // plan.ep),
-            tokens=workload.tokens_per_sample * options.micro_batch, rank_span=split * plan.dp_shard,
-            ep_split=split if eff.split_encoders_experts else plan.cp, pipeline_senders_across=(
-                min(gpus_per_node, plan.world_size // plan.pp) if plan.world_size > gpus_per_node else 0),
+            shards=shards,
+            fsdp=plan.dp * plan.cp > 1,
+            expert_shards=max(1, shards // plan.ep),
+            tokens=workload.tokens_per_sample * options.micro_batch,
+            rank_span=split * plan.dp_shard,
+            ep_split=split if eff.split_encoders_experts else plan.cp,
+            pipeline_senders_across=(
+                min(gpus_per_node, plan.world_size // plan.pp) if plan.world_size > gpus_per_node else 0
+            ),
             straggle=eff.straggle if plan.world_size > 1 else 1.0,
             encoder_split=split if eff.split_encoders_experts else 1,
         )

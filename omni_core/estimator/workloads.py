@@ -117,8 +117,9 @@ class Workload:
         """Running FLOPs (weights + attention) over the LLM layers: what the stage partition balances."""
         prefix = self.cache.get("cost_prefix")
         if prefix is None:
-            prefix = self.cache["cost_prefix"] = tuple(itertools.accumulate(
-                (layer.flops + layer.attn_flops for layer in self.llm), initial=0.0))
+            prefix = self.cache["cost_prefix"] = tuple(
+                itertools.accumulate((layer.flops + layer.attn_flops for layer in self.llm), initial=0.0)
+            )
         return prefix
 
     @property
@@ -158,9 +159,23 @@ def selective_matmuls(outputs: list[tuple[float, float]]) -> tuple[float, float]
 
 
 def transformer_block(
-    name: str, *, dim: int, heads: int, kv_heads: int, ffn: int, tokens: float, sum_sq: float, docs: float,
-    causal: bool, gated: bool, bias: bool, dtype_bytes: int = 2, experts: int = 0, top_k: int = 1,
-    shared_expert: bool = False, expert_group: int = 0,
+    name: str,
+    *,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    tokens: float,
+    sum_sq: float,
+    docs: float,
+    causal: bool,
+    gated: bool,
+    bias: bool,
+    dtype_bytes: int = 2,
+    experts: int = 0,
+    top_k: int = 1,
+    shared_expert: bool = False,
+    expert_group: int = 0,
 ) -> Layer:
     """A pre-norm attention + MLP block over `tokens` per sample, `docs` documents whose squared lengths
     sum to `sum_sq`. MoE: `experts` routed FFNs, `top_k` of them per token (GShard: 2), plus an optional
@@ -189,8 +204,9 @@ def transformer_block(
     dispatch = 2 * 2 * top_k * expert_group * dim if experts else 0.0  # einsum dispatch + combine, per token
     q, kv = heads * head_dim, kv_heads * head_dim
     ffn_mats = [(ffn, dim * ffn)] * (mats - 1) + [(dim, dim * ffn)]  # w1 (and w3), then w2
-    sac_kept, sac_recomputed = selective_matmuls([(q, dim * q), (kv, dim * kv), (kv, dim * kv), (dim, q * dim),
-                                                  *ffn_mats])
+    sac_kept, sac_recomputed = selective_matmuls(
+        [(q, dim * q), (kv, dim * kv), (kv, dim * kv), (dim, q * dim), *ffn_mats]
+    )
     masks = 2 * top_k * expert_group if experts else 0.0  # the dispatch and combine masks' elements per token
     return Layer(
         name=name,
@@ -199,7 +215,8 @@ def transformer_block(
         attn_flops=4 * head_dim * heads * attn_pairs,
         attn_scores=heads * sum_sq,
         causal=causal,
-        mm_bytes=b * tokens * io_per_token, mm_weight_bytes=b * (attn_params + ffn_params * ffns + router),
+        mm_bytes=b * tokens * io_per_token,
+        mm_weight_bytes=b * (attn_params + ffn_params * ffns + router),
         # Korthikanti et al. 2022 (flash attention: no s^2 term): inputs of each matmul, norm and activation
         act_bytes=b * tokens * (8 * dim + 2 * kv_heads * head_dim + (mats + 1) * ffn * routes + masks),
         out_bytes=b * tokens * dim,
@@ -223,27 +240,60 @@ def transformer_block(
 
 
 def embedding(name: str, vocab: int, dim: int, tokens: float, dtype_bytes: int = 2) -> Layer:
-    return Layer(name, params=vocab * dim, flops=0.0, out_bytes=dtype_bytes * tokens * dim,
-                 mem_bytes=2 * dtype_bytes * tokens * dim, ops=EMBED_OPS, tensors=1, tp_modules=1)
+    return Layer(
+        name,
+        params=vocab * dim,
+        flops=0.0,
+        out_bytes=dtype_bytes * tokens * dim,
+        mem_bytes=2 * dtype_bytes * tokens * dim,
+        ops=EMBED_OPS,
+        tensors=1,
+        tp_modules=1,
+    )
 
 
 def lm_head(name: str, vocab: int, dim: int, tokens: float, tied: bool = False, dtype_bytes: int = 2) -> Layer:
     """Final norm + vocabulary projection + cross-entropy; the fp32 logits dominate its activations. Under TP
     the projection is split over the vocabulary: tokens are gathered before it and logits after it."""
     return Layer(
-        name, params=0 if tied else vocab * dim, flops=2 * tokens * vocab * dim,
-        mm_bytes=dtype_bytes * tokens * (dim + vocab), mm_weight_bytes=dtype_bytes * vocab * dim,
-        act_bytes=tokens * (dtype_bytes * dim + 4 * vocab), out_bytes=0.0,
-        mem_bytes=tokens * (3 * 4 * vocab + 4 * dtype_bytes * dim), tp_bytes=dtype_bytes * tokens * (dim + vocab),
-        ops=HEAD_OPS + LOSS_OPS, tensors=1 if tied else 2, tp_colls=2.0, tp_modules=2,
+        name,
+        params=0 if tied else vocab * dim,
+        flops=2 * tokens * vocab * dim,
+        mm_bytes=dtype_bytes * tokens * (dim + vocab),
+        mm_weight_bytes=dtype_bytes * vocab * dim,
+        act_bytes=tokens * (dtype_bytes * dim + 4 * vocab),
+        out_bytes=0.0,
+        mem_bytes=tokens * (3 * 4 * vocab + 4 * dtype_bytes * dim),
+        tp_bytes=dtype_bytes * tokens * (dim + vocab),
+        ops=HEAD_OPS + LOSS_OPS,
+        tensors=1 if tied else 2,
+        tp_colls=2.0,
+        tp_modules=2,
     )
 
 
 def transformer(
-    name: str, *, n_layers: int, dim: int, heads: int, vocab: int, seq_len: int, global_batch: int,
-    kv_heads: int | None = None, ffn: int | None = None, gated: bool = False, bias: bool = True,
-    experts: int = 0, top_k: int = 2, doc_len: float | None = None, precision: str = "bf16", tied: bool = False,
-    moe_every: int = 1, expert_group: int = 0, optimizer: str = "adamw", recompute: bool | None = None,
+    name: str,
+    *,
+    n_layers: int,
+    dim: int,
+    heads: int,
+    vocab: int,
+    seq_len: int,
+    global_batch: int,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    gated: bool = False,
+    bias: bool = True,
+    experts: int = 0,
+    top_k: int = 2,
+    doc_len: float | None = None,
+    precision: str = "bf16",
+    tied: bool = False,
+    moe_every: int = 1,
+    expert_group: int = 0,
+    optimizer: str = "adamw",
+    recompute: bool | None = None,
 ) -> Workload:
     """A decoder-only LM (GPT with `gated=False, bias=True`; Llama with `gated=True, bias=False`), dense or
     MoE (`experts` > 0: the FFN of every `moe_every`-th block, from the first, is a mixture; the Alpa/Crius
@@ -257,49 +307,120 @@ def transformer(
     b = BYTES[precision]
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"{name}: optimizer={optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-    common = dict(dim=dim, heads=heads, kv_heads=kv_heads, ffn=ffn, tokens=seq_len, sum_sq=docs * doc_len**2,
-                  docs=docs, causal=True, gated=gated, bias=bias, dtype_bytes=b)
+    common = dict(
+        dim=dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        tokens=seq_len,
+        sum_sq=docs * doc_len**2,
+        docs=docs,
+        causal=True,
+        gated=gated,
+        bias=bias,
+        dtype_bytes=b,
+    )
     block = transformer_block("block", **common, experts=experts, top_k=top_k, expert_group=expert_group)
     dense = transformer_block("block", **common) if experts and moe_every > 1 else block
     blocks = [block if i % moe_every == 0 else dense for i in range(n_layers)]
     layers = (embedding("embed", vocab, dim, seq_len, b), *blocks, lm_head("head", vocab, dim, seq_len, tied, b))
     shape = ModelShape(n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads, num_experts=experts, seq_len=seq_len)
-    return Workload(name, layers, global_batch, shape, precision=precision, tokens_per_sample=seq_len,
-                    head_dim=dim // heads, doc_span=doc_len, optimizer=optimizer, recompute=recompute)
+    return Workload(
+        name,
+        layers,
+        global_batch,
+        shape,
+        precision=precision,
+        tokens_per_sample=seq_len,
+        head_dim=dim // heads,
+        doc_span=doc_len,
+        optimizer=optimizer,
+        recompute=recompute,
+    )
 
 
-def vit(name: str, *, n_layers: int, dim: int, heads: int, patches: float, sum_sq: float, images: float,
-        patch_dim: int, mlp_ratio: float = 4.0, dtype_bytes: int = 2) -> tuple[Layer, ...]:
+def vit(
+    name: str,
+    *,
+    n_layers: int,
+    dim: int,
+    heads: int,
+    patches: float,
+    sum_sq: float,
+    images: float,
+    patch_dim: int,
+    mlp_ratio: float = 4.0,
+    dtype_bytes: int = 2,
+) -> tuple[Layer, ...]:
     """A ViT over `patches` per sample in `images` documents (bidirectional attention per image)."""
     block = transformer_block(
-        f"{name}.block", dim=dim, heads=heads, kv_heads=heads, ffn=int(dim * mlp_ratio), tokens=patches,
-        sum_sq=sum_sq, docs=images, causal=False, gated=False, bias=True, dtype_bytes=dtype_bytes,
+        f"{name}.block",
+        dim=dim,
+        heads=heads,
+        kv_heads=heads,
+        ffn=int(dim * mlp_ratio),
+        tokens=patches,
+        sum_sq=sum_sq,
+        docs=images,
+        causal=False,
+        gated=False,
+        bias=True,
+        dtype_bytes=dtype_bytes,
     )
     b = dtype_bytes
     # with the positions (two factorized tables) and the final norm: the encoder's own FSDP unit
-    embed = Layer(f"{name}.patch_embed", params=patch_dim * dim + 3 * dim, flops=2 * patches * patch_dim * dim,
-                  mm_bytes=b * patches * (patch_dim + dim), mm_weight_bytes=b * patch_dim * dim,
-                  act_bytes=b * patches * patch_dim, out_bytes=b * patches * dim, mem_bytes=4 * b * patches * dim,
-                  ops=PATCH_EMBED_OPS, sample_ops=IMAGE_OPS * images, tensors=6, units=1)
+    embed = Layer(
+        f"{name}.patch_embed",
+        params=patch_dim * dim + 3 * dim,
+        flops=2 * patches * patch_dim * dim,
+        mm_bytes=b * patches * (patch_dim + dim),
+        mm_weight_bytes=b * patch_dim * dim,
+        act_bytes=b * patches * patch_dim,
+        out_bytes=b * patches * dim,
+        mem_bytes=4 * b * patches * dim,
+        ops=PATCH_EMBED_OPS,
+        sample_ops=IMAGE_OPS * images,
+        tensors=6,
+        units=1,
+    )
     return (embed, *([block] * n_layers))
 
 
 def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, dtype_bytes: int = 2) -> Layer:
     params = in_dim * hidden + hidden + hidden * out_dim + out_dim
     b = dtype_bytes
-    return Layer(name, params=params, flops=2 * tokens * (in_dim * hidden + hidden * out_dim),
-                 mm_bytes=b * tokens * (in_dim + 2 * hidden + out_dim), mm_weight_bytes=b * (params - hidden - out_dim),
-                 act_bytes=b * tokens * (in_dim + 2 * hidden), out_bytes=b * tokens * out_dim,
-                 mem_bytes=b * tokens * (3 * hidden + 2 * out_dim), tp_bytes=b * tokens * out_dim, ops=PROJECTOR_OPS,
-                 tensors=4, units=1)
+    return Layer(
+        name,
+        params=params,
+        flops=2 * tokens * (in_dim * hidden + hidden * out_dim),
+        mm_bytes=b * tokens * (in_dim + 2 * hidden + out_dim),
+        mm_weight_bytes=b * (params - hidden - out_dim),
+        act_bytes=b * tokens * (in_dim + 2 * hidden),
+        out_bytes=b * tokens * out_dim,
+        mem_bytes=b * tokens * (3 * hidden + 2 * out_dim),
+        tp_bytes=b * tokens * out_dim,
+        ops=PROJECTOR_OPS,
+        tensors=4,
+        units=1,
+    )
 
 
 # --- Wide-ResNet (Alpa benchmark suite) ------------------------------------------------------------------
 
 
-def wide_resnet(name: str, *, depth: int, base_channels: int, width_factor: int, global_batch: int,
-                image: int = 224, classes: int = 1024, precision: str = "fp32", optimizer: str = "sgd",
-                recompute: bool | None = None) -> Workload:
+def wide_resnet(
+    name: str,
+    *,
+    depth: int,
+    base_channels: int,
+    width_factor: int,
+    global_batch: int,
+    image: int = 224,
+    classes: int = 1024,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    recompute: bool | None = None,
+) -> Workload:
     """Alpa's Wide-ResNet (alpa/model/wide_resnet.py): a 7x7 stem, bottleneck blocks with 1x1 (f),
     3x3 (f * width_factor), 1x1 (4f) convolutions and a projection on each stage's first block; f doubles
     per stage. One pipeline layer per residual block; the convolutions are data/pipeline parallel only."""
@@ -313,30 +434,57 @@ def wide_resnet(name: str, *, depth: int, base_channels: int, width_factor: int,
     side = image // 2
     p, f = conv(3, base_channels, 7, side)
     side //= 2  # max-pool
-    layers = [Layer("stem", params=p + 2 * base_channels, flops=f, act_bytes=b * (3 * image**2 + 2 * base_channels * side**2 * 4),
-                    out_bytes=b * base_channels * side**2, mem_bytes=6 * b * base_channels * side**2 * 4, ops=4)]
+    layers = [
+        Layer(
+            "stem",
+            params=p + 2 * base_channels,
+            flops=f,
+            act_bytes=b * (3 * image**2 + 2 * base_channels * side**2 * 4),
+            out_bytes=b * base_channels * side**2,
+            mem_bytes=6 * b * base_channels * side**2 * 4,
+            ops=4,
+        )
+    ]
     cin = base_channels
     for i, blocks in enumerate(stages):
         filters = base_channels * 2**i
         for j in range(blocks):
             out_side = side // 2 if (i > 0 and j == 0) else side
-            parts = [conv(cin, filters, 1, side), conv(filters, filters * width_factor, 3, out_side),
-                     conv(filters * width_factor, 4 * filters, 1, out_side)]
+            parts = [
+                conv(cin, filters, 1, side),
+                conv(filters, filters * width_factor, 3, out_side),
+                conv(filters * width_factor, 4 * filters, 1, out_side),
+            ]
             if cin != 4 * filters or out_side != side:
                 parts.append(conv(cin, 4 * filters, 1, out_side))
             acts = cin * side**2 + (filters + filters * width_factor + 4 * filters) * out_side**2
-            layers.append(Layer(
-                f"stage{i}.block{j}", params=sum(p for p, _ in parts) + 2 * (2 * filters + filters * width_factor + 4 * filters),
-                flops=sum(f for _, f in parts), act_bytes=2 * b * acts, out_bytes=b * 4 * filters * out_side**2,
-                mem_bytes=4 * b * acts, ops=12,
-            ))
+            layers.append(
+                Layer(
+                    f"stage{i}.block{j}",
+                    params=sum(p for p, _ in parts) + 2 * (2 * filters + filters * width_factor + 4 * filters),
+                    flops=sum(f for _, f in parts),
+                    act_bytes=2 * b * acts,
+                    out_bytes=b * 4 * filters * out_side**2,
+                    mem_bytes=4 * b * acts,
+                    ops=12,
+                )
+            )
             cin, side = 4 * filters, out_side
-    layers.append(Layer("head", params=cin * classes + classes, flops=2 * cin * classes, act_bytes=b * cin,
-                        mem_bytes=b * cin * side**2, ops=4))
+    layers.append(
+        Layer(
+            "head",
+            params=cin * classes + classes,
+            flops=2 * cin * classes,
+            act_bytes=b * cin,
+            mem_bytes=b * cin * side**2,
+            ops=4,
+        )
+    )
     # n_heads=1: the plan object then refuses tp > 1 (convolutions are not tensor-parallel here)
     shape = ModelShape(n_layers=len(layers), n_heads=1, n_kv_heads=1)
-    return Workload(name, tuple(layers), global_batch, shape, precision=precision, optimizer=optimizer,
-                    recompute=recompute)
+    return Workload(
+        name, tuple(layers), global_batch, shape, precision=precision, optimizer=optimizer, recompute=recompute
+    )
 
 
 # --- the Crius trace's models --------------------------------------------------------------------------
@@ -346,12 +494,31 @@ def wide_resnet(name: str, *, depth: int, base_channels: int, width_factor: int,
 # Adafactor, 16 heads, FFN 8 x hidden, every other layer a GShard MoE over expert groups of 2,048 tokens
 # (suite_*_moe.py, alpa/model/moe.py); Wide-ResNet in fp32 with SGD + momentum, which XLA runs on TF32 tensor
 # cores where the GPU has them (JAX's default matmul precision); all with rematerialisation (use_remat=True).
-GPT_SPECS = {"760M": (1536, 24, 16), "1.3B": (2048, 24, 32), "2.6B": (2560, 32, 32), "6.7B": (4096, 32, 32),
-             "15B": (5120, 48, 40), "39B": (8192, 48, 64)}
-MOE_SPECS = {"690M": (768, 8, 16), "1.3B": (768, 16, 16), "2.4B": (1024, 16, 16), "10B": (1536, 16, 32),
-             "27B": (2048, 16, 48), "70B": (2048, 32, 64)}
-WRESNET_SPECS = {"250M": (50, 160, 2), "500M": (50, 224, 2), "1B": (50, 320, 2), "2B": (50, 448, 2),
-                 "4B": (50, 640, 2), "6.8B": (50, 320, 16), "13B": (101, 320, 16)}
+GPT_SPECS = {
+    "760M": (1536, 24, 16),
+    "1.3B": (2048, 24, 32),
+    "2.6B": (2560, 32, 32),
+    "6.7B": (4096, 32, 32),
+    "15B": (5120, 48, 40),
+    "39B": (8192, 48, 64),
+}
+MOE_SPECS = {
+    "690M": (768, 8, 16),
+    "1.3B": (768, 16, 16),
+    "2.4B": (1024, 16, 16),
+    "10B": (1536, 16, 32),
+    "27B": (2048, 16, 48),
+    "70B": (2048, 32, 64),
+}
+WRESNET_SPECS = {
+    "250M": (50, 160, 2),
+    "500M": (50, 224, 2),
+    "1B": (50, 320, 2),
+    "2B": (50, 448, 2),
+    "4B": (50, 640, 2),
+    "6.8B": (50, 320, 16),
+    "13B": (101, 320, 16),
+}
 _TRACE_NAME = re.compile(r"^(?P<family>bert|gpt|moe|wide_resnet)__(?P<size>[0-9.]+[MB])$")
 
 
@@ -368,16 +535,42 @@ def trace_workload(model: str, global_batch: int) -> Workload:
         raise ValueError(f"unknown trace model {model!r}: {family} sizes are {', '.join(specs)}")
     if family in ("bert", "gpt"):
         dim, layers, heads = specs[size]
-        return transformer(model, n_layers=layers, dim=dim, heads=heads, vocab=51200, seq_len=1024,
-                           global_batch=global_batch, tied=True, precision="fp16", recompute=True)
+        return transformer(
+            model,
+            n_layers=layers,
+            dim=dim,
+            heads=heads,
+            vocab=51200,
+            seq_len=1024,
+            global_batch=global_batch,
+            tied=True,
+            precision="fp16",
+            recompute=True,
+        )
     if family == "moe":
         dim, layers, experts = specs[size]
-        return transformer(model, n_layers=layers, dim=dim, heads=16, vocab=32000, seq_len=1024,
-                           global_batch=global_batch, experts=experts, top_k=2, ffn=8 * dim, moe_every=2,
-                           expert_group=2048, precision="fp16", optimizer="adafactor", recompute=True, tied=True)
+        return transformer(
+            model,
+            n_layers=layers,
+            dim=dim,
+            heads=16,
+            vocab=32000,
+            seq_len=1024,
+            global_batch=global_batch,
+            experts=experts,
+            top_k=2,
+            ffn=8 * dim,
+            moe_every=2,
+            expert_group=2048,
+            precision="fp16",
+            optimizer="adafactor",
+            recompute=True,
+            tied=True,
+        )
     depth, channels, width = specs[size]
-    return wide_resnet(model, depth=depth, base_channels=channels, width_factor=width, global_batch=global_batch,
-                       recompute=True)
+    return wide_resnet(
+        model, depth=depth, base_channels=channels, width_factor=width, global_batch=global_batch, recompute=True
+    )
 
 
 # --- OmniModel flavors on profiled data ----------------------------------------------------------------
@@ -395,8 +588,13 @@ def _second_moment(hist_edges: list[float], hist_counts: list[int], mean: float)
 
 
 def omni_workload(
-    args: OmniModelArgs, *, seq_len: int, global_batch: int, profile: DatasetProfile | None = None,
-    name: str = "omni", precision: str = "bf16",
+    args: OmniModelArgs,
+    *,
+    seq_len: int,
+    global_batch: int,
+    profile: DatasetProfile | None = None,
+    name: str = "omni",
+    precision: str = "bf16",
 ) -> Workload:
     """An OmniModel flavor: sample = one packed sequence of `seq_len` tokens. With a profile, each sequence
     holds the profiled mix (documents per sequence, their squared lengths for attention, images and audio
@@ -421,60 +619,127 @@ def omni_workload(
     b = BYTES[precision]
     moe = getattr(llm, "moe", None)
     block = transformer_block(
-        "llm.block", dim=llm.dim, heads=llm.n_heads, kv_heads=llm.n_kv_heads, ffn=llm.ffn_hidden, tokens=seq_len,
-        sum_sq=sum_sq, docs=docs, causal=True, gated=True, bias=False, dtype_bytes=b,
-        experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
+        "llm.block",
+        dim=llm.dim,
+        heads=llm.n_heads,
+        kv_heads=llm.n_kv_heads,
+        ffn=llm.ffn_hidden,
+        tokens=seq_len,
+        sum_sq=sum_sq,
+        docs=docs,
+        causal=True,
+        gated=True,
+        bias=False,
+        dtype_bytes=b,
+        experts=moe.num_experts if moe else 0,
+        top_k=moe.top_k if moe else 1,
         shared_expert=bool(moe and moe.shared_expert),
     )
-    layers = (embedding("llm.embed", llm.vocab_size, llm.dim, seq_len, b), *([block] * llm.n_layers),
-              lm_head("llm.head", llm.vocab_size, llm.dim, seq_len, dtype_bytes=b))
+    layers = (
+        embedding("llm.embed", llm.vocab_size, llm.dim, seq_len, b),
+        *([block] * llm.n_layers),
+        lm_head("llm.head", llm.vocab_size, llm.dim, seq_len, dtype_bytes=b),
+    )
     # Both encoders always run (the runtime feeds a dummy input to one whose modality a batch lacks, so that
     # every rank issues the same collectives): their host costs and parameters count even without data.
     v = args.vision
     side = (patches / images) ** 0.5 if images else 0.0
     merge = getattr(args, "spatial_merge", 1) ** 2  # merge x merge patches concatenated per LLM token
-    encoder = [*vit("vision", n_layers=v.n_layers, dim=v.dim, heads=v.n_heads, patches=patches,
-                    sum_sq=images * side**4, images=images, patch_dim=v.patch_dim, mlp_ratio=v.mlp_ratio,
-                    dtype_bytes=b),
-               projector("projector.image", v.dim * merge, args.projector_mult * llm.dim, llm.dim, patches / merge, b)]
+    encoder = [
+        *vit(
+            "vision",
+            n_layers=v.n_layers,
+            dim=v.dim,
+            heads=v.n_heads,
+            patches=patches,
+            sum_sq=images * side**4,
+            images=images,
+            patch_dim=v.patch_dim,
+            mlp_ratio=v.mlp_ratio,
+            dtype_bytes=b,
+        ),
+        projector("projector.image", v.dim * merge, args.projector_mult * llm.dim, llm.dim, patches / merge, b),
+    ]
     a = args.audio
     from omni_core.common.batch import audio_tokens as tokens_of
 
     frames = audio_tokens * 3000 / tokens_of(3000)  # the convs' subsampling, as the data path counts it
-    conv = Layer("audio.conv", params=3 * a.dim * (a.n_mels + a.dim) + 4 * a.dim,
-                 flops=2 * 3 * a.dim * (a.n_mels * frames + a.dim * audio_tokens),
-                 mm_bytes=b * 3 * (frames * (a.n_mels + a.dim) + audio_tokens * 2 * a.dim),  # unfolded windows
-                 mm_weight_bytes=b * 3 * a.dim * (a.n_mels + a.dim),
-                 act_bytes=b * frames * (a.n_mels + a.dim), out_bytes=b * audio_tokens * a.dim,
-                 mem_bytes=4 * b * frames * a.dim, ops=CONV_OPS, sample_ops=CLIP_OPS * clips, tensors=6, units=1)
+    conv = Layer(
+        "audio.conv",
+        params=3 * a.dim * (a.n_mels + a.dim) + 4 * a.dim,
+        flops=2 * 3 * a.dim * (a.n_mels * frames + a.dim * audio_tokens),
+        mm_bytes=b * 3 * (frames * (a.n_mels + a.dim) + audio_tokens * 2 * a.dim),  # unfolded windows
+        mm_weight_bytes=b * 3 * a.dim * (a.n_mels + a.dim),
+        act_bytes=b * frames * (a.n_mels + a.dim),
+        out_bytes=b * audio_tokens * a.dim,
+        mem_bytes=4 * b * frames * a.dim,
+        ops=CONV_OPS,
+        sample_ops=CLIP_OPS * clips,
+        tensors=6,
+        units=1,
+    )
     per_clip = audio_tokens / clips if clips else 0.0
     blocks = transformer_block(
-        "audio.block", dim=a.dim, heads=a.n_heads, kv_heads=a.n_heads, ffn=int(a.dim * a.mlp_ratio),
-        tokens=audio_tokens, sum_sq=clips * per_clip**2, docs=clips, causal=False, gated=False, bias=True,
+        "audio.block",
+        dim=a.dim,
+        heads=a.n_heads,
+        kv_heads=a.n_heads,
+        ffn=int(a.dim * a.mlp_ratio),
+        tokens=audio_tokens,
+        sum_sq=clips * per_clip**2,
+        docs=clips,
+        causal=False,
+        gated=False,
+        bias=True,
         dtype_bytes=b,
     )
-    encoder += [conv, *([blocks] * a.n_layers),
-                projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b)]
+    encoder += [
+        conv,
+        *([blocks] * a.n_layers),
+        projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b),
+    ]
     # an encoder without data runs its one-window dummy through every block: one attention call each
     dummy_calls = {"vision.block": not images, "audio.block": not clips}
-    encoder = [replace(layer, ops=layer.ops + ATTENTION_CALL_OPS) if dummy_calls.get(layer.name) else layer
-               for layer in encoder]
+    encoder = [
+        replace(layer, ops=layer.ops + ATTENTION_CALL_OPS) if dummy_calls.get(layer.name) else layer
+        for layer in encoder
+    ]
     shape = llm.shape(seq_len)
     items = images + clips  # encoder inputs per sequence: a count, so its spread is ~ 1 / sqrt(mean)
     max_item, described = 0.0, EncoderItems()
     if items:  # the longest item, r times the mean length: linear work x r, attention's x r^2
         quad = quadratic_share(encoder)
-        r, modality = max((m.max / m.mean, key) for key, m in profile.modalities.items()
-                          if key in ("image", "audio") and m.mean)
+        r, modality = max(
+            (m.max / m.mean, key) for key, m in profile.modalities.items() if key in ("image", "audio") and m.mean
+        )
         max_item = ((1 - quad) * r + quad * r * r) / items
         # an image's length is its patches, a clip's its mel frames (the threshold's tokens)
-        count, tokens, heads = ((images, patches / images, v.n_heads) if modality == "image" else
-                                (clips, frames / clips, a.n_heads))
-        described = EncoderItems("vision" if modality == "image" else "audio", count, tokens, heads, quad, 1 / items,
-                                 4.0 * (patches * v.patch_dim + frames * a.n_mels))
-    return Workload(name, layers, global_batch, shape, encoder=tuple(encoder), precision=precision,
-                    tokens_per_sample=seq_len, encoder_cv=items**-0.5 if items else 0.0, encoder_max_item=max_item,
-                    items=described, head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)
+        count, tokens, heads = (
+            (images, patches / images, v.n_heads) if modality == "image" else (clips, frames / clips, a.n_heads)
+        )
+        described = EncoderItems(
+            "vision" if modality == "image" else "audio",
+            count,
+            tokens,
+            heads,
+            quad,
+            1 / items,
+            4.0 * (patches * v.patch_dim + frames * a.n_mels),
+        )
+    return Workload(
+        name,
+        layers,
+        global_batch,
+        shape,
+        encoder=tuple(encoder),
+        precision=precision,
+        tokens_per_sample=seq_len,
+        encoder_cv=items**-0.5 if items else 0.0,
+        encoder_max_item=max_item,
+        items=described,
+        head_dim=llm.dim // llm.n_heads,
+        doc_span=sum_sq / seq_len,
+    )
 
 
 def quadratic_share(encoder: list[Layer] | tuple[Layer, ...]) -> float:
@@ -485,8 +750,10 @@ def quadratic_share(encoder: list[Layer] | tuple[Layer, ...]) -> float:
 # --- MegaScale-Omni's workloads ------------------------------------------------------------------------
 
 PAPER_WORKLOADS = {  # name: (model flavor, GPUs, seq_len, global batch)
-    "A": ("vit-1b+llama-12b", 64, 16384, 32), "B": ("vit-2.4b+llama-70b", 128, 16384, 64),
-    "C": ("vit-10b+llama-70b", 256, 8192, 128), "D": ("vit-10b+gpt-175b", 512, 8192, 256),
+    "A": ("vit-1b+llama-12b", 64, 16384, 32),
+    "B": ("vit-2.4b+llama-70b", 128, 16384, 64),
+    "C": ("vit-10b+llama-70b", 256, 8192, 128),
+    "D": ("vit-10b+gpt-175b", 512, 8192, 256),
 }
 PATCH = 14
 PATCHES_PER_IMAGE = 1024  # 448 x 448 px at patch 14 (32 x 32 patches)
@@ -507,18 +774,63 @@ def paper_workload(key: str, image_share: float) -> Workload:
     text_tokens = seq_len - image_tokens
     docs = images + text_tokens / TEXT_DOC
     sum_sq = images * (PATCHES_PER_IMAGE / MERGE) ** 2 + text_tokens * TEXT_DOC
-    block = transformer_block("llm.block", dim=llm.dim, heads=llm.n_heads, kv_heads=llm.n_kv_heads,
-                              ffn=llm.ffn_hidden, tokens=seq_len, sum_sq=sum_sq, docs=docs, causal=True, gated=True,
-                              bias=False)
-    layers = (embedding("llm.embed", llm.vocab_size, llm.dim, seq_len), *([block] * llm.n_layers),
-              lm_head("llm.head", llm.vocab_size, llm.dim, seq_len))
-    encoder = (*vit("vision", n_layers=v.n_layers, dim=v.dim, heads=v.n_heads, patches=patches,
-                    sum_sq=images * PATCHES_PER_IMAGE**2, images=images, patch_dim=v.patch_dim, mlp_ratio=v.mlp_ratio),
-               projector("projector.image", v.dim * MERGE, llm.dim, llm.dim, patches / MERGE))
+    block = transformer_block(
+        "llm.block",
+        dim=llm.dim,
+        heads=llm.n_heads,
+        kv_heads=llm.n_kv_heads,
+        ffn=llm.ffn_hidden,
+        tokens=seq_len,
+        sum_sq=sum_sq,
+        docs=docs,
+        causal=True,
+        gated=True,
+        bias=False,
+    )
+    layers = (
+        embedding("llm.embed", llm.vocab_size, llm.dim, seq_len),
+        *([block] * llm.n_layers),
+        lm_head("llm.head", llm.vocab_size, llm.dim, seq_len),
+    )
+    encoder = (
+        *vit(
+            "vision",
+            n_layers=v.n_layers,
+            dim=v.dim,
+            heads=v.n_heads,
+            patches=patches,
+            sum_sq=images * PATCHES_PER_IMAGE**2,
+            images=images,
+            patch_dim=v.patch_dim,
+            mlp_ratio=v.mlp_ratio,
+        ),
+        projector("projector.image", v.dim * MERGE, llm.dim, llm.dim, patches / MERGE),
+    )
     shape = llm.shape(seq_len)
     cv = images**-0.5 if images else 0.0  # images per sequence are a count: spread ~ 1 / sqrt(mean)
-    items = EncoderItems("vision", images, PATCHES_PER_IMAGE, v.n_heads, quadratic_share(encoder), 1 / images,
-                         4.0 * patches * v.patch_dim) if images else EncoderItems()
-    return Workload(f"{key}@{image_share:.1f}", layers, batch, shape, encoder=encoder, tokens_per_sample=seq_len,
-                    encoder_cv=cv, encoder_max_item=1 / images if images else 0.0, items=items,
-                    head_dim=llm.dim // llm.n_heads, doc_span=sum_sq / seq_len)
+    items = (
+        EncoderItems(
+            "vision",
+            images,
+            PATCHES_PER_IMAGE,
+            v.n_heads,
+            quadratic_share(encoder),
+            1 / images,
+            4.0 * patches * v.patch_dim,
+        )
+        if images
+        else EncoderItems()
+    )
+    return Workload(
+        f"{key}@{image_share:.1f}",
+        layers,
+        batch,
+        shape,
+        encoder=encoder,
+        tokens_per_sample=seq_len,
+        encoder_cv=cv,
+        encoder_max_item=1 / images if images else 0.0,
+        items=items,
+        head_dim=llm.dim // llm.n_heads,
+        doc_span=sum_sq / seq_len,
+    )

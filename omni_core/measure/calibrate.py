@@ -113,10 +113,14 @@ CPU_PROBES = ProbeDevice()
 # a GPU in bf16, as the runtime trains there: matmuls up to 8k x 8k, attention over 1k-4k documents, memory and
 # the optimizer over buffers well past its caches
 CUDA_PROBES = ProbeDevice(
-    "cuda", "bfloat16",
+    "cuda",
+    "bfloat16",
     matmul_shapes=tuple((t, k, n) for t in (512, 2048, 8192) for k, n in ((1024, 4096), (4096, 4096), (4096, 8192))),
-    attn_shapes=((16, 64, 2048, 1), (16, 128, 2048, 1), (16, 128, 128, 32)), stream=256 << 20, big_param=64 << 20,
-    elementwise_block=(8192, 4096, 32, 8, 14336))
+    attn_shapes=((16, 64, 2048, 1), (16, 128, 2048, 1), (16, 128, 128, 32)),
+    stream=256 << 20,
+    big_param=64 << 20,
+    elementwise_block=(8192, 4096, 32, 8, 14336),
+)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -160,8 +164,9 @@ def _count_ops(fn) -> int:
     return Count.ops
 
 
-def _sample(probes: dict[Any, Callable[[], Any]], passes: int, clock=time.perf_counter,
-            sync: Callable[[], Any] | None = None) -> dict[Any, float]:
+def _sample(
+    probes: dict[Any, Callable[[], Any]], passes: int, clock=time.perf_counter, sync: Callable[[], Any] | None = None
+) -> dict[Any, float]:
     """Mean seconds of each probe's run over `passes` round-robin passes.
 
     A shared host's cores switch between a fast and a slow state every 0.1-1 s (on this VM: operator
@@ -206,11 +211,13 @@ def kernel_probes(at: ProbeDevice = CPU_PROBES) -> dict[Any, Callable[[], Any]]:
         a, w = (torch.randn(r, c, device=dev, dtype=dtype, requires_grad=True) for r, c in ((m, k), (k, n)))
         probes[("matmul", m, k, n)] = lambda a=a, w=w: (a @ w).sum().backward()
     for heads, dim, length, docs in at.attn_shapes:
-        q, k, v = (torch.randn(docs * length, heads, dim, device=dev, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(docs * length, heads, dim, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
         bounds = list(range(0, docs * length + 1, length))
-        probes[("attention", heads, dim, length, docs)] = (
-            lambda q=q, k=k, v=v, b=bounds: varlen_attention(q, k, v, b, True).sum().backward())
+        probes[("attention", heads, dim, length, docs)] = lambda q=q, k=k, v=v, b=bounds: (
+            varlen_attention(q, k, v, b, True).sum().backward()
+        )
     probes["tiny"] = _tiny_block(dev)
     probes["elementwise"] = _elementwise_block(at)
     for n, update in _parameter_probes(lambda n: [torch.randn(32, 32, device=dev) for _ in range(n)]).items():
@@ -231,8 +238,9 @@ def kernel_probes(at: ProbeDevice = CPU_PROBES) -> dict[Any, Callable[[], Any]]:
     return probes
 
 
-def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | None = None,
-                    at: ProbeDevice = CPU_PROBES) -> dict[str, float]:
+def profile_compute(
+    repeat: int = 5, clock=time.perf_counter, probes: dict | None = None, at: ProbeDevice = CPU_PROBES
+) -> dict[str, float]:
     """The device's kernels (`kernel_probes(at)`, built here unless given), fitted to the cost model's terms:
 
     matmul      seconds ~ FLOPs / peak + operand bytes / bandwidth (small matmuls are bound by their operands)
@@ -252,22 +260,35 @@ def profile_compute(repeat: int = 5, clock=time.perf_counter, probes: dict | Non
     size = at.element_bytes
     matmul_flops = [6.0 * m * k * n for m, k, n in at.matmul_shapes]
     matmul_s = [secs[("matmul", *shape)] for shape in at.matmul_shapes]
-    inv_peak, inv_bw, _ = fit_costs([(f, 3 * size * (m * k + k * n + m * n), 1.0)
-                                     for f, (m, k, n) in zip(matmul_flops, at.matmul_shapes)], matmul_s)
+    inv_peak, inv_bw, _ = fit_costs(
+        [(f, 3 * size * (m * k + k * n + m * n), 1.0) for f, (m, k, n) in zip(matmul_flops, at.matmul_shapes)], matmul_s
+    )
     if not inv_peak:  # a loaded host's noise made the FLOP term negative: the best rate a shape reached
         inv_peak = min(t / f for t, f in zip(matmul_s, matmul_flops))
     call_s, inv_attn, score_s = fit_costs(
-        [(docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
-         for heads, dim, length, docs in at.attn_shapes], [secs[("attention", *shape)] for shape in at.attn_shapes])
+        [
+            (docs, 3 * 4.0 * dim * heads * length**2 * docs, 3 * heads * length**2 * docs)
+            for heads, dim, length, docs in at.attn_shapes
+        ],
+        [secs[("attention", *shape)] for shape in at.attn_shapes],
+    )
     op_s = secs["tiny"] / _count_ops(probes["tiny"])
     elementwise_s = secs["elementwise"] - _count_ops(probes["elementwise"]) * op_s
     group_s, tensor_s = _per_group_and_tensor([secs[("optimizer", n)] for n in PROBE_TENSOR_COUNTS])
     mem_bw = 3 * at.stream * 4 / secs["add"]
-    return {"matmul_flops": 1 / inv_peak, "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
-            "attn_flops": 1 / inv_attn if inv_attn else 1e30, "score_s": score_s, "attn_call_s": call_s,
-            "mem_bw": mem_bw, "op_s": op_s, "tensor_s": tensor_s, "tensor_group_s": group_s,
-            "elementwise_bw": 3 * _elementwise_bytes(at) / elementwise_s if elementwise_s > 0 else 0.0,
-            "optimizer_bytes_per_param": secs["update_big"] / at.big_param * mem_bw}
+    return {
+        "matmul_flops": 1 / inv_peak,
+        "matmul_bw": 1 / inv_bw if inv_bw else 0.0,
+        "attn_flops": 1 / inv_attn if inv_attn else 1e30,
+        "score_s": score_s,
+        "attn_call_s": call_s,
+        "mem_bw": mem_bw,
+        "op_s": op_s,
+        "tensor_s": tensor_s,
+        "tensor_group_s": group_s,
+        "elementwise_bw": 3 * _elementwise_bytes(at) / elementwise_s if elementwise_s > 0 else 0.0,
+        "optimizer_bytes_per_param": secs["update_big"] / at.big_param * mem_bw,
+    }
 
 
 def _parameter_probes(make: Callable[[int], list]) -> dict[int, Callable[[], None]]:
@@ -341,8 +362,13 @@ def _elementwise_block(at: ProbeDevice) -> Callable[[], None]:
     def leaf(*shape: int):
         return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
 
-    x, q, k, gate, up = leaf(tokens, dim), leaf(tokens, heads, head_dim), leaf(tokens, kv_heads, head_dim), \
-        leaf(tokens, ffn), leaf(tokens, ffn)
+    x, q, k, gate, up = (
+        leaf(tokens, dim),
+        leaf(tokens, heads, head_dim),
+        leaf(tokens, kv_heads, head_dim),
+        leaf(tokens, ffn),
+        leaf(tokens, ffn),
+    )
     cos, sin = (t.to(dev) for t in rope_cos_sin(torch.arange(tokens), args))
 
     def run() -> None:
@@ -357,12 +383,25 @@ def _elementwise_block(at: ProbeDevice) -> Callable[[], None]:
 def _elementwise_bytes(at: ProbeDevice) -> float:
     """The forward bytes the cost model counts for the element-wise probe's work (`Layer.mem_bytes`)."""
     tokens, dim, heads, kv_heads, ffn = at.elementwise_block
-    return transformer_block("probe", dim=dim, heads=heads, kv_heads=kv_heads, ffn=ffn, tokens=tokens, sum_sq=0.0,
-                             docs=1, causal=True, gated=True, bias=False, dtype_bytes=int(at.element_bytes)).mem_bytes
+    return transformer_block(
+        "probe",
+        dim=dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        tokens=tokens,
+        sum_sq=0.0,
+        docs=1,
+        causal=True,
+        gated=True,
+        bias=False,
+        dtype_bytes=int(at.element_bytes),
+    ).mem_bytes
 
 
-def _collective_times(world: int, repeat: int, at: ProbeDevice = CPU_PROBES,
-                      sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> dict[str, dict[int, float]]:
+def _collective_times(
+    world: int, repeat: int, at: ProbeDevice = CPU_PROBES, sizes: tuple[int, ...] = COLLECTIVE_BYTES
+) -> dict[str, dict[int, float]]:
     """Wall seconds of each collective (and a neighbour exchange) per buffer size on the default group, with
     buffers on `at`'s device (rank r's GPU r under NCCL)."""
     import torch
@@ -373,8 +412,11 @@ def _collective_times(world: int, repeat: int, at: ProbeDevice = CPU_PROBES,
     probes = {}
     for size in sizes:
         n = size // 4
-        buf, out, scattered = (torch.ones(n, device=dev), torch.empty(n * world, device=dev),
-                               torch.empty(n // world, device=dev))
+        buf, out, scattered = (
+            torch.ones(n, device=dev),
+            torch.empty(n * world, device=dev),
+            torch.empty(n // world, device=dev),
+        )
         a2a_out = torch.empty(n, device=dev)
         recv = torch.empty(n, device=dev)
 
@@ -383,11 +425,13 @@ def _collective_times(world: int, repeat: int, at: ProbeDevice = CPU_PROBES,
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-        calls = {"all_reduce": lambda buf=buf: dist.all_reduce(buf),
-                 "all_gather": lambda buf=buf, out=out: dist.all_gather_single(out, buf),
-                 "reduce_scatter": lambda buf=buf, s=scattered: dist.reduce_scatter_single(s, buf),
-                 "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
-                 "p2p": exchange}
+        calls = {
+            "all_reduce": lambda buf=buf: dist.all_reduce(buf),
+            "all_gather": lambda buf=buf, out=out: dist.all_gather_single(out, buf),
+            "reduce_scatter": lambda buf=buf, s=scattered: dist.reduce_scatter_single(s, buf),
+            "all_to_all": lambda buf=buf, o=a2a_out: dist.all_to_all_single(o, buf),
+            "p2p": exchange,
+        }
         probes.update({(kind, size): call for kind, call in calls.items()})
     secs = _sample(probes, COLLECTIVE_REPEATS * repeat, clock=at.wall_clock(), sync=dist.barrier)
     times: dict[str, dict[int, float]] = {kind: {} for kind in (*COLLECTIVES, "p2p")}
@@ -416,8 +460,9 @@ def _stack(depth: int, width: int = 1):
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(*[nn.Linear(PROBE_DIM, PROBE_DIM) for _ in range(width)])
-                           for _ in range(depth)])
+    return nn.Sequential(
+        *[nn.Sequential(*[nn.Linear(PROBE_DIM, PROBE_DIM) for _ in range(width)]) for _ in range(depth)]
+    )
 
 
 def _wrapper_costs(repeat: int) -> dict[str, float]:
@@ -445,8 +490,9 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
         return fully_shard(model, mesh=mesh)
 
     def tp(model):
-        return parallelize_module(model, mesh, {f"{i}.0": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-                                                for i in range(len(model))})
+        return parallelize_module(
+            model, mesh, {f"{i}.0": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(len(model))}
+        )
 
     x = torch.randn(16, PROBE_DIM)
 
@@ -454,15 +500,22 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
         return lambda: model(x).sum().backward()
 
     low, high = WRAP_DEPTHS
-    stacks = {"plain": ((low, 1), (high, 1), (high, 4)), "fsdp": ((low, 1), (high, 1), (high, 4)),
-              "tp": ((low, 1), (high, 1))}
+    stacks = {
+        "plain": ((low, 1), (high, 1), (high, 4)),
+        "fsdp": ((low, 1), (high, 1), (high, 4)),
+        "tp": ((low, 1), (high, 1)),
+    }
     wraps = {"plain": lambda model: model, "fsdp": fsdp, "tp": tp}
-    probes = {(name, depth, width): forward_backward(wraps[name](_stack(depth, width)))
-              for name, shapes in stacks.items() for depth, width in shapes}
+    probes = {
+        (name, depth, width): forward_backward(wraps[name](_stack(depth, width)))
+        for name, shapes in stacks.items()
+        for depth, width in shapes
+    }
     micro = [max(d, world) for d in WRAP_DEPTHS]
     for n in micro:  # every rank a stage of one Linear; n micro-batches of 16 tokens
-        schedule = Schedule1F1B(PipelineStage(_stack(1), rank, world, torch.device("cpu")), n,
-                                loss_fn=lambda out, target: out.sum())
+        schedule = Schedule1F1B(
+            PipelineStage(_stack(1), rank, world, torch.device("cpu")), n, loss_fn=lambda out, target: out.sum()
+        )
         batch = torch.randn(16 * n, PROBE_DIM)
 
         def step(schedule=schedule, batch=batch) -> None:
@@ -481,9 +534,12 @@ def _wrapper_costs(repeat: int) -> dict[str, float]:
 
     per_unit = (added("fsdp", high, 1) - added("fsdp", low, 1)) / (high - low)
     per_tensor = max(0.0, (added("fsdp", high, 4) / high - per_unit) / 6)  # 3 more Linears
-    return {"fsdp_unit": max(0.0, per_unit - 2 * per_tensor), "fsdp_tensor": per_tensor,
-            "tp": max(0.0, (added("tp", high, 1) - added("tp", low, 1)) / (high - low)),
-            "pp": max(0.0, (secs[("pp", micro[1])] - secs[("pp", micro[0])]) / (micro[1] - micro[0]))}
+    return {
+        "fsdp_unit": max(0.0, per_unit - 2 * per_tensor),
+        "fsdp_tensor": per_tensor,
+        "tp": max(0.0, (added("tp", high, 1) - added("tp", low, 1)) / (high - low)),
+        "pp": max(0.0, (secs[("pp", micro[1])] - secs[("pp", micro[0])]) / (micro[1] - micro[0])),
+    }
 
 
 def _memory_share(repeat: int) -> float:
@@ -552,9 +608,15 @@ def _link_cpu_share(repeat: int) -> float:
 
     world = dist.get_world_size()
     buffers = [torch.ones(size // 4) for size in COLLECTIVE_BYTES]
-    calls = [call for buf in buffers for call in (
-        lambda b=buf: dist.all_reduce(b), lambda b=buf: dist.all_gather_single(torch.empty(b.numel() * world), b),
-        lambda b=buf: dist.reduce_scatter_single(torch.empty(b.numel() // world), b))]
+    calls = [
+        call
+        for buf in buffers
+        for call in (
+            lambda b=buf: dist.all_reduce(b),
+            lambda b=buf: dist.all_gather_single(torch.empty(b.numel() * world), b),
+            lambda b=buf: dist.reduce_scatter_single(torch.empty(b.numel() // world), b),
+        )
+    ]
     for call in calls:  # warm
         call()
     dist.barrier()
@@ -568,9 +630,13 @@ def _link_cpu_share(repeat: int) -> float:
 
 def _rank_probe(rank: int, world: int, repeat: int) -> dict:
     group_s, tensor_s = _dtensor_costs(repeat)
-    return {"collectives": _collective_times(world, repeat), "memory_share": _memory_share(repeat),
-            "straggle": _straggle(repeat), "link_cpu_share": _link_cpu_share(repeat),
-            "wrappers": {"dtensor": tensor_s, "dtensor_group": group_s, **_wrapper_costs(repeat)}}
+    return {
+        "collectives": _collective_times(world, repeat),
+        "memory_share": _memory_share(repeat),
+        "straggle": _straggle(repeat),
+        "link_cpu_share": _link_cpu_share(repeat),
+        "wrappers": {"dtensor": tensor_s, "dtensor_group": group_s, **_wrapper_costs(repeat)},
+    }
 
 
 def fit_collective(kind: str, times: dict[int, float], world: int) -> tuple[float, float]:
@@ -613,21 +679,29 @@ def _fsdp_unit_collectives(fits: dict[str, tuple[float, float]], world: int) -> 
     return 2 * seconds("all_gather") + seconds("reduce_scatter")
 
 
-def with_links(spec: GpuSpec, eff: Efficiency, collectives: dict, world: int
-               ) -> tuple[GpuSpec, Efficiency, dict[str, tuple[float, float]]]:
+def with_links(
+    spec: GpuSpec, eff: Efficiency, collectives: dict, world: int
+) -> tuple[GpuSpec, Efficiency, dict[str, tuple[float, float]]]:
     """`spec` and `eff` with the links a collectives probe measured on `world` ranks of one node, and the
     fits: all-reduce gives the link's alpha and beta, the other kinds factors of them."""
     fits = {kind: fit_collective(kind, times, world) for kind, times in collectives.items()}
     return *with_fitted_links(spec, eff, fits), fits
 
 
-def with_fitted_links(spec: GpuSpec, eff: Efficiency, fits: dict[str, tuple[float, float]]
-                      ) -> tuple[GpuSpec, Efficiency]:
+def with_fitted_links(
+    spec: GpuSpec, eff: Efficiency, fits: dict[str, tuple[float, float]]
+) -> tuple[GpuSpec, Efficiency]:
     """`spec` and `eff` with fitted links ((alpha, beta) per kind, `with_links`)."""
     base_alpha, base_beta = fits["all_reduce"]
     spec = replace(spec, intra_bw=base_beta, intra_lat=base_alpha)
-    eff = replace(eff, collectives=tuple((kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
-                                         for kind, (a, b) in fits.items() if kind != "all_reduce"))
+    eff = replace(
+        eff,
+        collectives=tuple(
+            (kind, a / base_alpha if base_alpha else 1.0, b / base_beta)
+            for kind, (a, b) in fits.items()
+            if kind != "all_reduce"
+        ),
+    )
     return spec, eff
 
 
@@ -635,9 +709,13 @@ def with_ranks(spec: GpuSpec, eff: Efficiency, ranks: dict, world: int) -> tuple
     """`spec` and `eff` with the links and the runtime's wrapper costs a ranks probe (`profile_ranks`) measured
     on `world` ranks, and their summary (`with_ranks_summary` applies one again)."""
     fits = {kind: fit_collective(kind, times, world) for kind, times in ranks["collectives"].items()}
-    summary = {"collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
-               "wrappers": ranks["wrappers"], "memory_share": ranks["memory_share"], "straggle": ranks["straggle"],
-               "link_cpu_share": ranks["link_cpu_share"]}
+    summary = {
+        "collectives": {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()},
+        "wrappers": ranks["wrappers"],
+        "memory_share": ranks["memory_share"],
+        "straggle": ranks["straggle"],
+        "link_cpu_share": ranks["link_cpu_share"],
+    }
     return *with_ranks_summary(spec, eff, summary, world), summary
 
 
@@ -648,11 +726,18 @@ def with_ranks_summary(spec: GpuSpec, eff: Efficiency, summary: dict, world: int
     fits = {kind: (fit["alpha_s"], fit["beta_bytes_s"]) for kind, fit in summary["collectives"].items()}
     spec, eff = with_fitted_links(spec, eff, fits)
     wrappers = summary["wrappers"]
-    eff = replace(eff, dtensor_s=wrappers["dtensor"], dtensor_group_s=wrappers["dtensor_group"],
-                  fsdp_unit_s=max(0.0, wrappers["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
-                  fsdp_tensor_s=wrappers["fsdp_tensor"], tp_module_s=wrappers["tp"], pp_microbatch_s=wrappers["pp"],
-                  shared_memory=max(1.0, summary["memory_share"]), straggle=max(1.0, summary["straggle"]),
-                  link_cpu_share=summary["link_cpu_share"])
+    eff = replace(
+        eff,
+        dtensor_s=wrappers["dtensor"],
+        dtensor_group_s=wrappers["dtensor_group"],
+        fsdp_unit_s=max(0.0, wrappers["fsdp_unit"] - _fsdp_unit_collectives(fits, world)),
+        fsdp_tensor_s=wrappers["fsdp_tensor"],
+        tp_module_s=wrappers["tp"],
+        pp_microbatch_s=wrappers["pp"],
+        shared_memory=max(1.0, summary["memory_share"]),
+        straggle=max(1.0, summary["straggle"]),
+        link_cpu_share=summary["link_cpu_share"],
+    )
     return spec, eff
 
 
@@ -662,17 +747,34 @@ def with_compute(spec: GpuSpec, compute: dict[str, float], at: ProbeDevice = CPU
     computes whole score matrices; a GPU's fused kernels skip the causal half."""
     peak = compute["matmul_flops"]
     measured = replace(spec, fp32_flops=peak, bf16_flops=peak, fp16_flops=peak, mem_bw=compute["mem_bw"])
-    eff = replace(Efficiency(), matmul=1.0, attention=compute["attn_flops"] / peak, memory=1.0, link=1.0,
-                  op_overhead_s=compute["op_s"], attn_call_s=compute["attn_call_s"], matmul_bw=compute["matmul_bw"],
-                  elementwise_bw=compute.get("elementwise_bw", 0.0),  # absent from profiles made before it was
-                  score_s=compute["score_s"], attention_full=at.device == "cpu", tensor_s=compute["tensor_s"],
-                  tensor_group_s=compute["tensor_group_s"],
-                  optimizer_bytes_per_param=compute["optimizer_bytes_per_param"])
+    eff = replace(
+        Efficiency(),
+        matmul=1.0,
+        attention=compute["attn_flops"] / peak,
+        memory=1.0,
+        link=1.0,
+        op_overhead_s=compute["op_s"],
+        attn_call_s=compute["attn_call_s"],
+        matmul_bw=compute["matmul_bw"],
+        elementwise_bw=compute.get("elementwise_bw", 0.0),  # absent from profiles made before it was
+        score_s=compute["score_s"],
+        attention_full=at.device == "cpu",
+        tensor_s=compute["tensor_s"],
+        tensor_group_s=compute["tensor_group_s"],
+        optimizer_bytes_per_param=compute["optimizer_bytes_per_param"],
+    )
     return measured, eff
 
 
-def calibrate(spec: GpuSpec, *, world: int = 2, repeat: int = 5, save: bool = True,
-              clock=time.perf_counter, at: ProbeDevice = CPU_PROBES) -> tuple[GpuSpec, Efficiency, dict]:
+def calibrate(
+    spec: GpuSpec,
+    *,
+    world: int = 2,
+    repeat: int = 5,
+    save: bool = True,
+    clock=time.perf_counter,
+    at: ProbeDevice = CPU_PROBES,
+) -> tuple[GpuSpec, Efficiency, dict]:
     """Micro-profile this device: the catalogue entry with measured peaks and links, the Efficiency relative
     to it, and the raw measurements. Saved per device type unless `save` is false. `clock` times a CPU's
     compute kernels: wall time on a dedicated device; process CPU time on a host shared with other tenants,

@@ -81,15 +81,29 @@ def case_recipe(case: Case, root: Path, at: ProbeDevice = CPU_PROBES):
 
     plan = case.parallel_plan
     backend = "nccl" if at.device == "cuda" else "auto"
-    return Recipe.model_validate({
-        "experiment": {"name": f"val-{case.mix}-s{case.seq_len}", "output_dir": str(root), "seed": 0},
-        "data": {"synthetic": {"num_samples": 400, "mix": MIXES[case.mix]}, "seq_len": case.seq_len,
-                 "micro_batch": case.micro_batch, "path": str(root / "data" / f"{case.mix}")},
-        "model": {"flavor": case.flavor},
-        "parallel": {"nproc": plan.world_size, "backend": backend, **plan.recipe_fields()},
-        "train": {"steps": case.steps, "grad_accum": case.grad_accum, "warmup_steps": 1, "log_every": 1,
-                  "ckpt_every": 0, "resume": False, "dtype": at.dtype, "ckpt_dir": str(root / "ckpt" / case.name)},
-    })
+    return Recipe.model_validate(
+        {
+            "experiment": {"name": f"val-{case.mix}-s{case.seq_len}", "output_dir": str(root), "seed": 0},
+            "data": {
+                "synthetic": {"num_samples": 400, "mix": MIXES[case.mix]},
+                "seq_len": case.seq_len,
+                "micro_batch": case.micro_batch,
+                "path": str(root / "data" / f"{case.mix}"),
+            },
+            "model": {"flavor": case.flavor},
+            "parallel": {"nproc": plan.world_size, "backend": backend, **plan.recipe_fields()},
+            "train": {
+                "steps": case.steps,
+                "grad_accum": case.grad_accum,
+                "warmup_steps": 1,
+                "log_every": 1,
+                "ckpt_every": 0,
+                "resume": False,
+                "dtype": at.dtype,
+                "ckpt_dir": str(root / "ckpt" / case.name),
+            },
+        }
+    )
 
 
 def _run_delay() -> float:
@@ -120,12 +134,14 @@ def measure(case: Case, root: Path, info, at: ProbeDevice = CPU_PROBES) -> dict[
 
     clock = _StepClock()
     train(case_recipe(case, root, at), info, tracker=clock, log=lambda _: None, save=False)
-    return {key: statistics.mean([b - a for a, b in pairwise(stamps)][WARMUP - 1:])
-            for key, stamps in clock.stamps.items()}
+    return {
+        key: statistics.mean([b - a for a, b in pairwise(stamps)][WARMUP - 1 :]) for key, stamps in clock.stamps.items()
+    }
 
 
-def _measure_cases(rank: int, world: int, root: str, cases: list[Case], repeat: int,
-                   at: ProbeDevice = CPU_PROBES) -> dict[str, dict]:
+def _measure_cases(
+    rank: int, world: int, root: str, cases: list[Case], repeat: int, at: ProbeDevice = CPU_PROBES
+) -> dict[str, dict]:
     """On each rank: every case of this world size in turn, each from a collected heap and right after rank 0
     profiles the device's kernels (`calibrate.profile_compute`: on a CPU in process CPU time, on a GPU on the
     synchronised wall clock; the other ranks wait at a barrier): the host's speed drifts within minutes, so a
@@ -159,30 +175,59 @@ def validation_cases(quick: bool) -> list[Case]:
     d, moe, small = "debug", "debug-moe", "small"
     if quick:  # one case per mechanism, short sequences: about a minute and a half on two cores
         cases = [
-            Case(d, "dp1", 256, mix="text"), Case(small, "dp1", 64),
-            Case(d, "dp2", 256), Case(d, "dp1-tp2", 256, mix="audio"), Case(d, "dp1-pp2v2", 128, grad_accum=4, mix="image"),
-            Case(d, "dp1-cp2r", 256, mix="text"), Case(moe, "dp2-ep2", 128),
+            Case(d, "dp1", 256, mix="text"),
+            Case(small, "dp1", 64),
+            Case(d, "dp2", 256),
+            Case(d, "dp1-tp2", 256, mix="audio"),
+            Case(d, "dp1-pp2v2", 128, grad_accum=4, mix="image"),
+            Case(d, "dp1-cp2r", 256, mix="text"),
+            Case(moe, "dp2-ep2", 128),
             Case(d, "dp1-pp3", 128, grad_accum=3),
-            Case(d, "dp2-pp2", 128, grad_accum=2), Case(moe, "dp2-cp2u-ep2", 128),
-            Case(d, "dp2+omni", 256, mix="image"), Case(d, "dp1+disagg1", 256, mix="image"),
+            Case(d, "dp2-pp2", 128, grad_accum=2),
+            Case(moe, "dp2-cp2u-ep2", 128),
+            Case(d, "dp2+omni", 256, mix="image"),
+            Case(d, "dp1+disagg1", 256, mix="image"),
         ]
         return [replace(c, steps=5) for c in cases]
     cases = [
-        Case(d, "dp1", 256), Case(d, "dp1", 512, mix="text"), Case(d, "dp1", 512, mix="image"),
-        Case(d, "dp1", 256, grad_accum=2, mix="audio"), Case(moe, "dp1", 256), Case(small, "dp1", 128),
-        Case(d, "dp2", 256), Case(d, "dp2x1", 256, mix="text"), Case(d, "dp1-tp2", 256),
-        Case(d, "dp1-pp2", 256, grad_accum=4), Case(d, "dp1-pp2v2", 256, grad_accum=4, mix="image"),
-        Case(d, "dp1-pp2g", 256, grad_accum=2, mix="text"), Case(d, "dp1-cp2u", 512), Case(d, "dp1-cp2r", 512, mix="text"),
-        Case(moe, "dp2-ep2", 256), Case(moe, "dp1-tp2", 256, mix="text"), Case(small, "dp1-tp2", 128, mix="text"),
-        Case(small, "dp2", 64, mix="image"), Case(d, "dp2", 256, micro_batch=2),
-        Case(d, "dp3", 256), Case(d, "dp1-pp3", 256, grad_accum=3), Case(d, "dp3", 256, micro_batch=2, mix="image"),
-        Case(d, "dp4", 256, mix="audio"), Case(d, "dp2-tp2", 256), Case(d, "dp2-pp2", 256, grad_accum=2),
-        Case(d, "dp2x2", 256, mix="image"), Case(d, "dp2-cp2r", 512), Case(moe, "dp2-cp2u-ep2", 256),
-        Case(d, "dp1-tp2-cp2u", 512, mix="text"), Case(d, "dp1-pp4g", 256, grad_accum=4),
-        Case(d, "dp2+omni", 256, mix="image"), Case(d, "dp1-tp2+omni", 256, mix="image"),
-        Case(d, "dp1-pp2+omni", 256, grad_accum=4), Case(d, "dp2-tp2+omni", 256, mix="image"),
-        Case(d, "dp1+disagg1", 256, mix="image"), Case(d, "dp2+disagg1", 256, mix="image"),
-        Case(d, "dp1-tp2+disagg2", 256, mix="image"), Case(d, "dp2+omni.v-fsdp.a-fsdp", 256, mix="image"),
+        Case(d, "dp1", 256),
+        Case(d, "dp1", 512, mix="text"),
+        Case(d, "dp1", 512, mix="image"),
+        Case(d, "dp1", 256, grad_accum=2, mix="audio"),
+        Case(moe, "dp1", 256),
+        Case(small, "dp1", 128),
+        Case(d, "dp2", 256),
+        Case(d, "dp2x1", 256, mix="text"),
+        Case(d, "dp1-tp2", 256),
+        Case(d, "dp1-pp2", 256, grad_accum=4),
+        Case(d, "dp1-pp2v2", 256, grad_accum=4, mix="image"),
+        Case(d, "dp1-pp2g", 256, grad_accum=2, mix="text"),
+        Case(d, "dp1-cp2u", 512),
+        Case(d, "dp1-cp2r", 512, mix="text"),
+        Case(moe, "dp2-ep2", 256),
+        Case(moe, "dp1-tp2", 256, mix="text"),
+        Case(small, "dp1-tp2", 128, mix="text"),
+        Case(small, "dp2", 64, mix="image"),
+        Case(d, "dp2", 256, micro_batch=2),
+        Case(d, "dp3", 256),
+        Case(d, "dp1-pp3", 256, grad_accum=3),
+        Case(d, "dp3", 256, micro_batch=2, mix="image"),
+        Case(d, "dp4", 256, mix="audio"),
+        Case(d, "dp2-tp2", 256),
+        Case(d, "dp2-pp2", 256, grad_accum=2),
+        Case(d, "dp2x2", 256, mix="image"),
+        Case(d, "dp2-cp2r", 512),
+        Case(moe, "dp2-cp2u-ep2", 256),
+        Case(d, "dp1-tp2-cp2u", 512, mix="text"),
+        Case(d, "dp1-pp4g", 256, grad_accum=4),
+        Case(d, "dp2+omni", 256, mix="image"),
+        Case(d, "dp1-tp2+omni", 256, mix="image"),
+        Case(d, "dp1-pp2+omni", 256, grad_accum=4),
+        Case(d, "dp2-tp2+omni", 256, mix="image"),
+        Case(d, "dp1+disagg1", 256, mix="image"),
+        Case(d, "dp2+disagg1", 256, mix="image"),
+        Case(d, "dp1-tp2+disagg2", 256, mix="image"),
+        Case(d, "dp2+omni.v-fsdp.a-fsdp", 256, mix="image"),
         Case(d, "dp1-pp2+omni-joint", 256, grad_accum=4, mix="image"),
     ]
     return [replace(c, steps=10) for c in cases]
@@ -193,17 +238,34 @@ def gpu_validation_cases(gpus: int, quick: bool) -> list[Case]:
     and accumulation, four mixes), and on 2 and 4 GPUs where there are that many: DP (FSDP), TP, PP and the
     encoders' omni and disaggregated layouts. Quick: four one-GPU cases and one per world size, 6 steps."""
     d, small, moe, enc = "debug", "small", "debug-moe", "debug-enc"
-    one = [Case(small, "dp1", 2048, mix="text"), Case(small, "dp1", 2048, micro_batch=4), Case(d, "dp1", 4096),
-           Case(moe, "dp1", 2048), Case(small, "dp1", 4096, micro_batch=2, mix="image"),
-           Case(small, "dp1", 1024, grad_accum=4, mix="audio"), Case(d, "dp1", 1024, micro_batch=8, mix="text"),
-           Case(enc, "dp1", 2048, mix="image"), Case(small, "dp1", 1024, micro_batch=8, mix="mixed"),
-           Case(moe, "dp1", 4096, micro_batch=2, mix="text"), Case(d, "dp1", 2048, grad_accum=2, mix="audio"),
-           Case(small, "dp1", 4096, mix="mixed")]
-    two = [Case(small, "dp2", 2048), Case(small, "dp1-tp2", 2048, mix="text"),
-           Case(small, "dp1-pp2", 2048, grad_accum=4), Case(enc, "dp2+omni", 2048, mix="image"),
-           Case(enc, "dp1+disagg1", 2048, mix="image")]
-    four = [Case(small, "dp4", 2048), Case(small, "dp2-tp2", 2048), Case(small, "dp1-pp4g", 2048, grad_accum=4),
-            Case(enc, "dp2-tp2+omni", 2048, mix="image"), Case(enc, "dp4+omni.v-fsdp.a-fsdp", 2048, mix="image")]
+    one = [
+        Case(small, "dp1", 2048, mix="text"),
+        Case(small, "dp1", 2048, micro_batch=4),
+        Case(d, "dp1", 4096),
+        Case(moe, "dp1", 2048),
+        Case(small, "dp1", 4096, micro_batch=2, mix="image"),
+        Case(small, "dp1", 1024, grad_accum=4, mix="audio"),
+        Case(d, "dp1", 1024, micro_batch=8, mix="text"),
+        Case(enc, "dp1", 2048, mix="image"),
+        Case(small, "dp1", 1024, micro_batch=8, mix="mixed"),
+        Case(moe, "dp1", 4096, micro_batch=2, mix="text"),
+        Case(d, "dp1", 2048, grad_accum=2, mix="audio"),
+        Case(small, "dp1", 4096, mix="mixed"),
+    ]
+    two = [
+        Case(small, "dp2", 2048),
+        Case(small, "dp1-tp2", 2048, mix="text"),
+        Case(small, "dp1-pp2", 2048, grad_accum=4),
+        Case(enc, "dp2+omni", 2048, mix="image"),
+        Case(enc, "dp1+disagg1", 2048, mix="image"),
+    ]
+    four = [
+        Case(small, "dp4", 2048),
+        Case(small, "dp2-tp2", 2048),
+        Case(small, "dp1-pp4g", 2048, grad_accum=4),
+        Case(enc, "dp2-tp2+omni", 2048, mix="image"),
+        Case(enc, "dp4+omni.v-fsdp.a-fsdp", 2048, mix="image"),
+    ]
     if quick:
         one, two, four = one[:4], two[:1], four[:1]
     cases = one + two * (gpus >= 2) + four * (gpus >= 4)
@@ -238,8 +300,7 @@ class ValidationReport(Result):
     seconds: float
 
 
-def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0,
-            precision: str = "fp32"):
+def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: float = 0.0, precision: str = "fp32"):
     """The cost model's Estimate for the case: its plan on the calibrated device (one node of `world`
     ranks) at the `precision` it trains in, its encoders where the plan puts them, plus `loader_s` of host
     data path per micro-batch on every rank."""
@@ -247,8 +308,9 @@ def predict(case: Case, profile, spec: GpuSpec, eff: Efficiency, *, loader_s: fl
 
     recipe_data = case_recipe(case, Path("/nonexistent")).data
     args = get_flavor(case.flavor, patch_size=recipe_data.patch_size, n_mels=recipe_data.n_mels)
-    workload = omni_workload(args, seq_len=case.seq_len, global_batch=case.global_batch, profile=profile,
-                             precision=precision, name=case.name)
+    workload = omni_workload(
+        args, seq_len=case.seq_len, global_batch=case.global_batch, profile=profile, precision=precision, name=case.name
+    )
     eff = replace(runtime_efficiency(eff), step_overhead_s=loader_s * case.grad_accum)
     options = Options(micro_batch=case.micro_batch)
     return estimate_step(workload, spec, case.parallel_plan, options, gpus_per_node=case.world, eff=eff)
@@ -281,8 +343,9 @@ def _spread(values: list[float]) -> float:
     return 100 * (max(values) - min(values)) / statistics.median(values)
 
 
-def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5,
-             at: ProbeDevice = CPU_PROBES) -> ValidationReport:
+def validate(
+    cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3, repeat: int = 5, at: ProbeDevice = CPU_PROBES
+) -> ValidationReport:
     """Measure every case on the real runtime and predict each from a calibration of the device: its kernels
     profiled right before the case's run (`calibrate.profile_compute`, in the launched rank 0), links and the
     runtime's wrappers on two ranks once per round (`calibrate.profile_ranks`); report the errors.
@@ -317,8 +380,9 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
         kernels, links = {}, {}
         for world in sorted({c.world for c in cases}):
             batch = [c for c in cases if c.world == world]
-            results = run_ranks(_measure_cases, world, str(root), batch, repeat, at,
-                                backend="nccl" if gpu else "gloo")[0]
+            results = run_ranks(_measure_cases, world, str(root), batch, repeat, at, backend="nccl" if gpu else "gloo")[
+                0
+            ]
             for case in batch:
                 real = results[case.name]
                 kernels[case.name] = real.pop("kernels")
@@ -329,30 +393,52 @@ def validate(cases: list[Case], root: Path, device: GpuSpec, *, rounds: int = 3,
                     links = {"collectives": {k: {"alpha_s": a, "beta_bytes_s": b} for k, (a, b) in fits.items()}}
                 elif case.world > 1:
                     spec, eff, links = with_ranks(spec, eff, ranks, link_world)
-                estimates[case.name].append(predict(case, profiles[(case.mix, case.seq_len)], spec, eff,
-                                                    loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)],
-                                                    precision=at.precision))
+                estimates[case.name].append(
+                    predict(
+                        case,
+                        profiles[(case.mix, case.seq_len)],
+                        spec,
+                        eff,
+                        loader_s=loaders[(case.mix, case.seq_len, case.micro_batch)],
+                        precision=at.precision,
+                    )
+                )
                 measured[case.name].append(real)
         calibrations.append({"kernels": kernels, "ranks": links})
     return _report(cases, estimates, measured, calibrations, device.name, rounds, started)
 
 
-def _report(cases: list[Case], estimates: dict[str, list], measured: dict[str, list[dict[str, float]]],
-            calibrations: list[dict], device: str, rounds: int, started: float) -> ValidationReport:
+def _report(
+    cases: list[Case],
+    estimates: dict[str, list],
+    measured: dict[str, list[dict[str, float]]],
+    calibrations: list[dict],
+    device: str,
+    rounds: int,
+    started: float,
+) -> ValidationReport:
     """Each case's rounds of predictions and measurements, compared."""
     rows = []
     for case in cases:
         ests = estimates[case.name]
         predicted = statistics.mean(e.step_time_s for e in ests)
         real = {key: statistics.mean(r[key] for r in measured[case.name]) for key in measured[case.name][0]}
-        rows.append(CaseResult(
-            case=case.name, world=case.world, flavor=case.flavor, plan=case.plan, predicted_s=predicted,
-            measured_s=real["wall_s"], measured_cpu_s=real["cpu_s"], waited_s=real["delay_s"],
-            ape_pct=100 * abs(predicted - real["wall_s"]) / real["wall_s"],
-            predicted_rounds_s=[e.step_time_s for e in ests],
-            measured_rounds_s=[r["wall_s"] for r in measured[case.name]],
-            breakdown={k: statistics.mean(float(e.breakdown[k]) for e in ests) for k in ests[0].breakdown},
-        ))
+        rows.append(
+            CaseResult(
+                case=case.name,
+                world=case.world,
+                flavor=case.flavor,
+                plan=case.plan,
+                predicted_s=predicted,
+                measured_s=real["wall_s"],
+                measured_cpu_s=real["cpu_s"],
+                waited_s=real["delay_s"],
+                ape_pct=100 * abs(predicted - real["wall_s"]) / real["wall_s"],
+                predicted_rounds_s=[e.step_time_s for e in ests],
+                measured_rounds_s=[r["wall_s"] for r in measured[case.name]],
+                breakdown={k: statistics.mean(float(e.breakdown[k]) for e in ests) for k in ests[0].breakdown},
+            )
+        )
     worlds = sorted({r.world for r in rows})
     by_world = {str(w): statistics.mean(r.ape_pct for r in rows if r.world == w) for w in worlds}
 
@@ -360,10 +446,16 @@ def _report(cases: list[Case], estimates: dict[str, list], measured: dict[str, l
         return statistics.mean(_spread(getattr(r, key)) for r in rows) if rounds > 1 else None
 
     return ValidationReport(
-        device=device, rows=rows, rounds=rounds, mape_pct=statistics.mean(r.ape_pct for r in rows),
-        mape_pct_by_world=by_world, measured_spread_pct=spread("measured_rounds_s"),
-        predicted_spread_pct=spread("predicted_rounds_s"), calibration=calibrations,
-        seconds=time.perf_counter() - started)
+        device=device,
+        rows=rows,
+        rounds=rounds,
+        mape_pct=statistics.mean(r.ape_pct for r in rows),
+        mape_pct_by_world=by_world,
+        measured_spread_pct=spread("measured_rounds_s"),
+        predicted_spread_pct=spread("predicted_rounds_s"),
+        calibration=calibrations,
+        seconds=time.perf_counter() - started,
+    )
 
 
 CASE_TAIL = re.compile(r"-s(\d+)-mb(\d+)-ga(\d+)-(\w+)$")
@@ -404,8 +496,9 @@ def repredict(rows: list[CaseResult], calibrations: list[dict], root: Path, devi
             if case.world > 1:
                 spec, eff = with_ranks_summary(spec, eff, calibration["ranks"], 2)  # the ranks probe's two cores
             estimates[case.name].append(predict(case, profiles[key], spec, eff, loader_s=loader_s))
-        measured[case.name] = [{"wall_s": wall, "cpu_s": row.measured_cpu_s, "delay_s": row.waited_s}
-                               for wall in row.measured_rounds_s]
+        measured[case.name] = [
+            {"wall_s": wall, "cpu_s": row.measured_cpu_s, "delay_s": row.waited_s} for wall in row.measured_rounds_s
+        ]
     return _report(cases, estimates, measured, calibrations, device.name, len(calibrations), started)
 
 
@@ -414,8 +507,9 @@ def calibrate_and_validate(quick: bool, root: Path, device: str = "cpu") -> Vali
     within two minutes; full: 3 rounds of 3)."""
     from omni_core.common.catalog import GpuCatalog
 
-    return validate(validation_cases(quick), root, GpuCatalog()[device], rounds=1 if quick else 3,
-                    repeat=1 if quick else 3)
+    return validate(
+        validation_cases(quick), root, GpuCatalog()[device], rounds=1 if quick else 3, repeat=1 if quick else 3
+    )
 
 
 def validation_figure(report: ValidationReport, path: Path) -> Path:
@@ -428,13 +522,21 @@ def validation_figure(report: ValidationReport, path: Path) -> Path:
     ax = fig.subplots()
     for world in sorted({r.world for r in report.rows}):
         rows = [r for r in report.rows if r.world == world]
-        ax.scatter([r.measured_s for r in rows], [r.predicted_s for r in rows],
-                   label=f"world {world}: MAPE {report.mape_pct_by_world[str(world)]:.1f}%")
+        ax.scatter(
+            [r.measured_s for r in rows],
+            [r.predicted_s for r in rows],
+            label=f"world {world}: MAPE {report.mape_pct_by_world[str(world)]:.1f}%",
+        )
     lo = min(min(r.measured_s, r.predicted_s) for r in report.rows)
     hi = max(max(r.measured_s, r.predicted_s) for r in report.rows)
     ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1)
-    ax.set(xscale="log", yscale="log", xlabel="measured step time (s)", ylabel="predicted step time (s)",
-           title=f"{report.device}: MAPE {report.mape_pct:.1f}% over {len(report.rows)} plans")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured step time (s)",
+        ylabel="predicted step time (s)",
+        title=f"{report.device}: MAPE {report.mape_pct:.1f}% over {len(report.rows)} plans",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

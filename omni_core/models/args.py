@@ -104,8 +104,11 @@ class LLMArgs:
     def shape(self, seq_len: int | None = None) -> ModelShape:
         """What a parallel plan must divide or keep together (`ParallelPlan.check_model`)."""
         return ModelShape(
-            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            num_experts=self.moe.num_experts if self.moe else 0, seq_len=seq_len,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            num_experts=self.moe.num_experts if self.moe else 0,
+            seq_len=seq_len,
             tied_embeddings=self.tied_embeddings,
             sliding_window=self.sliding_window is not None and self.full_attention_layers < self.n_layers,
         )

@@ -52,7 +52,8 @@ def varlen_attention(
     # SDPA wants [batch, heads, seq, head_dim]: given 3-D tensors, CPU SDPA takes its math path and
     # materialises the [H, T, T] scores (+2.5 GB at T = 8,192), 4-D takes the fused kernel
     outputs = [
-        _sdpa(q_doc, k_doc, v_doc, causal) if window is None or len(q_doc) <= window
+        _sdpa(q_doc, k_doc, v_doc, causal)
+        if window is None or len(q_doc) <= window
         else _windowed(q_doc, k_doc, v_doc, window)
         for q_doc, k_doc, v_doc in zip(q.split(lengths), k.split(lengths), v.split(lengths))
     ]
@@ -62,7 +63,10 @@ def varlen_attention(
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None):
     """SDPA over [T, H, D] tensors, viewed 4-D."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
         is_causal=causal and mask is None,
     )
     return out[0].transpose(0, 1)
@@ -150,8 +154,11 @@ def flex_document_attention(q, k, v, cu_seqlens, causal: bool) -> torch.Tensor:
     block_mask = _document_block_mask(offsets, causal, q.device)
     attend = _compiled_flex_attention() if q.is_cuda else flex_attention
     out = attend(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1],
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        enable_gqa=k.shape[1] != q.shape[1],
     )
     return out[0].transpose(0, 1)
 
@@ -213,7 +220,11 @@ class EncoderBlock(nn.Module):
         self.attention_norm = nn.LayerNorm(dim, eps=norm_eps)
         self.attention = EncoderAttention(dim, n_heads)
         self.mlp_norm = nn.LayerNorm(dim, eps=norm_eps)
-        act = nn.ReLU() if activation == "relu" else nn.GELU(approximate={"gelu": "none", "gelu_tanh": "tanh"}[activation])
+        act = (
+            nn.ReLU()
+            if activation == "relu"
+            else nn.GELU(approximate={"gelu": "none", "gelu_tanh": "tanh"}[activation])
+        )
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), act, nn.Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], shard: EncoderShard | None = None) -> torch.Tensor:

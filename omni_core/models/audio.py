@@ -58,8 +58,9 @@ class AudioEncoder(nn.Module):
             x = layer(x, cu_seqlens, shard)
         return self.norm(x)
 
-    def embed(self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None
-              ) -> tuple[torch.Tensor, list[int]]:
+    def embed(
+        self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """`forward`'s stem: the blocks' input (subsampled frames plus positions) and its documents' bounds."""
         frame_counts = frames.tolist()
         if sum(frame_counts) != mels.shape[0]:
@@ -81,8 +82,10 @@ class AudioEncoder(nn.Module):
             positions = torch.cat([torch.arange(clip.shape[0], device=mels.device) for clip in clips])
         else:
             if shard.offset + shard.length > clips[0].shape[0]:
-                raise ValueError(f"shard tokens {shard.offset}..{shard.offset + shard.length} exceed the clip's "
-                                 f"{clips[0].shape[0]} tokens ({frame_counts[0]} frames)")
+                raise ValueError(
+                    f"shard tokens {shard.offset}..{shard.offset + shard.length} exceed the clip's "
+                    f"{clips[0].shape[0]} tokens ({frame_counts[0]} frames)"
+                )
             clips = [clips[0][shard.offset : shard.offset + shard.length]]
             positions = torch.arange(shard.offset, shard.offset + shard.length, device=mels.device)
             cu_seqlens = [0, shard.length]

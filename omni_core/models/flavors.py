@@ -19,7 +19,13 @@ _LLMS = {
     # 4 * dim GELU MLP.
     "gpt-175b": LLMArgs(vocab_size=50257, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_hidden=32768),
     "mixtral-8x7b": LLMArgs(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=1e6,
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        rope_theta=1e6,
         moe=MoEArgs(num_experts=8, top_k=2),
     ),
 }
@@ -49,17 +55,21 @@ FLAVORS: dict[str, OmniModelArgs] = {
     ),
     # `debug` with 4 routed SwiGLU experts (top-2) and a shared one in every LLM block.
     "debug-moe": OmniModelArgs(
-        llm=LLMArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192,
-                    moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True)),
+        llm=LLMArgs(
+            dim=128,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=192,
+            moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True),
+        ),
         vision=VisionArgs(dim=64, n_layers=2, n_heads=4, max_grid=64),
         audio=AudioArgs(dim=64, n_layers=2, n_heads=4),
     ),
     # Paper scale (MegaScale-Omni's workloads A-D, plus one MoE), named <vision>+<llm>, for the estimator and
     # GPUs. Shapes match omni_core.estimator.workloads (VIT_SHAPES / LLM_SHAPES, 2x2 merge before the projector).
     **{
-        f"{vit}+{llm_name}": OmniModelArgs(
-            llm=llm, vision=_VITS[vit], audio=_WHISPER_LARGE_ENCODER, spatial_merge=2
-        )
+        f"{vit}+{llm_name}": OmniModelArgs(llm=llm, vision=_VITS[vit], audio=_WHISPER_LARGE_ENCODER, spatial_merge=2)
         for vit, llm_name, llm in [
             ("vit-1b", "llama-12b", _LLMS["llama-12b"]),
             ("vit-2.4b", "llama-70b", _LLMS["llama-70b"]),

@@ -47,7 +47,9 @@ def llm_block_matmul_params(args: LLMArgs, active: bool) -> int:
     if moe is None:
         return attention + expert
     routed = moe.top_k if active else moe.num_experts
-    shared = 3 * args.dim * (moe.shared_hidden or args.ffn_hidden) + args.dim * moe.shared_gate if moe.shared_expert else 0
+    shared = (
+        3 * args.dim * (moe.shared_hidden or args.ffn_hidden) + args.dim * moe.shared_gate if moe.shared_expert else 0
+    )
     return attention + args.dim * moe.num_experts + routed * expert + shared
 
 

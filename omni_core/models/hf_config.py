@@ -27,18 +27,49 @@ DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"rope_theta": 1e6, "rms_norm_eps": 1e-5}),
     "qwen2_moe": ("qwen2_moe", {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}),
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 
 # Keys that change nothing in a forward or a training step of the imported part
 _BOOKKEEPING = {
-    "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "return_dict", "output_hidden_states",
-    "output_attentions", "tokenizer_class", "id2label", "label2id", "problem_type", "max_position_embeddings",
-    "output_router_logits", "task_specific_params", "prefix", "chunk_size_feed_forward", "is_encoder_decoder",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "tokenizer_class",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "max_position_embeddings",
+    "output_router_logits",
+    "task_specific_params",
+    "prefix",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
 }
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "relu": "relu"}  # gelu_new is the tanh formula written out
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}  # gelu_new is the tanh formula written out
 
 
 class ConfigRefused(ValueError):
@@ -81,8 +112,10 @@ class _Reader:
     def finish(self) -> None:
         unread = sorted(set(self.config) - self.read)
         if unread:
-            raise ConfigRefused(f"{self.source}: {', '.join(f'{k}={self.config[k]!r}' for k in unread)}: "
-                                "not a setting omni reads, so it cannot be honoured")
+            raise ConfigRefused(
+                f"{self.source}: {', '.join(f'{k}={self.config[k]!r}' for k in unread)}: "
+                "not a setting omni reads, so it cannot be honoured"
+            )
 
 
 def read_config(directory: str | Path) -> tuple[dict[str, Any], str]:
@@ -103,13 +136,15 @@ def llm_args_from_config(config: dict[str, Any], source: str) -> tuple[LLMArgs, 
     """LLMArgs of a decoder config and the name table its weights use (`hf_import.LAYOUTS`)."""
     model_type = config.get("model_type")
     if model_type not in DECODERS:
-        raise ConfigRefused(f"{source}: model_type={model_type!r}: omni imports decoders of type "
-                            f"{', '.join(DECODERS)}")
+        raise ConfigRefused(f"{source}: model_type={model_type!r}: omni imports decoders of type {', '.join(DECODERS)}")
     layout, defaults = DECODERS[model_type]
     r = _Reader(config, source, defaults)
     dim, heads = r.need("hidden_size"), r.need("num_attention_heads")
-    r.only("head_dim", lambda v: v is None or v == dim // heads,
-           f"omni's attention heads are hidden_size / num_attention_heads = {dim // heads} wide")
+    r.only(
+        "head_dim",
+        lambda v: v is None or v == dim // heads,
+        f"omni's attention heads are hidden_size / num_attention_heads = {dim // heads} wide",
+    )
     activation = r.get("hidden_act", "silu")
     if activation not in _ACTIVATIONS:
         raise r.refuse("hidden_act", f"omni's FFN gates with {', '.join(_ACTIVATIONS)}")
@@ -118,11 +153,18 @@ def llm_args_from_config(config: dict[str, Any], source: str) -> tuple[LLMArgs, 
     r.only("mlp_bias", lambda v: not v, "omni's FFN has no biases", False)
     r.ignore("pretraining_tp")  # transformers' sliced matmuls for it compute the same product
     args = LLMArgs(
-        vocab_size=r.need("vocab_size"), dim=dim, n_layers=r.need("num_hidden_layers"), n_heads=heads,
-        n_kv_heads=r.get("num_key_value_heads", heads), ffn_hidden=r.need("intermediate_size"),
-        norm_eps=r.get("rms_norm_eps"), qkv_bias=model_type in ("qwen2", "qwen2_moe"),
-        activation=_ACTIVATIONS[activation], tied_embeddings=bool(r.get("tie_word_embeddings", False)),
-        **_rope(r), **_window(r, model_type),
+        vocab_size=r.need("vocab_size"),
+        dim=dim,
+        n_layers=r.need("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=r.get("num_key_value_heads", heads),
+        ffn_hidden=r.need("intermediate_size"),
+        norm_eps=r.get("rms_norm_eps"),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+        activation=_ACTIVATIONS[activation],
+        tied_embeddings=bool(r.get("tie_word_embeddings", False)),
+        **_rope(r),
+        **_window(r, model_type),
     )
     if model_type == "mixtral":
         args = _mixtral(r, args)
@@ -152,8 +194,11 @@ def _rope(r: _Reader) -> dict[str, Any]:
     elif kind in ("linear", "llama3", "yarn"):
         scaling = _scaling(kind, params, r, refuse)
     else:
-        why = ("transformers recomputes it from the longest sequence seen so far, so a packed step has no "
-               "equivalent" if kind == "dynamic" else "omni builds default, linear, llama3 and yarn")
+        why = (
+            "transformers recomputes it from the longest sequence seen so far, so a packed step has no equivalent"
+            if kind == "dynamic"
+            else "omni builds default, linear, llama3 and yarn"
+        )
         raise refuse("rope_type", why)
     if params:
         raise refuse(next(iter(params)), "not a rope setting omni reads")
@@ -167,8 +212,11 @@ def _scaling(kind: str, params: dict[str, Any], r: _Reader, refuse) -> RopeScali
         factor = r.config.get("max_position_embeddings", original) / original
     if factor is None:
         raise refuse("factor", "is missing")
-    options = {name: params.pop(name) for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                                                    "attention_factor", "truncate") if params.get(name) is not None}
+    options = {
+        name: params.pop(name)
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate")
+        if params.get(name) is not None
+    }
     for name in ("mscale", "mscale_all_dim"):
         if params.pop(name, None):
             raise refuse(name, "DeepSeek's mscale attention factor is not built")
@@ -201,8 +249,9 @@ def _mixtral(r: _Reader, args: LLMArgs) -> LLMArgs:
     r.only("router_jitter_noise", lambda v: not v, "omni's router adds no noise", 0.0)
     top_k = r.need("num_experts_per_tok")
     # transformers' balancing loss sums its k slots where ours averages them: the same objective at k x coef
-    moe = MoEArgs(num_experts=r.need("num_local_experts"), top_k=top_k,
-                  aux_loss_coef=r.get("router_aux_loss_coef", 0.001) * top_k)
+    moe = MoEArgs(
+        num_experts=r.need("num_local_experts"), top_k=top_k, aux_loss_coef=r.get("router_aux_loss_coef", 0.001) * top_k
+    )
     return replace(args, moe=moe)
 
 
@@ -211,10 +260,15 @@ def _qwen2_moe(r: _Reader, args: LLMArgs) -> LLMArgs:
     r.only("mlp_only_layers", lambda v: not v, "omni builds every layer sparse", [])
     r.ignore("intermediate_size", "qkv_bias")  # the dense layers' width, of which there are none; biases: always
     top_k = r.need("num_experts_per_tok")
-    moe = MoEArgs(num_experts=r.need("num_experts"), top_k=top_k, shared_expert=True,
-                  shared_hidden=r.need("shared_expert_intermediate_size"), shared_gate=True,
-                  renormalize=bool(r.get("norm_topk_prob", False)),
-                  aux_loss_coef=r.get("router_aux_loss_coef", 0.001) * top_k)
+    moe = MoEArgs(
+        num_experts=r.need("num_experts"),
+        top_k=top_k,
+        shared_expert=True,
+        shared_hidden=r.need("shared_expert_intermediate_size"),
+        shared_gate=True,
+        renormalize=bool(r.get("norm_topk_prob", False)),
+        aux_loss_coef=r.get("router_aux_loss_coef", 0.001) * top_k,
+    )
     return replace(args, ffn_hidden=r.need("moe_intermediate_size"), moe=moe)
 
 
@@ -231,14 +285,23 @@ def llm_config(args: LLMArgs, model_type: str) -> dict[str, Any]:
         if s.kind == "llama3":
             rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
         if s.kind == "yarn":
-            rope.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, attention_factor=s.attention_factor,
-                        truncate=s.truncate)
+            rope.update(
+                beta_fast=s.beta_fast, beta_slow=s.beta_slow, attention_factor=s.attention_factor, truncate=s.truncate
+            )
     activation = {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation)
     config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": args.vocab_size,
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "hidden_act": activation,
-        "rms_norm_eps": args.norm_eps, "rope_parameters": rope, "tie_word_embeddings": args.tied_embeddings,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "hidden_act": activation,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": args.tied_embeddings,
     }
     if args.sliding_window is not None:
         config["sliding_window"] = args.sliding_window
@@ -246,12 +309,20 @@ def llm_config(args: LLMArgs, model_type: str) -> dict[str, Any]:
             config.update(use_sliding_window=True, max_window_layers=args.full_attention_layers)
     moe = args.moe
     if model_type == "mixtral" and moe:
-        config.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                      router_aux_loss_coef=moe.aux_loss_coef / moe.top_k)
+        config.update(
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            router_aux_loss_coef=moe.aux_loss_coef / moe.top_k,
+        )
     if model_type == "qwen2_moe" and moe:
-        config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=args.ffn_hidden,
-                      shared_expert_intermediate_size=moe.shared_hidden or args.ffn_hidden,
-                      norm_topk_prob=moe.renormalize, router_aux_loss_coef=moe.aux_loss_coef / moe.top_k)
+        config.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=args.ffn_hidden,
+            shared_expert_intermediate_size=moe.shared_hidden or args.ffn_hidden,
+            norm_topk_prob=moe.renormalize,
+            router_aux_loss_coef=moe.aux_loss_coef / moe.top_k,
+        )
     return config
 
 
@@ -264,8 +335,10 @@ def vision_args_from_config(config: dict[str, Any], source: str) -> tuple[Vision
     if config.get("model_type") == "siglip":
         config, source, prefix = config.get("vision_config") or {}, f"{source} vision_config", "vision_model."
     elif config.get("model_type") != "siglip_vision_model":
-        raise ConfigRefused(f"{source}: model_type={config.get('model_type')!r}: omni imports the SigLIP vision "
-                            "tower (siglip, siglip_vision_model); CLIP's class token and pre-norm are not built")
+        raise ConfigRefused(
+            f"{source}: model_type={config.get('model_type')!r}: omni imports the SigLIP vision "
+            "tower (siglip, siglip_vision_model); CLIP's class token and pre-norm are not built"
+        )
     r = _Reader(config, source)
     r.only("num_channels", lambda v: v == 3, "omni's patches are RGB", 3)
     r.only("attention_dropout", lambda v: not v, "omni trains without dropout", 0.0)
@@ -275,9 +348,14 @@ def vision_args_from_config(config: dict[str, Any], source: str) -> tuple[Vision
     if activation not in ("gelu", "gelu_pytorch_tanh", "gelu_new", "relu"):
         raise r.refuse("hidden_act", "omni's encoder MLPs use gelu, gelu_pytorch_tanh or relu")
     args = VisionArgs(
-        patch_dim=3 * patch * patch, dim=dim, n_layers=r.get("num_hidden_layers", 12),
-        n_heads=r.get("num_attention_heads", 12), mlp_ratio=_mlp_ratio(dim, r.get("intermediate_size", 3072)),
-        pos_embed="absolute", max_grid=r.get("image_size", 224) // patch, activation=_ACTIVATIONS[activation],
+        patch_dim=3 * patch * patch,
+        dim=dim,
+        n_layers=r.get("num_hidden_layers", 12),
+        n_heads=r.get("num_attention_heads", 12),
+        mlp_ratio=_mlp_ratio(dim, r.get("intermediate_size", 3072)),
+        pos_embed="absolute",
+        max_grid=r.get("image_size", 224) // patch,
+        activation=_ACTIVATIONS[activation],
         norm_eps=r.get("layer_norm_eps", 1e-6),
     )
     r.finish()
@@ -290,8 +368,24 @@ def audio_args_from_config(config: dict[str, Any], source: str) -> tuple[AudioAr
         raise ConfigRefused(f"{source}: model_type={config.get('model_type')!r}: omni imports Whisper's encoder")
     r = _Reader(config, source)
     # the decoder and generation: not imported
-    r.ignore(*(k for k in config if k.startswith(("decoder_", "max_target", "suppress", "begin_suppress",
-                                                    "forced_decoder", "mask_", "classifier", "median_filter"))))
+    r.ignore(
+        *(
+            k
+            for k in config
+            if k.startswith(
+                (
+                    "decoder_",
+                    "max_target",
+                    "suppress",
+                    "begin_suppress",
+                    "forced_decoder",
+                    "mask_",
+                    "classifier",
+                    "median_filter",
+                )
+            )
+        )
+    )
     r.ignore("vocab_size", "init_std", "use_weighted_layer_sum", "tie_word_embeddings")  # the decoder's
     r.only("apply_spec_augment", lambda v: not v, "omni does not mask features in training", False)
     for key in ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop"):
@@ -302,9 +396,13 @@ def audio_args_from_config(config: dict[str, Any], source: str) -> tuple[AudioAr
         raise r.refuse("activation_function", "omni's encoder MLPs use gelu, gelu_pytorch_tanh or relu")
     dim = r.get("d_model", 256)
     args = AudioArgs(
-        n_mels=r.get("num_mel_bins", 80), dim=dim, n_layers=r.get("encoder_layers", 4),
-        n_heads=r.get("encoder_attention_heads", 4), mlp_ratio=_mlp_ratio(dim, r.get("encoder_ffn_dim", 1536)),
-        max_frames=2 * r.get("max_source_positions", 1500), activation=_ACTIVATIONS[activation],
+        n_mels=r.get("num_mel_bins", 80),
+        dim=dim,
+        n_layers=r.get("encoder_layers", 4),
+        n_heads=r.get("encoder_attention_heads", 4),
+        mlp_ratio=_mlp_ratio(dim, r.get("encoder_ffn_dim", 1536)),
+        max_frames=2 * r.get("max_source_positions", 1500),
+        activation=_ACTIVATIONS[activation],
     )
     r.finish()
     return args, "model.encoder."
@@ -318,17 +416,31 @@ def _mlp_ratio(dim: int, hidden: int) -> float:
 
 def vision_config(args: VisionArgs) -> dict[str, Any]:
     patch = math.isqrt(args.patch_dim // 3)
-    return {"architectures": ["SiglipVisionModel"], "model_type": "siglip_vision_model", "hidden_size": args.dim,
-            "intermediate_size": int(args.dim * args.mlp_ratio), "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads, "num_channels": 3, "patch_size": patch,
-            "image_size": args.max_grid * patch, "layer_norm_eps": args.norm_eps, "vision_use_head": False,
-            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation)}
+    return {
+        "architectures": ["SiglipVisionModel"],
+        "model_type": "siglip_vision_model",
+        "hidden_size": args.dim,
+        "intermediate_size": int(args.dim * args.mlp_ratio),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_channels": 3,
+        "patch_size": patch,
+        "image_size": args.max_grid * patch,
+        "layer_norm_eps": args.norm_eps,
+        "vision_use_head": False,
+        "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation),
+    }
 
 
 def audio_config(args: AudioArgs) -> dict[str, Any]:
     """An encoder-only Whisper config: `WhisperEncoder.from_pretrained` builds the encoder from it."""
-    return {"model_type": "whisper", "d_model": args.dim,
-            "encoder_layers": args.n_layers, "encoder_attention_heads": args.n_heads,
-            "encoder_ffn_dim": int(args.dim * args.mlp_ratio), "num_mel_bins": args.n_mels,
-            "max_source_positions": args.max_frames // 2,
-            "activation_function": {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation)}
+    return {
+        "model_type": "whisper",
+        "d_model": args.dim,
+        "encoder_layers": args.n_layers,
+        "encoder_attention_heads": args.n_heads,
+        "encoder_ffn_dim": int(args.dim * args.mlp_ratio),
+        "num_mel_bins": args.n_mels,
+        "max_source_positions": args.max_frames // 2,
+        "activation_function": {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation),
+    }

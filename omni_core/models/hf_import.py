@@ -50,17 +50,23 @@ _ATTENTION_AND_NORMS = {ours: hf for ours, hf in _LLM_NAMES.items() if ours not 
 _MIXTRAL_NAMES = {
     **_ATTENTION_AND_NORMS,
     "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
-    **{f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight"
-       for w in ("w1", "w2", "w3")},
+    **{
+        f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight"
+        for w in ("w1", "w2", "w3")
+    },
 }
 _SWIGLU_HF = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _QWEN2_MOE_NAMES = {
     **_ATTENTION_AND_NORMS,
     "layers.{i}.moe.router.weight": "model.layers.{i}.mlp.gate.weight",
-    **{f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight"
-       for w, hf in _SWIGLU_HF.items()},
-    **{f"layers.{{i}}.moe.shared_expert.{w}.weight": f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight"
-       for w, hf in _SWIGLU_HF.items()},
+    **{
+        f"layers.{{i}}.moe.experts.{{e}}.{w}.weight": f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight"
+        for w, hf in _SWIGLU_HF.items()
+    },
+    **{
+        f"layers.{{i}}.moe.shared_expert.{w}.weight": f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight"
+        for w, hf in _SWIGLU_HF.items()
+    },
     "layers.{i}.moe.shared_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
 # rotary tables some files carry: transformers recomputes them from the config, and so do we
@@ -93,8 +99,12 @@ class Layout:
 
     def hf_name(self, name: str) -> str:
         for ours, hf in self.names.items():
-            pattern = (re.escape(ours).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
-                       .replace(r"\{p\}", r"(?P<p>weight|bias)"))
+            pattern = (
+                re.escape(ours)
+                .replace(r"\{i\}", r"(?P<i>\d+)")
+                .replace(r"\{e\}", r"(?P<e>\d+)")
+                .replace(r"\{p\}", r"(?P<p>weight|bias)")
+            )
             match = re.fullmatch(pattern, name)
             if match:
                 return hf.format(**match.groupdict())
@@ -203,7 +213,7 @@ def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: s
     for file in _files(path):
         with safe_open(file, framework="pt") as f:
             names = f.keys()
-            located.update({key[len(prefix):]: file for key in names if key.startswith(prefix)})
+            located.update({key[len(prefix) :]: file for key in names if key.startswith(prefix)})
     problems = [f"missing tensor {prefix + name!r}" for name in expected if name not in located]
     tied = isinstance(module, LLM) and module.args.tied_embeddings
     problems += [

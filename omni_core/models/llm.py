@@ -16,7 +16,7 @@ from omni_core.models.attention import flex_document_attention, varlen_attention
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, float]:
     """The [head_dim / 2] rotary inverse frequencies and the factor cos/sin are scaled by (1 but for yarn)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    inv_freq = theta ** -exponents
+    inv_freq = theta**-exponents
     if scaling is None:
         return inv_freq, 1.0
     factor = scaling.factor
@@ -30,8 +30,11 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
         blend = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
         blended = (1 - blend) * inv_freq / factor + blend * inv_freq
         stretched = torch.where(wavelength > original / scaling.low_freq_factor, inv_freq / factor, inv_freq)
-        medium = (wavelength <= original / scaling.low_freq_factor) & (wavelength >= original / scaling.high_freq_factor)
+        medium = (wavelength <= original / scaling.low_freq_factor) & (
+            wavelength >= original / scaling.high_freq_factor
+        )
         return torch.where(medium, blended, stretched), 1.0
+
     # yarn: dimensions that turn fewer than beta_slow times over the original context are interpolated, those
     # that turn more than beta_fast times kept, with a linear ramp between
     def dimension_turning(turns: float) -> float:
@@ -99,7 +102,12 @@ class Attention(nn.Module):
         return self.wo(out.flatten(1))
 
 
-GATE_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+GATE_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 class FeedForward(nn.Module):
@@ -116,7 +124,9 @@ class FeedForward(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, sequence_group=None) -> torch.Tensor:
+def load_balancing_loss(
+    probs: torch.Tensor, experts: torch.Tensor, num_experts: int, sequence_group=None
+) -> torch.Tensor:
     """Switch Transformer auxiliary loss, E * sum_e f_e * P_e: f_e is the share of the T*k routing slots that
     went to expert e, P_e the mean router probability of e. Equals 1 under perfectly uniform routing.
 

@@ -33,8 +33,9 @@ class OmniModel(nn.Module):
         self.llm = LLM(args.llm)
         self.token_index: torch.Tensor | None = None  # this rank's packed positions under context parallelism
 
-    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None,
-                encoded: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: PackedBatch, hidden: torch.Tensor | None = None, encoded: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The whole model, or one pipeline stage of it (see `parallel.pipeline`): a stage without the token
         embedding continues from `hidden`; one without the output head returns hidden states.
 
@@ -98,8 +99,10 @@ class OmniModel(nn.Module):
         embeds = self.llm.embed(ids)
         slots = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
         if int(slots.sum()) != encoded.shape[0]:
-            raise ValueError(f"{int(slots.sum())} image, video and audio placeholders on this rank, but "
-                             f"{encoded.shape[0]} encoded rows were handed to it")
+            raise ValueError(
+                f"{int(slots.sum())} image, video and audio placeholders on this rank, but "
+                f"{encoded.shape[0]} encoded rows were handed to it"
+            )
         return embeds.masked_scatter(slots.unsqueeze(-1), encoded.to(embeds.dtype))
 
     @property
@@ -134,8 +137,13 @@ class OmniModel(nn.Module):
 
     def train_flops(self, batch: PackedBatch) -> float:
         """Forward + backward FLOPs of this batch, from its actual documents, images, clips and videos (for MFU)."""
-        return omni_train_flops(self.args, batch.cu_seqlens.diff().tolist(), batch.image_grids.tolist(),
-                                batch.audio_frames.tolist(), batch.video_grids.tolist())
+        return omni_train_flops(
+            self.args,
+            batch.cu_seqlens.diff().tolist(),
+            batch.image_grids.tolist(),
+            batch.audio_frames.tolist(),
+            batch.video_grids.tolist(),
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

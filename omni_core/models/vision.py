@@ -62,8 +62,9 @@ class VisionEncoder(nn.Module):
             x = layer(x, cu_seqlens, shard)
         return self.norm(x)
 
-    def embed(self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None
-              ) -> tuple[torch.Tensor, list[int]]:
+    def embed(
+        self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """`forward`'s stem: the blocks' input (patch embeddings plus positions) and its documents' bounds."""
         grid_list = grids.tolist()
         patch_counts = [rows * cols for rows, cols in grid_list]
@@ -72,8 +73,10 @@ class VisionEncoder(nn.Module):
         elif len(grid_list) != 1:
             raise ValueError(f"a sequence shard splits one image, got {len(grid_list)} grids: {grid_list}")
         elif shard.offset + shard.length > patch_counts[0]:
-            raise ValueError(f"shard patches {shard.offset}..{shard.offset + shard.length} exceed the image's "
-                             f"{patch_counts[0]} patches (grid {grid_list[0]})")
+            raise ValueError(
+                f"shard patches {shard.offset}..{shard.offset + shard.length} exceed the image's "
+                f"{patch_counts[0]} patches (grid {grid_list[0]})"
+            )
         else:
             covered, expected = "the shard holds", shard.length
         if expected != patches.shape[0]:
@@ -101,7 +104,9 @@ class VisionEncoder(nn.Module):
     @staticmethod
     def frame_grids(video_grids: torch.Tensor) -> torch.Tensor:
         """[sum(frames), 2]: each frame of the videos in `video_grids` [N, 3] as an image grid."""
-        return torch.tensor([[r, c] for f, r, c in video_grids.tolist() for _ in range(f)], dtype=torch.long).view(-1, 2)
+        return torch.tensor([[r, c] for f, r, c in video_grids.tolist() for _ in range(f)], dtype=torch.long).view(
+            -1, 2
+        )
 
     @staticmethod
     def merge_frames(features: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:

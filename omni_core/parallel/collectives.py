@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 
-def all_to_all_uneven(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_uneven(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Rows of `x` split by `in_splits` to the group's ranks in order; receives `out_splits` rows from each.
     all_to_all_single with split sizes: the list form of all_to_all fails on gloo with unequal sizes."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))

@@ -37,8 +37,9 @@ def cp_token_index(total: int, cp: int, rank: int, kind: str) -> torch.Tensor:
         raise ValueError(f"context parallel kind must be one of {KINDS}, got {kind!r}")
     n_chunks = cp if kind == "ulysses" else 2 * cp
     if total % n_chunks:
-        raise ValueError(f"{kind} context parallelism over {cp} ranks needs tokens divisible by {n_chunks}, "
-                         f"got {total}")
+        raise ValueError(
+            f"{kind} context parallelism over {cp} ranks needs tokens divisible by {n_chunks}, got {total}"
+        )
     chunk = total // n_chunks
     chunks = [rank] if kind == "ulysses" else [rank, n_chunks - 1 - rank]
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks])
@@ -51,8 +52,10 @@ def ulysses_kv_repeats(n_heads: int, n_kv_heads: int, cp: int) -> int:
     sends the fewest KV heads. Exposed so that plan validation can reject a layout before launching.
     """
     if n_heads % cp:
-        raise ValueError(f"Ulysses context parallelism splits heads over ranks: {n_heads} heads do not divide by "
-                         f"cp={cp}; use ring attention or another cp degree")
+        raise ValueError(
+            f"Ulysses context parallelism splits heads over ranks: {n_heads} heads do not divide by "
+            f"cp={cp}; use ring attention or another cp degree"
+        )
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
     return math.lcm(n_kv_heads, cp) // n_kv_heads
@@ -86,15 +89,17 @@ class ContextParallelAttention:
         causal: bool,
     ) -> torch.Tensor:
         if q.shape[0] * self.cp != self.total_tokens:
-            raise ValueError(f"expected {self.total_tokens // self.cp} local tokens on each of {self.cp} ranks, "
-                             f"got {q.shape[0]}")
+            raise ValueError(
+                f"expected {self.total_tokens // self.cp} local tokens on each of {self.cp} ranks, got {q.shape[0]}"
+            )
         offsets = tuple(cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)
         if self.kind == "ulysses":
             return self._ulysses(q, k, v, offsets, causal)
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-        schedule, lo, hi = _ring_layout(offsets, self.total_tokens, causal, self.cp, self.rank, self.block_size,
-                                         q.device)
+        schedule, lo, hi = _ring_layout(
+            offsets, self.total_tokens, causal, self.cp, self.rank, self.block_size, q.device
+        )
         return _RingAttention.apply(q, k, v, schedule, lo, hi, self.group)
 
     def _ulysses(self, q, k, v, offsets, causal):
@@ -178,10 +183,12 @@ def _ring_shift(tensor: torch.Tensor, group) -> Callable[[], torch.Tensor]:
     if cp == 1:
         return lambda: tensor
     recv = torch.empty_like(tensor)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % cp),
-        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % cp),
-    ])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % cp),
+            dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % cp),
+        ]
+    )
 
     def wait() -> torch.Tensor:
         for work in works:
@@ -241,8 +248,10 @@ class _RingAttention(torch.autograd.Function):
                 old_lse = lse[..., q0:q1]
                 new_lse = torch.logaddexp(old_lse, tile_lse)
                 finite = new_lse.nan_to_num(neginf=0.0)
-                out[..., q0:q1, :] = (out[..., q0:q1, :] * torch.exp(old_lse - finite)[..., None]
-                                      + tile_out * torch.exp(tile_lse - finite)[..., None])
+                out[..., q0:q1, :] = (
+                    out[..., q0:q1, :] * torch.exp(old_lse - finite)[..., None]
+                    + tile_out * torch.exp(tile_lse - finite)[..., None]
+                )
                 lse[..., q0:q1] = new_lse
             if pending is not None:
                 kv = pending()

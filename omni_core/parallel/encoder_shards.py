@@ -49,8 +49,10 @@ class _Slot:
 def stem_and_head(model: nn.Module, encoder: str) -> list[Owned]:
     """A sharded encoder's parameters outside its blocks (stem, final norm) and its projector's."""
     blocks = set(getattr(model, encoder).layers.modules())
-    return [*(o for o in owned(getattr(model, encoder)) if o[0] not in blocks),
-            *owned(model.projectors[PROJECTOR_OF[encoder]])]
+    return [
+        *(o for o in owned(getattr(model, encoder)) if o[0] not in blocks),
+        *owned(model.projectors[PROJECTOR_OF[encoder]]),
+    ]
 
 
 def owned(module: nn.Module) -> list[Owned]:
@@ -73,8 +75,10 @@ class EncoderShards:
         for owner, name, param in params:
             if param.ndim == 0:
                 raise ValueError(f"{name}: a 0-d parameter cannot be sharded on dim 0")
-            shard = nn.Parameter(distribute_tensor(param.detach(), self.mesh, [Shard(0)], src_data_rank=None),
-                                 requires_grad=param.requires_grad)  # every rank built the same weights
+            shard = nn.Parameter(
+                distribute_tensor(param.detach(), self.mesh, [Shard(0)], src_data_rank=None),
+                requires_grad=param.requires_grad,
+            )  # every rank built the same weights
             owner.register_parameter(name, shard)
             chunk_rows = math.ceil(param.shape[0] / self.ranks)
             self.slots.append(_Slot(owner, name, shard, offset, chunk_rows))
@@ -95,8 +99,11 @@ class EncoderShards:
         for slot, chunk in zip(trains, self.grad_flat.split(sizes) if trains else [], strict=True):
             rows = slot.shard.to_local().shape[0]
             local = chunk.view(slot.chunk_rows, *slot.shard.shape[1:])[:rows]
-            grads.append(DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
-                                            shape=slot.shard.shape, stride=slot.shard.stride()))
+            grads.append(
+                DTensor.from_local(
+                    local, self.mesh, [Shard(0)], run_check=False, shape=slot.shard.shape, stride=slot.shard.stride()
+                )
+            )
         return grads
 
     @property
@@ -108,8 +115,7 @@ class EncoderShards:
         as leaves that collect gradients (where the parameter trains)."""
         if not self.slots:
             return
-        local = torch.cat([_padded(slot.shard.to_local().detach(), slot.chunk_rows).reshape(-1)
-                           for slot in self.slots])
+        local = torch.cat([_padded(slot.shard.to_local().detach(), slot.chunk_rows).reshape(-1) for slot in self.slots])
         everyone = local.new_empty(self.ranks * self.flat_numel)
         dist.all_gather_single(everyone, local, group=self.group)
         by_rank = everyone.view(self.ranks, self.flat_numel)
@@ -117,8 +123,8 @@ class EncoderShards:
         for slot in self.slots:
             shape = slot.shard.shape
             size = slot.chunk_rows * shape[1:].numel()
-            rows = by_rank[:, slot.offset:slot.offset + size].reshape(self.ranks * slot.chunk_rows, *shape[1:])
-            full = rows[:shape[0]].clone().requires_grad_(trainable and slot.shard.requires_grad)
+            rows = by_rank[:, slot.offset : slot.offset + size].reshape(self.ranks * slot.chunk_rows, *shape[1:])
+            full = rows[: shape[0]].clone().requires_grad_(trainable and slot.shard.requires_grad)
             slot.module._parameters[slot.name] = full  # a plain tensor while installed: the module computes with it
             self.full.append(full)
 
@@ -128,9 +134,15 @@ class EncoderShards:
         shards back."""
         if self.trains and self.full:
             trains = [(s, f) for s, f in zip(self.slots, self.full, strict=True) if s.shard.requires_grad]
-            by_rank = torch.cat([
-                _padded(full.grad if full.grad is not None else torch.zeros_like(full), self.ranks * slot.chunk_rows)
-                .reshape(self.ranks, -1) for slot, full in trains], dim=1)
+            by_rank = torch.cat(
+                [
+                    _padded(
+                        full.grad if full.grad is not None else torch.zeros_like(full), self.ranks * slot.chunk_rows
+                    ).reshape(self.ranks, -1)
+                    for slot, full in trains
+                ],
+                dim=1,
+            )
             first = trains[0][0].shard.grad is None  # the optimizer set them to None after the last step
             target = self.grad_flat if first else torch.empty_like(self.grad_flat)
             dist.reduce_scatter_single(target, by_rank.reshape(-1), group=self.group)
@@ -163,12 +175,12 @@ class BlockChain:
     def params(self) -> list[nn.Parameter]:
         return [p for shards in self.shards for p in shards.params]
 
-    def run(self, token: torch.Tensor, calls: list[tuple[torch.Tensor, list[int], Any]]
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(
+        self, token: torch.Tensor, calls: list[tuple[torch.Tensor, list[int], Any]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The blocks over this rank's calls ((input, documents' bounds, LSSP shard or None) each): the token
         passed on, and each call's output."""
-        token, *outputs = _Blocks.apply(self, [(cu, shard) for _, cu, shard in calls], token,
-                                        *(x for x, _, _ in calls))
+        token, *outputs = _Blocks.apply(self, [(cu, shard) for _, cu, shard in calls], token, *(x for x, _, _ in calls))
         return token, outputs
 
 

@@ -101,18 +101,22 @@ def describe_items(batches: list[PackedBatch], shard: int, args: OmniModelArgs) 
     """Items of one data shard's micro-batches, each with the position of its (contiguous) placeholders."""
     items = []
     for micro, batch in enumerate(batches):
-        for modality, shapes in (("image", batch.image_grids.tolist()), ("video", batch.video_grids.tolist()),
-                                 ("audio", batch.audio_frames.tolist())):
+        for modality, shapes in (
+            ("image", batch.image_grids.tolist()),
+            ("video", batch.video_grids.tolist()),
+            ("audio", batch.audio_frames.tolist()),
+        ):
             positions = (batch.input_ids == PLACEHOLDER_OF[modality]).nonzero().flatten().tolist()
             cursor = offset = 0
             for shape in shapes:
                 shape = tuple(shape) if isinstance(shape, list) else (shape,)
                 item = Item(modality, shard, micro, shape, positions[cursor] if positions else -1, offset)
                 rows = output_rows(item, args)
-                span = positions[cursor:cursor + rows]
+                span = positions[cursor : cursor + rows]
                 if len(span) != rows or span[-1] - span[0] != rows - 1:
-                    raise ValueError(f"micro-batch {micro}: the placeholders of {modality} {shape} are not "
-                                     f"{rows} contiguous tokens")
+                    raise ValueError(
+                        f"micro-batch {micro}: the placeholders of {modality} {shape} are not {rows} contiguous tokens"
+                    )
                 items.append(item)
                 cursor += rows
                 offset += item.input_rows
@@ -163,8 +167,9 @@ def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:
     return bool(by_tokens or (spec.long_mb and mib > spec.long_mb))
 
 
-def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
-           domains: dict[int, tuple[int, ...]] | None = None) -> list[Piece]:
+def assign(
+    items: list[Item], args: OmniModelArgs, plan: ParallelPlan, domains: dict[int, tuple[int, ...]] | None = None
+) -> list[Piece]:
     """The same placement on every rank, in a canonical order (items by decreasing cost; ties by shard,
     micro-batch, modality, position). `domains`: the ranks that may encode a shard's items (default: every
     encoder rank).
@@ -184,7 +189,7 @@ def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
         if not is_long(item, spec, args):
             continue
         domain = set(domains[item.shard]) if domains else set(ranks)
-        groups = [ranks[i:i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
+        groups = [ranks[i : i + spec.lssp] for i in range(0, len(ranks) - spec.lssp + 1, spec.lssp)]
         groups = [g for g in groups if set(g) <= domain] or groups
         group = min(groups, key=lambda g: (max(load[r] for r in g), g[0]))
         split[item] = lssp_pieces(item, tuple(group), args)
@@ -192,8 +197,10 @@ def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
             load[rank] += cost[item] / len(group)
     short = [item for item in keyed if item not in split]
     domain_of = {item: domains[item.shard] if domains else tuple(ranks) for item in short}
-    home = {shard: [r for r in ranks if r < plan.llm_world_size and plan.data_rank(r) == shard]
-            for shard in {item.shard for item in short}}
+    home = {
+        shard: [r for r in ranks if r < plan.llm_world_size and plan.data_rank(r) == shard]
+        for shard in {item.shard for item in short}
+    }
     placed = {}
     for item in short:
         rank = min(home[item.shard] or domain_of[item], key=lambda r: (load[r], r))
@@ -206,8 +213,13 @@ def assign(items: list[Item], args: OmniModelArgs, plan: ParallelPlan,
     return pieces
 
 
-def _rebalance(items: list[Item], placed: dict[Item, int], load: dict[int, float], cost: dict[Item, float],
-               domain_of: dict[Item, tuple[int, ...]]) -> None:
+def _rebalance(
+    items: list[Item],
+    placed: dict[Item, int],
+    load: dict[int, float],
+    cost: dict[Item, float],
+    domain_of: dict[Item, tuple[int, ...]],
+) -> None:
     """Moves from the busiest rank, one item at a time: the move that lowers the larger of its two ranks'
     loads the most, onto the least-loaded rank of the item's domain; stops when no move helps."""
     for _ in range(len(items)):
@@ -275,8 +287,15 @@ class EncoderStep:
     `trains`: whether any encoder or projector parameter trains; the same on every rank (it decides whether
     the handoff has a backward), also on LLM ranks that hold no encoder."""
 
-    def __init__(self, model: OmniModel, plan: ParallelPlan, tokens_per_microbatch: int, trains: bool,
-                 device: torch.device, balance_group: int = 0):
+    def __init__(
+        self,
+        model: OmniModel,
+        plan: ParallelPlan,
+        tokens_per_microbatch: int,
+        trains: bool,
+        device: torch.device,
+        balance_group: int = 0,
+    ):
         self.model, self.plan, self.trains, self.device = model, plan, trains, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.total_tokens = tokens_per_microbatch
@@ -291,7 +310,7 @@ class EncoderStep:
         for size in sorted({plan.encoders.spec(e).lssp for e in ENCODER_OF.values()} - {1}):
             ranks = list(plan.encoder_ranks)
             for i in range(0, len(ranks) - size + 1, size):  # every rank creates every group, in one order
-                group = tuple(ranks[i:i + size])
+                group = tuple(ranks[i : i + size])
                 self.lssp_groups[group] = dist.new_group(list(group))
         # the encoders' group (gradient all-reduce of replicated weights, FSDP of sharded ones): the world
         # (`omni`), or the encoders' own ranks (every rank creates the group, members or not)
@@ -303,12 +322,19 @@ class EncoderStep:
         self.chains = {e: BlockChain.of(getattr(model, e), blocks_group, device) for e in held}
         self.shards = EncoderShards([o for e in held for o in stem_and_head(model, e)], self.encoder_group, device)
         sharded = {id(p) for p in (*self.shards.params, *(p for c in self.chains.values() for p in c.params))}
-        self.params = [p for name in ("vision", "audio", "projectors") if getattr(model, name, None) is not None
-                       for p in getattr(model, name).parameters() if p.requires_grad and id(p) not in sharded]
+        self.params = [
+            p
+            for name in ("vision", "audio", "projectors")
+            if getattr(model, name, None) is not None
+            for p in getattr(model, name).parameters()
+            if p.requires_grad and id(p) not in sharded
+        ]
         if plan.encoders.joint:
             if device.type != "cpu":
-                raise PlanError(f"plan {plan.name}: the joint encoder schedule is built for CPU ranks (its encoder "
-                                "thread at idle priority fills their waits); on CUDA it needs a low-priority stream")
+                raise PlanError(
+                    f"plan {plan.name}: the joint encoder schedule is built for CPU ranks (its encoder "
+                    "thread at idle priority fills their waits); on CUDA it needs a low-priority stream"
+                )
             world = list(range(self.world))  # the handoff's own groups: rows, and their gradients back
             self.rows_group, self.grads_group = dist.new_group(world), dist.new_group(world)
         self._received: torch.Tensor | None = None
@@ -323,8 +349,10 @@ class EncoderStep:
         every encoder rank."""
         if self.plan.encoders.ranks or not group:
             return None
-        return {shard: tuple(r for r, s in enumerate(self.shard_of) if s // group == shard // group)
-                for shard in self.owner_of_shard}
+        return {
+            shard: tuple(r for r, s in enumerate(self.shard_of) if s // group == shard // group)
+            for shard in self.owner_of_shard
+        }
 
     # --- phase 1 -------------------------------------------------------------------------------------------
 
@@ -344,8 +372,11 @@ class EncoderStep:
         pieces = assign([it for _, part in gathered for it in part], self.model.args, self.plan, self.domains)
         inputs = self._ship_inputs(pieces, batches)
         transfers = self._transfers(pieces)
-        self.metrics = {"lssp_items": float(len({p.item for p in pieces if p.group})), "encoder_s": 0.0,
-                        "handoff_bytes": self._handoff_bytes(transfers, compute_dtype)}
+        self.metrics = {
+            "lssp_items": float(len({p.item for p in pieces if p.group})),
+            "encoder_s": 0.0,
+            "handoff_bytes": self._handoff_bytes(transfers, compute_dtype),
+        }
         if self.plan.encoders.joint:
             joint = self._joint = JointStep(self, pieces, transfers, inputs, n_micro, compute_dtype)
             encoded = [None] * len(batches) if not self._consumes() else _Arrivals(joint, n_micro)
@@ -384,8 +415,11 @@ class EncoderStep:
         received from the shard's owner (one all-to-all per modality, in the canonical piece order)."""
         needs = [p for p in pieces if not self._holds(p.rank, p.item.shard)]
         out: dict[Piece, torch.Tensor] = {}
-        widths = {"image": self.model.args.vision.patch_dim, "video": self.model.args.vision.patch_dim,
-                  "audio": self.model.args.audio.n_mels}
+        widths = {
+            "image": self.model.args.vision.patch_dim,
+            "video": self.model.args.vision.patch_dim,
+            "audio": self.model.args.audio.n_mels,
+        }
         for modality in INPUT_FIELD:
             empty = torch.zeros(0, widths[modality], device=self.device)
             send: list[list[torch.Tensor]] = [[] for _ in range(self.world)]  # by destination rank
@@ -404,7 +438,7 @@ class EncoderStep:
             cursor = [sum(recv_splits[:r]) for r in range(self.world)]  # each source's rows, in canonical order
             for source, piece in mine:
                 rows = piece.inputs[1] - piece.inputs[0]
-                out[piece] = received[cursor[source]:cursor[source] + rows]
+                out[piece] = received[cursor[source] : cursor[source] + rows]
                 cursor[source] += rows
         for piece in pieces:
             if piece.rank == self.rank and piece not in out:
@@ -415,10 +449,11 @@ class EncoderStep:
     def _input_rows(piece: Piece, batches: list[PackedBatch]) -> torch.Tensor:
         source = getattr(batches[piece.item.micro], INPUT_FIELD[piece.item.modality])
         first = piece.item.input_offset
-        return source[first + piece.inputs[0]:first + piece.inputs[1]]
+        return source[first + piece.inputs[0] : first + piece.inputs[1]]
 
-    def _encode(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]
-                ) -> tuple[dict[Piece, torch.Tensor], torch.Tensor | None]:
+    def _encode(
+        self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]
+    ) -> tuple[dict[Piece, torch.Tensor], torch.Tensor | None]:
         """Projected rows of this rank's pieces: whole items batched per modality (one encoder call each),
         LSSP chunks one by one in the canonical order their group's members share; each encoder's blocks run
         over all of its calls, block by block (`BlockChain` where its weights are sharded). Also the sharded
@@ -451,8 +486,13 @@ class EncoderStep:
             calls.append(_Call("vision", images, x, cu, None, lambda h, g=grids: model.project_image(h, g)))
         videos = [p for p in whole if p.item.modality == "video"]
         if videos:
-            calls.append(self._video_call(videos, torch.cat([inputs[p] for p in videos]),
-                                          torch.tensor([p.item.shape for p in videos], dtype=torch.long)))
+            calls.append(
+                self._video_call(
+                    videos,
+                    torch.cat([inputs[p] for p in videos]),
+                    torch.tensor([p.item.shape for p in videos], dtype=torch.long),
+                )
+            )
         clips = [p for p in whole if p.item.modality == "audio"]
         if clips:
             frames = torch.tensor([p.item.shape[0] for p in clips], dtype=torch.long)
@@ -510,13 +550,19 @@ class EncoderStep:
                         out.append((consumer, piece, first, end))
         return sorted(out, key=lambda t: (t[0], t[1].item.micro, t[1].item.start + t[2]))
 
-    def _hand_off(self, transfers: list[Transfer], produced: dict[Piece, torch.Tensor], n_micro: int,
-                  dtype: torch.dtype, token: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+    def _hand_off(
+        self,
+        transfers: list[Transfer],
+        produced: dict[Piece, torch.Tensor],
+        n_micro: int,
+        dtype: torch.dtype,
+        token: torch.Tensor | None = None,
+    ) -> list[torch.Tensor | None]:
         """Move the rows to their consumers (every rank's buffers in one dtype: ranks without rows too). The
         sharded chains' `token` rides along (an added zero), so that every rank's backward reaches them."""
         dim = self.model.args.llm.dim
         outgoing = [t for t in transfers if t[1].rank == self.rank]
-        chunks = [produced[piece][first - piece.rows[0]:end - piece.rows[0]] for _, piece, first, end in outgoing]
+        chunks = [produced[piece][first - piece.rows[0] : end - piece.rows[0]] for _, piece, first, end in outgoing]
         send_splits, recv_splits = [0] * self.world, [0] * self.world
         for consumer, piece, first, end in transfers:
             if piece.rank == self.rank:
@@ -532,8 +578,9 @@ class EncoderStep:
         exchange = AllToAll.apply if trains else all_to_all_uneven
         received = exchange(send, recv_splits, send_splits, None)
         incoming = sorted((t for t in transfers if t[0] == self.rank), key=lambda t: t[1].rank)  # stable
-        order = sorted(range(len(incoming)), key=lambda i: (incoming[i][1].item.micro,
-                                                            incoming[i][1].item.start + incoming[i][2]))
+        order = sorted(
+            range(len(incoming)), key=lambda i: (incoming[i][1].item.micro, incoming[i][1].item.start + incoming[i][2])
+        )
         spans = list(received.split([end - first for _, _, first, end in incoming])) if incoming else []
         rows = torch.cat([spans[i] for i in order]) if incoming else received
         self._received = rows
@@ -573,7 +620,7 @@ class EncoderStep:
             dist.all_reduce(flat, group=self.encoder_group)
             offset = 0
             for param in self.params:
-                param.grad.copy_(flat[offset:offset + param.numel()].view_as(param))
+                param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
         self._outside_s += time.perf_counter() - start
         self.metrics["outside_s"] = self._outside_s

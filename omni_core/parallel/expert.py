@@ -80,4 +80,3 @@ def apply_expert_parallel_to_model(model: nn.Module, group: dist.ProcessGroup) -
     for module in list(model.modules()):
         if isinstance(module, MoE):
             apply_expert_parallel(module, group)
-

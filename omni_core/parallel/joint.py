@@ -51,8 +51,15 @@ class JointStep:
     """One step of the joint schedule on this rank (module docstring). `rows(m)`: the consumer's leaf of
     micro-batch m's rows (blocks until they arrive); `finish()`: after the LLM's backward, the rest."""
 
-    def __init__(self, step: EncoderStep, pieces: list[Piece], transfers: list[Transfer], inputs: dict, n_micro: int,
-                 dtype: torch.dtype):
+    def __init__(
+        self,
+        step: EncoderStep,
+        pieces: list[Piece],
+        transfers: list[Transfer],
+        inputs: dict,
+        n_micro: int,
+        dtype: torch.dtype,
+    ):
         self.step, self.pieces, self.inputs, self.n_micro, self.dtype = step, pieces, inputs, n_micro, dtype
         self.rank, self.dim = step.rank, step.model.args.llm.dim
         self.outgoing: dict[tuple[int, int], list[Span]] = defaultdict(list)  # (micro, consumer)
@@ -73,13 +80,18 @@ class JointStep:
         self.layout: dict[int, list[tuple[int, int]]] = {}  # a leaf's (source, rows) runs, in leaf order
         self.cpu_s = 0.0  # the thread's encoder compute (CPU time: waiting at idle priority is not work)
         self.graded_by_hook: set[int] = set()
-        self.rows_in = {key: self._receive(key[1], self._size(spans), step.rows_group, key[0])
-                        for key, spans in self.incoming.items() if key[1] != self.rank}
+        self.rows_in = {
+            key: self._receive(key[1], self._size(spans), step.rows_group, key[0])
+            for key, spans in self.incoming.items()
+            if key[1] != self.rank
+        }
         self.grads_in = {}
         if step.trains:
-            self.grads_in = {key: self._receive(key[1], self._size(spans), step.grads_group, key[0])
-                             for key, spans in self.outgoing.items()
-                             if key[1] != self.rank and step.sends_gradient(key[1])}
+            self.grads_in = {
+                key: self._receive(key[1], self._size(spans), step.grads_group, key[0])
+                for key, spans in self.outgoing.items()
+                if key[1] != self.rank and step.sends_gradient(key[1])
+            }
         self.thread = threading.Thread(target=self._work, name="omni-encoders", daemon=True)
         self.thread.start()
 
@@ -101,7 +113,7 @@ class JointStep:
             if self.step.trains:
                 for micro in range(self.n_micro):
                     self._backward(micro)
-        except BaseException:  # noqa: BLE001 - see the module docstring: end the rank, loudly
+        except BaseException:
             print(f"rank {self.rank}: the joint schedule's encoder thread failed", file=sys.stderr)
             traceback.print_exc()
             sys.stderr.flush()
@@ -116,7 +128,7 @@ class JointStep:
         for (m, consumer), spans in sorted(self.outgoing.items()):
             if m != micro:
                 continue
-            rows = torch.cat([produced[p][first - p.rows[0]:end - p.rows[0]] for p, first, end in spans]).to(dtype)
+            rows = torch.cat([produced[p][first - p.rows[0] : end - p.rows[0]] for p, first, end in spans]).to(dtype)
             self.sent[(micro, consumer)] = rows
             if consumer == self.rank:
                 self.local_rows[micro] = rows.detach()
@@ -172,8 +184,11 @@ class JointStep:
         chunks.sort(key=lambda c: c[0])
         for _, source, chunk in chunks:
             runs.append((source, chunk.shape[0]))
-        rows = torch.cat([c for _, _, c in chunks]) if chunks else torch.zeros(0, self.dim, dtype=self.dtype,
-                                                                               device=self.step.device)
+        rows = (
+            torch.cat([c for _, _, c in chunks])
+            if chunks
+            else torch.zeros(0, self.dim, dtype=self.dtype, device=self.step.device)
+        )
         leaf = rows.detach().requires_grad_(self.step.trains)
         if self.step.trains and chunks:
             leaf.register_hook(lambda grad, m=micro: self._send_gradient(m, grad))
@@ -189,8 +204,9 @@ class JointStep:
         if not self.step.sends_gradient(self.rank):
             return
         shares: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for (source, rows), part in zip(self.layout[micro], grad.split([r for _, r in self.layout[micro]]),
-                                        strict=True):
+        for (source, rows), part in zip(
+            self.layout[micro], grad.split([r for _, r in self.layout[micro]]), strict=True
+        ):
             shares[source].append(part)
         for source, parts in shares.items():
             payload = torch.cat(parts).detach().contiguous()

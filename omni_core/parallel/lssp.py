@@ -31,8 +31,10 @@ def lssp_splits(n_tokens: int, size: int, align: int = 1) -> list[int]:
         raise ValueError(f"LSSP needs a group size and an alignment of at least 1, got size={size}, align={align}")
     units = -(-n_tokens // align)
     if units < size:
-        raise ValueError(f"{n_tokens} tokens make {units} chunks of {align}, too few for an LSSP group of {size}: "
-                         f"every member needs at least one")
+        raise ValueError(
+            f"{n_tokens} tokens make {units} chunks of {align}, too few for an LSSP group of {size}: "
+            f"every member needs at least one"
+        )
     base, extra = divmod(units, size)
     splits = [(base + (member >= size - extra)) * align for member in range(size)]
     splits[-1] -= units * align - n_tokens
@@ -75,8 +77,10 @@ class SequenceShard:
         """
         size = len(self.splits)
         if q.shape[1] % size:
-            raise ValueError(f"LSSP splits the encoder's attention heads over its group: {q.shape[1]} heads do "
-                             f"not divide by the LSSP group size {size}")
+            raise ValueError(
+                f"LSSP splits the encoder's attention heads over its group: {q.shape[1]} heads do "
+                f"not divide by the LSSP group size {size}"
+            )
         if q.shape[0] != self.length:
             raise ValueError(f"LSSP rank {self.rank} holds {self.length} tokens, got {q.shape[0]}")
         q, k, v = (self._gather_tokens(x) for x in (q, k, v))

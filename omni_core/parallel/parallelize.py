@@ -108,6 +108,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
     EP is folded into dp_shard x cp: the same ranks, viewed as (dp_mod_ep, ep), give the EP groups and the
     experts' data-parallel groups."""
     if plan.encoders.ranks:
+
         def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
             # a mesh over part of the world cannot be unflattened from a flat one: each view is its own mesh
             return DeviceMesh(device_type, torch.arange(plan.llm_world_size).view(shape), mesh_dim_names=names)
@@ -116,6 +117,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
 
         def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
             return flat._unflatten(0, shape, names)
+
     world = flat_view(tuple(plan.mesh_shape().values()), MESH_ORDER)
     dp_mesh = expert_dp_mesh = None
     # FSDP's meshes are 2-D (HSDP) only when there is more than one replica: with a replicate dimension of
@@ -177,28 +179,43 @@ def apply_tensor_parallel(model: OmniModel, tp_mesh: DeviceMesh) -> None:
         }
         if block.moe_enabled:
             block_plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True,
+                input_layouts=(Shard(0),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(0),),
+                use_local_output=True,
             )
         else:
-            block_plan.update({
-                "feed_forward": to_tokens,
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
-            })
+            block_plan.update(
+                {
+                    "feed_forward": to_tokens,
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
+                }
+            )
         parallelize_module(block, tp_mesh, block_plan)
     if llm.tok_embeddings is not None:
         first = next(iter(llm.layers.values()))
-        parallelize_module(first, tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Shard(0), None, None, None),
-            use_local_output=True,
-        ))
+        parallelize_module(
+            first,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(), None, None, None),
+                desired_input_layouts=(Shard(0), None, None, None),
+                use_local_output=True,
+            ),
+        )
     if llm.output is not None:
-        parallelize_module(llm, tp_mesh, {
-            "norm": SequenceParallel(sequence_dim=0),
-            "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
-        })
+        parallelize_module(
+            llm,
+            tp_mesh,
+            {
+                "norm": SequenceParallel(sequence_dim=0),
+                "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
+            },
+        )
 
 
 def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes, total_tokens: int) -> None:

@@ -35,7 +35,6 @@ from omni_core.models.args import LLMArgs
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel
 
-
 # --- the split ------------------------------------------------------------------------------------------
 
 
@@ -259,8 +258,10 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.last = chunks[-1] if ids[-1] == num_stages - 1 else None
         self.hooks = [_ChunkHooks(self, chunk, stage) for chunk, stage in zip(chunks, ids, strict=True)]
-        stages = [PipelineStage(chunk, stage, num_stages, self.device, group=group)
-                  for chunk, stage in zip(chunks, ids, strict=True)]
+        stages = [
+            PipelineStage(chunk, stage, num_stages, self.device, group=group)
+            for chunk, stage in zip(chunks, ids, strict=True)
+        ]
         options = {"n_microbatches": n_microbatches, "loss_fn": self._loss, "scale_grads": False}
         if plan.pp_schedule == "Interleaved1F1B":
             self.schedule = ScheduleInterleaved1F1B(stages, **options)
@@ -277,7 +278,11 @@ class PipelineRunner:
         self.busy_s = 0.0  # this rank's stage compute in the last step (see `_ChunkHooks`)
 
     def forward_backward(
-        self, batches: list[PackedBatch], global_targets: float, compute_dtype: torch.dtype, aux_scale: float,
+        self,
+        batches: list[PackedBatch],
+        global_targets: float,
+        compute_dtype: torch.dtype,
+        aux_scale: float,
         encoded: list[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Forward and backward of every micro-batch through the pipeline, gradients accumulated in the chunks

@@ -171,8 +171,9 @@ def _read_mapping(path: Path) -> tuple[dict[str, Any], Locations]:
         loader = _LineRecordingLoader(text)  # the reader refuses control characters (a NUL byte) right here
     except yaml.reader.ReaderError as error:
         line = text.count("\n", 0, error.position) + 1
-        raise RecipeError([f"{path}:{line}: invalid YAML: unacceptable character #x{error.character:04x} "
-                           f"({error.reason})"]) from None
+        raise RecipeError(
+            [f"{path}:{line}: invalid YAML: unacceptable character #x{error.character:04x} ({error.reason})"]
+        ) from None
     try:
         data = loader.get_single_data()
     except yaml.MarkedYAMLError as error:

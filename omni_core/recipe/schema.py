@@ -47,9 +47,11 @@ def redact_userinfo(text: str) -> str:
 def _no_credentials(value: str | None) -> str | None:
     """Refuse a URL carrying user:password@: a recipe is logged as params, artifacts and flow-run parameters."""
     if value and _USERINFO.search(value):
-        raise ValueError(f"{redact_userinfo(value)} carries credentials: recipes are logged (MLflow params, "
-                         "recipe.yaml, flow-run parameters); give them through the environment "
-                         "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD)")
+        raise ValueError(
+            f"{redact_userinfo(value)} carries credentials: recipes are logged (MLflow params, "
+            "recipe.yaml, flow-run parameters); give them through the environment "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD)"
+        )
     return value
 
 
@@ -201,12 +203,14 @@ class BalanceConfig(Strict):
     """How training batches are balanced over data ranks (MegaScale-Omni's grouped reordering)."""
 
     policy: Literal["none", "grouped", "global"] = Field(
-        "grouped", description="none: each rank packs its own stream by tokens; grouped: the loaders of a group "
+        "grouped",
+        description="none: each rank packs its own stream by tokens; grouped: the loaders of a group "
         "of data ranks place their shared window by predicted cost (encoders + LLM) onto every member's step; "
         "global: one group of all data ranks (OrchMLLM-like)",
     )
-    group_size: StrictInt = Field(0, ge=0, description="Data ranks per group under grouped (0: those of one node); "
-                            "must divide the data ranks")
+    group_size: StrictInt = Field(
+        0, ge=0, description="Data ranks per group under grouped (0: those of one node); must divide the data ranks"
+    )
 
 
 class DataConfig(Strict):
@@ -247,7 +251,9 @@ class DataConfig(Strict):
     )
     profile_window: StrictInt = Field(1000, ge=10, description="Samples per drift window of the profile")
     drift_threshold: StrictFloat = Field(
-        0.1, gt=0, lt=1,
+        0.1,
+        gt=0,
+        lt=1,
         description="A window drifts when the KS statistic of its token lengths, or the total-variation distance "
         "of its mix, against the first window exceeds this (and the KS test is significant at 0.1%)",
     )
@@ -258,8 +264,9 @@ class DataConfig(Strict):
     @model_validator(mode="after")
     def _patch_budget(self) -> DataConfig:
         if self.min_image_patches > self.max_image_patches:
-            raise ValueError(f"min_image_patches ({self.min_image_patches}) exceeds max_image_patches "
-                             f"({self.max_image_patches})")
+            raise ValueError(
+                f"min_image_patches ({self.min_image_patches}) exceeds max_image_patches ({self.max_image_patches})"
+            )
         return self
 
 
@@ -271,8 +278,10 @@ class ModelConfig(Strict):
     @classmethod
     def _something_to_train(cls, freeze: list[str]) -> list[str]:
         if set(freeze) >= set(MODEL_PARTS):
-            raise ValueError(f"every part of the model is frozen ({', '.join(MODEL_PARTS)}): nothing is left to "
-                             "train (the optimizer would get no parameters)")
+            raise ValueError(
+                f"every part of the model is frozen ({', '.join(MODEL_PARTS)}): nothing is left to "
+                "train (the optimizer would get no parameters)"
+            )
         return freeze
 
 
@@ -291,13 +300,18 @@ def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict], sch
         return [f"encoders.layout={layout!r} must be one of {', '.join(ENCODER_LAYOUTS)}"]
     out = []
     for encoder, spec in specs.items():
-        out.extend(f"encoders.{encoder}.{key}={spec[key]} must be >= {least}"
-                   for key, least in (("lssp", 1), ("long_tokens", 0), ("long_mb", 0)) if spec[key] < least)
+        out.extend(
+            f"encoders.{encoder}.{key}={spec[key]} must be >= {least}"
+            for key, least in (("lssp", 1), ("long_tokens", 0), ("long_mb", 0))
+            if spec[key] < least
+        )
         if spec["lssp"] > 1 and not (spec["long_tokens"] or spec["long_mb"]):
             out.append(f"encoders.{encoder}.lssp={spec['lssp']} needs a long-item threshold (long_tokens or long_mb)")
         if layout == "coupled" and spec != ENCODER_SPEC_DEFAULTS:
-            out.append(f"encoders.{encoder} is set, which needs layout omni or disaggregated: coupled encoders "
-                       "run on their LLM stage's batches as they come")
+            out.append(
+                f"encoders.{encoder} is set, which needs layout omni or disaggregated: coupled encoders "
+                "run on their LLM stage's batches as they come"
+            )
     if layout == "disaggregated" and ranks < 1:
         out.append("encoders.ranks must be >= 1 under layout disaggregated (the encoders' own ranks)")
     if layout != "disaggregated" and ranks:
@@ -305,8 +319,10 @@ def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict], sch
     if schedule not in ENCODER_SCHEDULES:
         out.append(f"encoders.schedule={schedule!r} must be one of {', '.join(ENCODER_SCHEDULES)}")
     elif schedule == "joint" and layout == "coupled":
-        out.append("encoders.schedule=joint needs layout omni or disaggregated: coupled encoders already run inside "
-                   "the first pipeline stage, per micro-batch")
+        out.append(
+            "encoders.schedule=joint needs layout omni or disaggregated: coupled encoders already run inside "
+            "the first pipeline stage, per micro-batch"
+        )
     return out
 
 
@@ -314,12 +330,16 @@ class EncoderSpecConfig(Strict):
     """One encoder's layout over its group (omni and disaggregated layouts)."""
 
     lssp: StrictInt = Field(1, ge=1, description="Ranks a long item is split over (long-short sequence parallelism)")
-    long_tokens: StrictInt = Field(0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; "
-                             "0: no threshold by cost")
-    long_mb: StrictInt = Field(0, ge=0, description="An item whose encoder activations exceed this many MiB is long; "
-                         "0: no threshold by memory")
-    fsdp: StrictBool = Field(False, description="Shard the encoder's weights over its group, its blocks gathered one "
-                             "at a time (else replicated)")
+    long_tokens: StrictInt = Field(
+        0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; 0: no threshold by cost"
+    )
+    long_mb: StrictInt = Field(
+        0, ge=0, description="An item whose encoder activations exceed this many MiB is long; 0: no threshold by memory"
+    )
+    fsdp: StrictBool = Field(
+        False,
+        description="Shard the encoder's weights over its group, its blocks gathered one at a time (else replicated)",
+    )
 
 
 class EncodersConfig(Strict):
@@ -331,13 +351,19 @@ class EncodersConfig(Strict):
     vision: EncoderSpecConfig = EncoderSpecConfig()
     audio: EncoderSpecConfig = EncoderSpecConfig()
     schedule: Literal["phased", "joint"] = Field(
-        "phased", description="phased: the step's encoder forward, the LLM, the encoder backward; joint: the "
-        "encoders per micro-batch in the ranks' idle time, embeddings handed off as they are made (omni, disaggregated)")
+        "phased",
+        description="phased: the step's encoder forward, the LLM, the encoder backward; joint: the "
+        "encoders per micro-batch in the ranks' idle time, embeddings handed off as they are made (omni, disaggregated)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> EncodersConfig:
-        problems = encoder_layout_problems(self.layout, self.ranks, {
-            "vision": self.vision.model_dump(), "audio": self.audio.model_dump()}, self.schedule)
+        problems = encoder_layout_problems(
+            self.layout,
+            self.ranks,
+            {"vision": self.vision.model_dump(), "audio": self.audio.model_dump()},
+            self.schedule,
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -350,9 +376,10 @@ class ParallelConfig(Strict):
         1, ge=1, le=MAX_LOCAL_RANKS, description="Local ranks started by torchrun (--nproc-per-node)"
     )
     plan: Literal["explicit", "auto"] = Field(
-        "explicit", description="explicit: the degrees below; auto: the estimate stage's best plan for the Cell "
+        "explicit",
+        description="explicit: the degrees below; auto: the estimate stage's best plan for the Cell "
         "the train stage has (this machine's device type x nproc), with its micro-batch, gradient accumulation "
-        "(the global batch kept) and activation checkpointing; the degrees below must then stay unset"
+        "(the global batch kept) and activation checkpointing; the degrees below must then stay unset",
     )
     dp_replicate: StrictInt = Field(1, ge=1)
     dp_shard: StrictInt = Field(-1, ge=-1, description="-1: whatever is left of the world after the other degrees")
@@ -375,8 +402,10 @@ class ParallelConfig(Strict):
     def _auto_leaves_the_degrees_unset(self) -> ParallelConfig:
         given = [k for k in PLAN_DEGREES if getattr(self, k) != type(self).model_fields[k].default]
         if self.plan == "auto" and given:
-            raise ValueError(f"plan is auto, so the estimate stage chooses {', '.join(given)}: drop "
-                             f"{'them' if len(given) > 1 else 'it'}, or set parallel.plan=explicit to run them")
+            raise ValueError(
+                f"plan is auto, so the estimate stage chooses {', '.join(given)}: drop "
+                f"{'them' if len(given) > 1 else 'it'}, or set parallel.plan=explicit to run them"
+            )
         return self
 
 
@@ -386,8 +415,10 @@ class NodeGroup(Strict):
     gpus_per_node: StrictInt = Field(ge=1)
     interconnect: str = Field("", description="Link between nodes, e.g. ib-200g (informational for the scheduler)")
     hosts: list[str] = Field(
-        default_factory=list, description="The nodes' Slurm names, one per node: `omni schedule` with launch.target "
-        "slurm pins each launch to the nodes it placed the job on (sbatch --nodelist)")
+        default_factory=list,
+        description="The nodes' Slurm names, one per node: `omni schedule` with launch.target "
+        "slurm pins each launch to the nodes it placed the job on (sbatch --nodelist)",
+    )
 
     @model_validator(mode="after")
     def _a_host_per_node(self) -> NodeGroup:
@@ -402,8 +433,10 @@ class ClusterConfig(Strict):
     name: str = "local"
     node_groups: list[NodeGroup] = Field(default_factory=list, description="Empty: this machine only")
     slots: StrictInt = Field(
-        0, ge=0, description="This machine as a cluster (node_groups empty): CPU slots, one rank each, for "
-        "`omni schedule`; 0: the CPU count rounded down to a power of two"
+        0,
+        ge=0,
+        description="This machine as a cluster (node_groups empty): CPU slots, one rank each, for "
+        "`omni schedule`; 0: the CPU count rounded down to a power of two",
     )
 
     @model_validator(mode="after")
@@ -458,25 +491,36 @@ class ScheduleConfig(Strict):
     )
     restart_s: StrictFloat = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
     iteration_scale: StrictFloat = Field(
-        1.0, ge=1, le=1000, description="`omni simulate` divides every job's iterations by this (the Crius artifact "
-        "simulates its trace with 5)"
+        1.0,
+        ge=1,
+        le=1000,
+        description="`omni simulate` divides every job's iterations by this (the Crius artifact "
+        "simulates its trace with 5)",
     )
     arrival_compression: StrictFloat = Field(
-        1.0, ge=1, le=1000, description="`omni simulate` divides every arrival time by this: 10 packs the trace's "
-        "arrivals ten times closer (a contention study)"
+        1.0,
+        ge=1,
+        le=1000,
+        description="`omni simulate` divides every arrival time by this: 10 packs the trace's "
+        "arrivals ten times closer (a contention study)",
     )
     fixed_horizon: StrictBool = Field(
-        False, description="`omni simulate` runs every policy for exactly max_rounds rounds (the Crius artifact's "
-        "convention); false: until the last job ends"
+        False,
+        description="`omni simulate` runs every policy for exactly max_rounds rounds (the Crius artifact's "
+        "convention); false: until the last job ends",
     )
     busy_min_throughput: StrictFloat = Field(
-        100.0, ge=0, description="The busy-round throughput average counts only rounds above this many samples/s "
-        "(the Crius artifact: 100)"
+        100.0,
+        ge=0,
+        description="The busy-round throughput average counts only rounds above this many samples/s "
+        "(the Crius artifact: 100)",
     )
     max_gpus_per_job: StrictInt = Field(32, ge=1)
     segment_steps: StrictInt = Field(
-        50, ge=1, description="`omni schedule`: steps a job trains per launch; each segment's end (a checkpoint) "
-        "is where the scheduler may resize the job"
+        50,
+        ge=1,
+        description="`omni schedule`: steps a job trains per launch; each segment's end (a checkpoint) "
+        "is where the scheduler may resize the job",
     )
 
 
@@ -493,29 +537,41 @@ class TrainConfig(Strict):
         "auto", description="Autocast compute dtype; auto: bfloat16 on GPUs that support it, else float32"
     )
     activation_checkpointing: StrictBool = Field(False, description="Recompute transformer blocks in backward")
-    compile: StrictBool = Field(False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)")
+    compile: StrictBool = Field(
+        False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)"
+    )
     log_every: StrictInt = Field(10, ge=1)
     ckpt_every: StrictInt = Field(50, ge=0, description="0: only the final checkpoint")
     keep_last: StrictInt = Field(2, ge=1)
     resume: StrictBool = Field(True, description="Continue from the newest complete checkpoint in ckpt_dir")
     max_restarts: StrictInt = Field(
-        0, ge=0, le=100, description="torchrun restarts every rank after one fails, this many times; each restart "
-        "resumes from the newest complete checkpoint"
+        0,
+        ge=0,
+        le=100,
+        description="torchrun restarts every rank after one fails, this many times; each restart "
+        "resumes from the newest complete checkpoint",
     )
     launch_retries: StrictInt = Field(
-        1, ge=0, le=10, description="The train stage launches torchrun again (resuming the newest checkpoint) this "
+        1,
+        ge=0,
+        le=10,
+        description="The train stage launches torchrun again (resuming the newest checkpoint) this "
         "many times when a launch fails from outside the code (a rank killed: OOM killer, a lost node), never for "
-        "a rank's own error or the wall-clock limit"
+        "a rank's own error or the wall-clock limit",
     )
     stop_at_step: StrictInt = Field(
-        0, ge=0, description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
-        "train.steps: this is how a scheduler runs a job in segments"
+        0,
+        ge=0,
+        description="Stop (with a checkpoint) at this step; 0: train.steps. The LR schedule still spans "
+        "train.steps: this is how a scheduler runs a job in segments",
     )
     ckpt_dir: NoCredentials = Field(
         "", description="Default: <output_dir>/<experiment>/ckpt-<training hash>, see Recipe.training_hash"
     )
     timeout_s: StrictFloat = Field(3600.0, gt=0, description="Wall-clock limit of the torchrun launch")
-    dist_timeout_s: StrictFloat = Field(300.0, gt=0, description="Process-group timeout, so a dead rank fails the others")
+    dist_timeout_s: StrictFloat = Field(
+        300.0, gt=0, description="Process-group timeout, so a dead rank fails the others"
+    )
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:
@@ -530,8 +586,11 @@ class LaunchConfig(Strict):
 
     target: Literal["local", "slurm"] = Field("local", description="local: a process group here; slurm: sbatch")
     nodes: StrictInt = Field(1, ge=1, description="Nodes of the launch (slurm); parallel.nproc ranks split over them")
-    nodelist: list[str] = Field(default_factory=list, description="Slurm nodes to run on (sbatch --nodelist), one "
-                                "per node; empty: Slurm chooses. `omni schedule` sets it from its placement")
+    nodelist: list[str] = Field(
+        default_factory=list,
+        description="Slurm nodes to run on (sbatch --nodelist), one "
+        "per node; empty: Slurm chooses. `omni schedule` sets it from its placement",
+    )
     partition: NoCredentials = Field("", description="Slurm partition; empty: the cluster's default")
     cpus_per_node: StrictInt = Field(0, ge=0, description="CPUs a node's task asks for; 0: one per rank")
     memory_gb: StrictInt = Field(8, ge=1)
@@ -543,8 +602,10 @@ class LaunchConfig(Strict):
         if self.target == "local" and self.nodes > 1:
             raise ValueError(f"nodes={self.nodes} needs target slurm: a local launch is this one machine")
         if self.nodelist and (self.target != "slurm" or len(self.nodelist) != self.nodes):
-            raise ValueError(f"nodelist {self.nodelist} names Slurm nodes, one per node: it needs target slurm "
-                             f"and nodes={len(self.nodelist)}")
+            raise ValueError(
+                f"nodelist {self.nodelist} names Slurm nodes, one per node: it needs target slurm "
+                f"and nodes={len(self.nodelist)}"
+            )
         return self
 
 
@@ -555,13 +616,20 @@ class EvalConfig(Strict):
 
 
 class TrackingConfig(Strict):
-    uri: NoCredentials | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    uri: NoCredentials | None = Field(
+        None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
+    )
     experiment: str | None = Field(None, description="MLflow experiment; default: experiment.name")
     flush_every_s: StrictFloat = Field(2.0, gt=0, description="Metric batches are sent at most this often")
     reconnect_timeout_s: StrictFloat = Field(
-        300.0, ge=0, description="After training, how long the train stage waits for an MLflow server that is away "
-        "before it gives up logging the checkpoint (metrics and run statuses are kept and sent later)")
-    registered_model: str = Field("", description="Model Registry name for the final checkpoint; default: experiment.name")
+        300.0,
+        ge=0,
+        description="After training, how long the train stage waits for an MLflow server that is away "
+        "before it gives up logging the checkpoint (metrics and run statuses are kept and sent later)",
+    )
+    registered_model: str = Field(
+        "", description="Model Registry name for the final checkpoint; default: experiment.name"
+    )
     model_alias: str = Field(
         "current", pattern=r"^[A-Za-z0-9_-]+$", description="Alias moved to each newly registered version"
     )
@@ -578,15 +646,19 @@ class ReplanConfig(Strict):
 
     enabled: StrictBool = Field(False, description="The train stage watches its own job and re-plans it")
     drift_threshold: StrictFloat = Field(
-        0.15, gt=0, description="Re-estimate when the newest window has drifted this far from the profile the "
+        0.15,
+        gt=0,
+        description="Re-estimate when the newest window has drifted this far from the profile the "
         "running plan was chosen on: the total-variation distance of the modality mix, or the relative change "
-        "of the mean training FLOPs per sample, whichever is larger"
+        "of the mean training FLOPs per sample, whichever is larger",
     )
     window: StrictInt = Field(200, ge=10, description="Samples of the job's newest data profiled at each look")
     every_steps: StrictInt = Field(0, ge=0, description="Steps between the watcher's looks; 0: train.ckpt_every")
     cost_s: StrictFloat = Field(
-        0.0, ge=0, description="Seconds one re-plan costs (checkpoint, restart, first steps); 0: measured on "
-        "the running launch (from its launch to its first step, plus its last checkpoint's save)"
+        0.0,
+        ge=0,
+        description="Seconds one re-plan costs (checkpoint, restart, first steps); 0: measured on "
+        "the running launch (from its launch to its first step, plus its last checkpoint's save)",
     )
     max_replans: StrictInt = Field(4, ge=0, description="Re-plans per job at most")
     layouts: list[Literal["coupled", "omni"]] = Field(
@@ -612,8 +684,9 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _ranks_split_over_nodes(self) -> Recipe:
         if self.parallel.nproc % self.launch.nodes:
-            raise ValueError(f"launch.nodes={self.launch.nodes} must divide parallel.nproc={self.parallel.nproc} "
-                             "(ranks per node)")
+            raise ValueError(
+                f"launch.nodes={self.launch.nodes} must divide parallel.nproc={self.parallel.nproc} (ranks per node)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -639,8 +712,20 @@ class Recipe(Strict):
         so is the parallel layout: checkpoints reshard between plans, so a job resized by the scheduler (or
         rerun on more ranks) resumes its own checkpoint; the data order then restarts.
         """
-        operational = {"stop_at_step", "resume", "max_restarts", "launch_retries", "timeout_s", "dist_timeout_s", "log_every", "ckpt_every", "keep_last", "ckpt_dir",
-                       "activation_checkpointing", "compile"}
+        operational = {
+            "stop_at_step",
+            "resume",
+            "max_restarts",
+            "launch_retries",
+            "timeout_s",
+            "dist_timeout_s",
+            "log_every",
+            "ckpt_every",
+            "keep_last",
+            "ckpt_dir",
+            "activation_checkpointing",
+            "compile",
+        }
         identity = {
             "seed": self.experiment.seed,
             "data": self.data.model_dump(mode="json", exclude=PROFILE_ONLY | {"s3_endpoint_url"}),

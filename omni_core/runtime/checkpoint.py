@@ -120,8 +120,9 @@ def save_checkpoint(
     store.publish(step, info.rank)
     barrier()
     if info.is_main:
-        manifest = Manifest(step, info.world_size, plan, recipe_hash, optimizers.scheduler_state(), history,
-                            time.time())
+        manifest = Manifest(
+            step, info.world_size, plan, recipe_hash, optimizers.scheduler_state(), history, time.time()
+        )
         store.write_manifest(step, asdict(manifest))
         for old in _superseded(store.steps(), step, keep_last):
             store.delete(old)
@@ -168,8 +169,13 @@ def load_checkpoint(
         if optimizers is None:
             set_model_state_dict(part, model_state, options=OPTIONS)
         else:
-            set_state_dict(part, optimizers.optimizers[index], model_state_dict=model_state,
-                           optim_state_dict=state["optim"], options=OPTIONS)
+            set_state_dict(
+                part,
+                optimizers.optimizers[index],
+                model_state_dict=model_state,
+                optim_state_dict=state["optim"],
+                options=OPTIONS,
+            )
     if optimizers is not None:
         optimizers.load_scheduler_state(manifest.scheduler)
     rank_file = ckpt / f"rank{info.rank}.pt"

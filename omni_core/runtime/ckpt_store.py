@@ -109,13 +109,15 @@ class S3Store:
 
     def _objects(self, prefix: str) -> list[str]:
         paginator = self._client().get_paginator("list_objects_v2")
-        return [o["Key"] for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix) for o in page.get("Contents", [])]
+        return [
+            o["Key"] for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix) for o in page.get("Contents", [])
+        ]
 
     def steps(self) -> list[int]:
         root = f"{self.prefix}/" if self.prefix else ""
         found = set()
         for key in self._objects(root):
-            parts = key[len(root):].split("/")
+            parts = key[len(root) :].split("/")
             if len(parts) == 2 and parts[1] == MANIFEST and (step := _step_of(parts[0])) is not None:
                 found.add(step)
         return sorted(found)
@@ -130,12 +132,14 @@ class S3Store:
         keys = self._objects(prefix)
         if prefix + MANIFEST not in keys:
             raise CheckpointError(f"{self.location(step)} has no {MANIFEST}: an incomplete save, refusing to load it")
-        names = {key: key[len(prefix):] for key in keys}
+        names = {key: key[len(prefix) :] for key in keys}
         strays = [key for key, name in names.items() if "/" in name or name in ("", ".", "..")]
         if strays:  # a checkpoint is a flat folder: such a key would be written elsewhere than the cache
             shutil.rmtree(target, ignore_errors=True)
-            raise CheckpointError(f"{self.location(step)} holds objects that are not plain file names: "
-                                  f"{', '.join(sorted(strays))}; refusing to load it")
+            raise CheckpointError(
+                f"{self.location(step)} holds objects that are not plain file names: "
+                f"{', '.join(sorted(strays))}; refusing to load it"
+            )
         for key in sorted(keys, key=lambda k: k.endswith(MANIFEST)):  # manifest last: the cache is complete or absent
             client.download_file(self.bucket, key, str(target / names[key]))
         return target

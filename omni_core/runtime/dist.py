@@ -45,8 +45,13 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInf
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(chosen, store=_attempt_store(world_size, timeout), rank=int(os.environ["RANK"]),
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            chosen,
+            store=_attempt_store(world_size, timeout),
+            rank=int(os.environ["RANK"]),
+            world_size=world_size,
+            timeout=timeout,
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
@@ -58,7 +63,7 @@ def pin_to_own_cores(local_rank: int, local_world: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // local_world
     if share >= 1:
-        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
+        os.sched_setaffinity(0, cores[local_rank * share : (local_rank + 1) * share])
 
 
 def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
@@ -66,9 +71,14 @@ def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
     agent's store across `--max-restarts` attempts unprefixed (it assumes a new store per attempt), so after a
     restart a rank read its peer's address of the attempt before and gloo's connect was refused."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_store and os.environ["RANK"] == "0", timeout=timeout,
-                          multi_tenant=not agent_store)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_store and os.environ["RANK"] == "0",
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
     return dist.PrefixStore(f"omni/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

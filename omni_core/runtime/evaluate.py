@@ -28,12 +28,12 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
         raise CheckpointError(f"no complete checkpoint in {recipe.checkpoint_dir()} (train first)")
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(
-        recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,
+        recipe.model.flavor,
+        patch_size=recipe.data.patch_size,
+        n_mels=recipe.data.n_mels,
         seed=recipe.experiment.seed,
     )
-    manifest, _ = load_checkpoint(
-        ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info
-    )
+    manifest, _ = load_checkpoint(ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info)
     model.eval()
 
     dataset = open_dataset(recipe)
@@ -64,11 +64,12 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     if stats is None:
         raise ValueError(f"held-out split of {dataset} is empty: raise data.heldout_fraction")
 
-    counts = stats[1 + len(MODALITY_IDS):]
+    counts = stats[1 + len(MODALITY_IDS) :]
     means = summarize(stats)
     per_modality = {
-        name: ModalityScore(loss=means[f"loss/{name}"], perplexity=math.exp(means[f"loss/{name}"]),
-                            tokens=int(counts[idx]))
+        name: ModalityScore(
+            loss=means[f"loss/{name}"], perplexity=math.exp(means[f"loss/{name}"]), tokens=int(counts[idx])
+        )
         for name, idx in MODALITY_IDS.items()
         if f"loss/{name}" in means
     }
@@ -83,6 +84,11 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
         if pairs
     }
     return EvalReport(
-        checkpoint=str(ckpt), step=manifest.step, samples=samples, loss=means["loss"],
-        perplexity=math.exp(means["loss"]), per_modality=per_modality, task=task,
+        checkpoint=str(ckpt),
+        step=manifest.step,
+        samples=samples,
+        loss=means["loss"],
+        perplexity=math.exp(means["loss"]),
+        per_modality=per_modality,
+        task=task,
     )

@@ -38,17 +38,24 @@ class Document:
         """`ids` (a prefix of this document, maybe extended by decoding) as a one-document batch with all of
         the document's encoder inputs."""
         return PackedBatch(
-            input_ids=ids, labels=torch.full_like(ids, -100), position_ids=torch.arange(len(ids)),
+            input_ids=ids,
+            labels=torch.full_like(ids, -100),
+            position_ids=torch.arange(len(ids)),
             cu_seqlens=torch.tensor([0, len(ids)], dtype=torch.int32),
             loss_modality=torch.full_like(ids, MODALITY_IDS[self.modality]),
-            image_patches=self.image_patches, image_grids=self.image_grids,
-            audio_mels=self.audio_mels, audio_frames=self.audio_frames, video_patches=self.video_patches,
-            video_grids=self.video_grids, num_samples=1,
+            image_patches=self.image_patches,
+            image_grids=self.image_grids,
+            audio_mels=self.audio_mels,
+            audio_frames=self.audio_frames,
+            video_patches=self.video_patches,
+            video_grids=self.video_grids,
+            num_samples=1,
         )
 
 
-def documents(batch: PackedBatch, tokens_per_image: Callable[[int, int], int],
-              tokens_per_video: Callable[[int, int, int], int]) -> Iterator[Document]:
+def documents(
+    batch: PackedBatch, tokens_per_image: Callable[[int, int], int], tokens_per_video: Callable[[int, int, int], int]
+) -> Iterator[Document]:
     """The batch's real documents, each with its own images, clips and videos (padding documents are skipped)."""
     bounds = batch.cu_seqlens.tolist()
     image, patch, clip, frame, video, video_patch = 0, 0, 0, 0, 0, 0
@@ -73,10 +80,14 @@ def documents(batch: PackedBatch, tokens_per_image: Callable[[int, int], int],
         if int(ids[0]) == PAD_ID:
             continue
         yield Document(
-            MODALITY_NAMES[int(batch.loss_modality[start])], ids,
-            batch.image_patches[first_patch:patch], batch.image_grids[first_image:image],
-            batch.audio_mels[first_frame:frame], batch.audio_frames[first_clip:clip],
-            batch.video_patches[first_video_patch:video_patch], batch.video_grids[first_video:video],
+            MODALITY_NAMES[int(batch.loss_modality[start])],
+            ids,
+            batch.image_patches[first_patch:patch],
+            batch.image_grids[first_image:image],
+            batch.audio_mels[first_frame:frame],
+            batch.audio_frames[first_clip:clip],
+            batch.video_patches[first_video_patch:video_patch],
+            batch.video_grids[first_video:video],
         )
 
 

@@ -36,8 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     info = init_distributed(recipe.parallel.backend, recipe.train.dist_timeout_s)
     # metrics the tracking server missed are kept beside the result, for the train stage to replay
     spool = Path(args.result).with_name(SPOOL_FILE) if args.result else None
-    tracker = tracker_for_rank(info.rank, flush_every_s=recipe.tracking.flush_every_s, spool=spool,
-                               reconnect_timeout_s=recipe.tracking.reconnect_timeout_s)
+    tracker = tracker_for_rank(
+        info.rank,
+        flush_every_s=recipe.tracking.flush_every_s,
+        spool=spool,
+        reconnect_timeout_s=recipe.tracking.reconnect_timeout_s,
+    )
 
     def log(message: str) -> None:
         if info.is_main:
@@ -51,11 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         with monitoring:
             result = train(recipe, info, tracker=tracker, log=log)
         if info.is_main:
-            log(f"done: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
-                f"{result.tokens_per_s:.0f} tokens/s, checkpoint {result.checkpoint}")
+            log(
+                f"done: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
+                f"{result.tokens_per_s:.0f} tokens/s, checkpoint {result.checkpoint}"
+            )
             if args.result:
                 result.save(Path(args.result))
-    except Exception as error:  # noqa: BLE001 - report on this rank, then fail the whole launch
+    except Exception as error:
         print(f"[rank {info.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         ErrorHandler().record_exception(error)  # TORCHELASTIC_ERROR_FILE: the launch's error names this one
         exit_code = 1

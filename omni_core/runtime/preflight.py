@@ -35,8 +35,8 @@ from omni_core.runtime.checkpoint import checkpoint_store
 from omni_core.runtime.ckpt_store import CheckpointError, S3Store
 from omni_core.runtime.dist import DistInfo, uses_cuda
 from omni_core.runtime.slurm import unknown_nodes
-from omni_core.runtime.supervisor import LaunchError
 from omni_core.runtime.step import check_buildable, shards_per_node
+from omni_core.runtime.supervisor import LaunchError
 from omni_core.runtime.trainer import resolve_plan
 from omni_core.tracking import TrackingError, check_tracking_uri, resolve_tracking_uri
 
@@ -69,8 +69,14 @@ def _launch_findings(recipe: Recipe, written: Collection[str] = ()) -> tuple[lis
     `written`: the dotted fields the recipe's author set (the rest are defaults)."""
     args, flavor_problems = _model(recipe)
     problems = [
-        *flavor_problems, *(_plan(recipe) if args else []), *_schedule(recipe, written), *_devices(recipe),
-        *_data(recipe), *_checkpoints(recipe, args), *_tracking(recipe), *_launcher(recipe),
+        *flavor_problems,
+        *(_plan(recipe) if args else []),
+        *_schedule(recipe, written),
+        *_devices(recipe),
+        *_data(recipe),
+        *_checkpoints(recipe, args),
+        *_tracking(recipe),
+        *_launcher(recipe),
     ]
     return problems, _capacity_warnings(recipe)
 
@@ -82,10 +88,17 @@ def _launcher(recipe: Recipe) -> list[Finding]:
         return []
     missing = [name for name in ("sbatch", "scontrol", "scancel", "sinfo") if shutil.which(name) is None]
     if missing:
-        return [Finding("launch.target", f"slurm needs {', '.join(missing)} on PATH (Slurm's client commands, "
-                                         "configured for the cluster: SLURM_CONF)")]
-    named = {"launch.nodelist": recipe.launch.nodelist,
-             **{f"cluster.node_groups.{i}.hosts": g.hosts for i, g in enumerate(recipe.cluster.node_groups)}}
+        return [
+            Finding(
+                "launch.target",
+                f"slurm needs {', '.join(missing)} on PATH (Slurm's client commands, "
+                "configured for the cluster: SLURM_CONF)",
+            )
+        ]
+    named = {
+        "launch.nodelist": recipe.launch.nodelist,
+        **{f"cluster.node_groups.{i}.hosts": g.hosts for i, g in enumerate(recipe.cluster.node_groups)},
+    }
     findings = []
     for field, names in named.items():
         try:
@@ -136,8 +149,13 @@ def _schedule(recipe: Recipe, written: Collection[str]) -> list[Finding]:
     wrote: the default's 10 steps over a short smoke run (`--set train.steps=5`) are not worth refusing."""
     train = recipe.train
     if "train.warmup_steps" in written and train.warmup_steps > train.steps:
-        return [Finding("train.warmup_steps", f"warmup_steps ({train.warmup_steps}) exceeds steps "
-                                              f"({train.steps}): the learning rate would never reach train.lr")]
+        return [
+            Finding(
+                "train.warmup_steps",
+                f"warmup_steps ({train.warmup_steps}) exceeds steps "
+                f"({train.steps}): the learning rate would never reach train.lr",
+            )
+        ]
     return []
 
 
@@ -145,11 +163,15 @@ def _devices(recipe: Recipe) -> list[Finding]:
     """A rank per GPU (`dist.init_distributed`): the backend needs GPUs, and there must be one per rank."""
     backend, nproc = recipe.parallel.backend, recipe.parallel.nproc
     if backend == "nccl" and not torch.cuda.is_available():
-        return [Finding("parallel.backend", "nccl needs CUDA GPUs and this machine has none (gloo or auto run "
-                                            "on CPUs)")]
+        return [
+            Finding("parallel.backend", "nccl needs CUDA GPUs and this machine has none (gloo or auto run on CPUs)")
+        ]
     if uses_cuda(backend) and nproc > torch.cuda.device_count():
-        return [Finding("parallel.nproc", f"{nproc} ranks take a GPU each, but this machine has "
-                                          f"{torch.cuda.device_count()}")]
+        return [
+            Finding(
+                "parallel.nproc", f"{nproc} ranks take a GPU each, but this machine has {torch.cuda.device_count()}"
+            )
+        ]
     return []
 
 
@@ -167,8 +189,11 @@ def _data(recipe: Recipe) -> list[Finding]:
         location = dataset_location(recipe)
         if location is None:  # a synthetic dataset the profile stage writes first
             problem = _unwritable(Path(recipe.data_dir()), need_bytes=0)
-            return [Finding(_data_field(recipe), f"the dataset is generated into {recipe.data_dir()}, but "
-                                                 f"{problem}")] if problem else []
+            return (
+                [Finding(_data_field(recipe), f"the dataset is generated into {recipe.data_dir()}, but {problem}")]
+                if problem
+                else []
+            )
         if location != "dynamic":
             open_source(location, cfg).check_usable()
     except (OSError, ValueError, BotoCoreError, ClientError) as error:  # the last two: S3 said no
@@ -248,6 +273,11 @@ def _capacity_warnings(recipe: Recipe) -> list[Finding]:
     """More ranks than cores runs, but every step waits for ranks that share a core."""
     nproc, cores = recipe.parallel.nproc, len(os.sched_getaffinity(0))
     if nproc > cores:
-        return [Finding("parallel.nproc", f"{nproc} ranks on {cores} CPU cores: ranks will share cores, and "
-                                          "every step waits for the slowest (expect it far slower)")]
+        return [
+            Finding(
+                "parallel.nproc",
+                f"{nproc} ranks on {cores} CPU cores: ranks will share cores, and "
+                "every step waits for the slowest (expect it far slower)",
+            )
+        ]
     return []

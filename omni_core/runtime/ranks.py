@@ -28,20 +28,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float, fn: Callable[..., Any],
-               args: tuple, backend: str = "gloo") -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    backend: str = "gloo",
+) -> None:
     import torch
     import torch.distributed as dist
 
     from omni_core.runtime.dist import init_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     init_distributed(backend, timeout_s)
     try:
         result: Any = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+    except BaseException:
         result = ("error", traceback.format_exc())
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     if result[0] == "ok":
@@ -52,9 +66,15 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
 # What the runtime imports on first use (AdamW imports dynamo): imported in the parent before forking, so that
 # forked ranks do not each pay for them (seconds per rank on 2 shared cores) inside what a benchmark times.
 LAZY_IMPORTS = (
-    "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.nn.functional", "torch.distributed.pipelining",
-    "torch.distributed.tensor.parallel", "omni_core.parallel.context", "omni_core.parallel.expert",
-    "omni_core.parallel.pipeline", "omni_core.parallel.encoders",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.nn.functional",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel",
+    "omni_core.parallel.context",
+    "omni_core.parallel.expert",
+    "omni_core.parallel.pipeline",
+    "omni_core.parallel.encoders",
 )
 
 
@@ -66,8 +86,9 @@ def preimport() -> None:
         importlib.import_module(module)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0,
-              backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
     """`fn(rank, world, *args)` on `world` ranks on loopback; the ranks' results in rank order. gloo ranks are
     forked; NCCL ranks (rank r on GPU r) are spawned, since a forked process cannot initialise CUDA.
 
@@ -76,8 +97,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
 
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_rank_main, args=(world, free_port(), out_dir, timeout_s, fn, args, backend),
-                               nprocs=world, start_method="spawn" if backend == "nccl" else "fork")
+            mp.start_processes(
+                _rank_main,
+                args=(world, free_port(), out_dir, timeout_s, fn, args, backend),
+                nprocs=world,
+                start_method="spawn" if backend == "nccl" else "fork",
+            )
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback, written below, says more
         results, failures = [], []

@@ -19,14 +19,30 @@ from pathlib import Path
 from omni_core.runtime.supervisor import TAIL_LINES, LaunchError, with_tail
 from omni_core.runtime.targets import RunSpec, slurm_script
 
-JOB_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-             "OUT_OF_MEMORY"}
+JOB_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
 FROM_OUTSIDE = {"NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}  # the cluster's doing: launching again may succeed
 CANCEL_WAIT_S = 60.0  # scancel's SIGTERM, then Slurm's KillWait (30 s by default) before SIGKILL
 
 
-def run_slurm_job(spec: RunSpec, folder: Path, *, timeout_s: float, env: Mapping[str, str],
-                  on_line: Callable[[str], object] = print, poll_s: float = 2.0) -> None:
+def run_slurm_job(
+    spec: RunSpec,
+    folder: Path,
+    *,
+    timeout_s: float,
+    env: Mapping[str, str],
+    on_line: Callable[[str], object] = print,
+    poll_s: float = 2.0,
+) -> None:
     """Submit `spec` as a batch job (its script and output in `folder`), stream its output until it ends, and
     raise LaunchError unless it COMPLETED (`infrastructure` when the cluster lost or preempted it)."""
     job, output = submit(spec, folder, env)
@@ -36,8 +52,9 @@ def run_slurm_job(spec: RunSpec, folder: Path, *, timeout_s: float, env: Mapping
     try:
         while state[0] not in JOB_ENDED:
             if time.monotonic() > deadline:
-                raise LaunchError(with_tail(f"slurm job {job} exceeded its {timeout_s:g}s limit and was cancelled",
-                                            tail))
+                raise LaunchError(
+                    with_tail(f"slurm job {job} exceeded its {timeout_s:g}s limit and was cancelled", tail)
+                )
             time.sleep(poll_s)
             state = job_state(job, env)
             read = _stream(output, read, tail, on_line)
@@ -45,8 +62,10 @@ def run_slurm_job(spec: RunSpec, folder: Path, *, timeout_s: float, env: Mapping
         if state[0] not in JOB_ENDED:
             cancel(job, env)
     if state[0] != "COMPLETED":
-        raise LaunchError(with_tail(f"slurm job {job} ended {state[0]} (exit code {state[1]})", tail),
-                          infrastructure=state[0] in FROM_OUTSIDE)
+        raise LaunchError(
+            with_tail(f"slurm job {job} ended {state[0]} (exit code {state[1]})", tail),
+            infrastructure=state[0] in FROM_OUTSIDE,
+        )
 
 
 def submit(spec: RunSpec, folder: Path, env: Mapping[str, str]) -> tuple[str, Path]:
@@ -62,8 +81,9 @@ def submit(spec: RunSpec, folder: Path, env: Mapping[str, str]) -> tuple[str, Pa
 def job_state(job: str, env: Mapping[str, str]) -> tuple[str, str]:
     """(JobState, ExitCode) from `scontrol show job`: Slurm keeps an ended job there for MinJobAge (300 s by
     default), and needs no accounting database."""
-    fields = dict(token.split("=", 1) for token in _slurm(["scontrol", "show", "job", "-o", job], env).split()
-                  if "=" in token)
+    fields = dict(
+        token.split("=", 1) for token in _slurm(["scontrol", "show", "job", "-o", job], env).split() if "=" in token
+    )
     return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
 
 
@@ -99,7 +119,7 @@ def _stream(output: Path, read: int, tail: deque[str], on_line: Callable[[str], 
             chunk = f.read()
     except FileNotFoundError:  # the job has not started
         return read
-    complete = chunk[:chunk.rfind(b"\n") + 1]
+    complete = chunk[: chunk.rfind(b"\n") + 1]
     for line in complete.decode(errors="replace").splitlines():
         tail.append(line)
         on_line(line)

@@ -29,7 +29,6 @@ from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo, all_reduce_sum
 
-
 ENCODER_PREFIXES = ("vision.", "audio.", "projectors.")
 
 
@@ -87,9 +86,11 @@ def check_buildable(plan: ParallelPlan, compile: bool = False) -> None:
     """Refuse what the estimator prices but the runtime does not build (PlanError), before any rank starts."""
     sharded = plan.encoders.sharded
     if sharded and compile:
-        raise PlanError(f"plan {plan.name}: encoders.{sharded[0]}.fsdp with train.compile is not built (a step "
-                        "installs the gathered weights in the encoder blocks, which compiled blocks were not tested "
-                        "with); set train.compile=false or replicate the encoder")
+        raise PlanError(
+            f"plan {plan.name}: encoders.{sharded[0]}.fsdp with train.compile is not built (a step "
+            "installs the gathered weights in the encoder blocks, which compiled blocks were not tested "
+            "with); set train.compile=false or replicate the encoder"
+        )
 
 
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
@@ -99,7 +100,9 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     check_buildable(plan, recipe.train.compile)
     meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
     model = build_model(
-        recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels,
+        recipe.model.flavor,
+        patch_size=recipe.data.patch_size,
+        n_mels=recipe.data.n_mels,
         seed=recipe.experiment.seed,
     ).to(info.device)
     for name in recipe.model.freeze:
@@ -130,8 +133,9 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
     return replica
 
 
-def llm_parts(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes | None, recipe: Recipe,
-              compute_dtype: torch.dtype) -> list[OmniModel]:
+def llm_parts(
+    model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes | None, recipe: Recipe, compute_dtype: torch.dtype
+) -> list[OmniModel]:
     """This LLM rank's model parts (pipeline stage chunks), each parallelized by the plan."""
     if plan.pp > 1:
         from omni_core.parallel.pipeline import pipeline_split
@@ -141,8 +145,12 @@ def llm_parts(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes | Non
         parts = [model]
     for part in parts:
         parallelize_omni(
-            part, plan, meshes, tokens_per_microbatch=recipe.data.seq_len * recipe.data.micro_batch,
-            activation_checkpointing=recipe.train.activation_checkpointing, compile=recipe.train.compile,
+            part,
+            plan,
+            meshes,
+            tokens_per_microbatch=recipe.data.seq_len * recipe.data.micro_batch,
+            activation_checkpointing=recipe.train.activation_checkpointing,
+            compile=recipe.train.compile,
             param_dtype=compute_dtype,
         )
     return parts
@@ -188,8 +196,9 @@ class Optimizers:
         depends on the plan (`build_optimizer`): the saved per-group lists are resized to this plan's."""
         for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
             groups = len(opt.param_groups)
-            sched.load_state_dict({**state, "base_lrs": state["base_lrs"][:1] * groups,
-                                   "_last_lr": state["_last_lr"][:1] * groups})
+            sched.load_state_dict(
+                {**state, "base_lrs": state["base_lrs"][:1] * groups, "_last_lr": state["_last_lr"][:1] * groups}
+            )
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
@@ -209,7 +218,9 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     decay = recipe.train.weight_decay
     return torch.optim.AdamW(
         [{"params": params, "weight_decay": decay if matrix else 0.0} for (matrix, _), params in groups.items()],
-        lr=recipe.train.lr, betas=recipe.train.betas, foreach=True,
+        lr=recipe.train.lr,
+        betas=recipe.train.betas,
+        foreach=True,
     )
 
 
@@ -240,10 +251,11 @@ def replicate_partial_grads(params: list[nn.Parameter]) -> None:
         offset = 0
         for param in members:
             local = param.grad.to_local()
-            reduced = flat[offset:offset + local.numel()].view_as(local)
+            reduced = flat[offset : offset + local.numel()].view_as(local)
             offset += local.numel()
-            param.grad = DTensor.from_local(reduced, mesh, replicated, run_check=False,
-                                            shape=param.grad.shape, stride=param.grad.stride())
+            param.grad = DTensor.from_local(
+                reduced, mesh, replicated, run_check=False, shape=param.grad.shape, stride=param.grad.stride()
+            )
 
 
 def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
@@ -281,7 +293,9 @@ def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
     if replica.plan.encoders.ranks:  # disaggregated: the LLM's ranks and the encoders' each know their half
         first_encoder_rank = replica.plan.llm_world_size
         rank, zero = dist.get_rank(), torch.zeros_like(total_sq)
-        halves = torch.stack([total_sq if rank == 0 else zero, squares["encoder"] if rank == first_encoder_rank else zero])
+        halves = torch.stack(
+            [total_sq if rank == 0 else zero, squares["encoder"] if rank == first_encoder_rank else zero]
+        )
         dist.all_reduce(halves)
         total_sq, squares["encoder"] = halves[0], halves[1]
     total = float((total_sq + squares["encoder"]).sqrt())
@@ -323,9 +337,18 @@ def layout_values(replica: ModelReplica, batches: list[PackedBatch], llm_s: floa
         busy = replica.pipeline.busy_s + encoder.get("encoder_s", 0.0)
         bubble = max(0.0, 1.0 - busy / (llm_s + encoder.get("outside_s", 0.0)))
     predicted = [sum(b.predicted_flops[k] for b in batches) for k in (0, 1)]
-    return torch.tensor([encoder.get("encoder_s", 0.0), llm_s, *predicted, sum(predicted),
-                         sum(b.balance_s for b in batches), bubble, encoder.get("handoff_bytes", 0.0)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [
+            encoder.get("encoder_s", 0.0),
+            llm_s,
+            *predicted,
+            sum(predicted),
+            sum(b.balance_s for b in batches),
+            bubble,
+            encoder.get("handoff_bytes", 0.0),
+        ],
+        dtype=torch.float64,
+    )
 
 
 LAYOUT_VALUES = 8
@@ -347,17 +370,29 @@ def layout_metrics(replica: ModelReplica, mine: torch.Tensor, summed: torch.Tens
         mean = float(summed[k]) / llm_ranks
         return float(peaks[k]) / mean if mean > 0 else 1.0
 
-    out = {"encoder_s_max": float(peaks[0]), "encoder_s_mean": float(summed[0]) / world,
-           "llm_s_max": float(peaks[1]), "llm_s_mean": float(summed[1]) / world,
-           "imbalance_pred_encoder": ratio(2), "imbalance_pred_llm": ratio(3), "imbalance_pred_total": ratio(4),
-           "balance_s": float(peaks[5]), "bubble_pct": 100 * float(summed[6]) / llm_ranks}
+    out = {
+        "encoder_s_max": float(peaks[0]),
+        "encoder_s_mean": float(summed[0]) / world,
+        "llm_s_max": float(peaks[1]),
+        "llm_s_mean": float(summed[1]) / world,
+        "imbalance_pred_encoder": ratio(2),
+        "imbalance_pred_llm": ratio(3),
+        "imbalance_pred_total": ratio(4),
+        "balance_s": float(peaks[5]),
+        "bubble_pct": 100 * float(summed[6]) / llm_ranks,
+    }
     if replica.encoders:
         out.update(handoff_bytes=float(summed[7]), lssp_items=replica.encoders.metrics["lssp_items"])
     return out
 
 
-def llm_forward_backward(replica: ModelReplica, batches: list[PackedBatch], encoded: list[torch.Tensor | None],
-                         global_targets: float, compute_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+def llm_forward_backward(
+    replica: ModelReplica,
+    batches: list[PackedBatch],
+    encoded: list[torch.Tensor | None],
+    global_targets: float,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, float]:
     """The LLM's forward and backward over this rank's micro-batches, pipelined or not: the summed loss
     statistics and this rank's aux-loss total (zeros on the encoders' own ranks, which hold no LLM)."""
     plan, model = replica.plan, replica.parts[0]
@@ -368,7 +403,8 @@ def llm_forward_backward(replica: ModelReplica, batches: list[PackedBatch], enco
     aux_scale = 1.0 / (len(batches) * plan.dp * plan.cp)
     if replica.pipeline is not None:
         return replica.pipeline.forward_backward(
-            batches, global_targets, compute_dtype, aux_scale, encoded if replica.encoders else None)
+            batches, global_targets, compute_dtype, aux_scale, encoded if replica.encoders else None
+        )
     stats, aux_total = None, 0.0
     device_type = batches[0].input_ids.device.type
     for index, batch in enumerate(batches):

@@ -42,8 +42,11 @@ class LaunchError(RuntimeError):
 
 
 # How a rank's collective fails when a peer vanishes (gloo/NCCL transports, the c10d store)
-_LOST_PEER = re.compile(r"^(DistBackendError|DistNetworkError|DistStoreError)\b|Connection (reset|closed) by peer"
-                        r"|Broken pipe|gloo/transport|NCCL (error|communicator)", re.I)
+_LOST_PEER = re.compile(
+    r"^(DistBackendError|DistNetworkError|DistStoreError)\b|Connection (reset|closed) by peer"
+    r"|Broken pipe|gloo/transport|NCCL (error|communicator)",
+    re.I,
+)
 
 
 def with_tail(message: str, tail: Sequence[str]) -> str:
@@ -148,24 +151,39 @@ def run_process_group(
         terminate_group(proc, grace_s)
 
 
-def torchrun_command(recipe_path: str, nproc: int, result_path: str, max_restarts: int = 0,
-                     log_dir: str | None = None) -> list[str]:
+def torchrun_command(
+    recipe_path: str, nproc: int, result_path: str, max_restarts: int = 0, log_dir: str | None = None
+) -> list[str]:
     """The train stage's launch on this machine (`targets.local_command`, as Kubernetes and Slurm render it)."""
     from omni_core.runtime.targets import RunSpec, local_command
 
-    return local_command(RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc,
-                                 max_restarts=max_restarts), log_dir)
+    return local_command(
+        RunSpec(name="local", recipe=recipe_path, result=result_path, ranks_per_node=nproc, max_restarts=max_restarts),
+        log_dir,
+    )
 
 
-def launch_torchrun(recipe_path: str, nproc: int, result_path: str, *, timeout_s: float,
-                    env: Mapping[str, str] | None = None, on_line: Callable[[str], object] = print,
-                    max_restarts: int = 0) -> None:
+def launch_torchrun(
+    recipe_path: str,
+    nproc: int,
+    result_path: str,
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    on_line: Callable[[str], object] = print,
+    max_restarts: int = 0,
+) -> None:
     """`torchrun_command` under `run_process_group`; when the ranks fail, the LaunchError ends with the first
     failing rank's own error (`RankFailures`), not with torchrun's summary of exit codes."""
     with tempfile.TemporaryDirectory(prefix="omni-torchrun-") as log_dir:
         try:
-            run_process_group(torchrun_command(recipe_path, nproc, result_path, max_restarts, log_dir),
-                              timeout_s=timeout_s, env=env, on_line=on_line, name="torchrun")
+            run_process_group(
+                torchrun_command(recipe_path, nproc, result_path, max_restarts, log_dir),
+                timeout_s=timeout_s,
+                env=env,
+                on_line=on_line,
+                name="torchrun",
+            )
         except LaunchError as error:
             if str(error).startswith("torchrun exceeded"):
                 raise
@@ -186,7 +204,9 @@ class RankFailures:
         for rank in ranks:
             try:
                 path = rank / "error.json"
-                self.errors.append((path.stat().st_mtime_ns, rank.name, json.loads(path.read_text())["message"]["message"]))
+                self.errors.append(
+                    (path.stat().st_mtime_ns, rank.name, json.loads(path.read_text())["message"]["message"])
+                )
             except (OSError, ValueError, KeyError, TypeError):  # none, or half-written
                 self.silent.append(rank.name)
 
@@ -211,4 +231,3 @@ class RankFailures:
         if not self.silent:
             return False
         return not self.errors or bool(_LOST_PEER.search(min(self.errors)[2]))
-

@@ -39,8 +39,10 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if not _LABEL.fullmatch(self.name):
-            raise ValueError(f"run name {self.name!r}: lower-case letters, digits and '-', at most 52 characters "
-                             "(it names Kubernetes objects and their pods' host names)")
+            raise ValueError(
+                f"run name {self.name!r}: lower-case letters, digits and '-', at most 52 characters "
+                "(it names Kubernetes objects and their pods' host names)"
+            )
         for key in ("nodes", "ranks_per_node", "cpus_per_node", "memory_gb"):
             if getattr(self, key) < 1:
                 raise ValueError(f"run {self.name}: {key}={getattr(self, key)} must be >= 1")
@@ -66,15 +68,34 @@ def torchrun_args(spec: RunSpec, endpoint: str | None = None) -> list[str]:
     elif endpoint is None:
         raise ValueError(f"run {spec.name}: {spec.nodes} nodes need a rendezvous endpoint")
     else:
-        where = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.ranks_per_node), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
+        where = [
+            "--nnodes",
+            str(spec.nodes),
+            "--nproc-per-node",
+            str(spec.ranks_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            spec.name,
+        ]
     return [*where, *entry_args(spec)]
 
 
 def entry_args(spec: RunSpec) -> list[str]:
     """torchrun's restarts and the entry point with its arguments: what every target runs."""
-    return ["--max-restarts", str(spec.max_restarts), "-m", "omni_core.runtime.launch", "--recipe", spec.recipe,
-            "--result", spec.result, *(a for o in spec.overrides for a in ("--set", o))]
+    return [
+        "--max-restarts",
+        str(spec.max_restarts),
+        "-m",
+        "omni_core.runtime.launch",
+        "--recipe",
+        spec.recipe,
+        "--result",
+        spec.result,
+        *(a for o in spec.overrides for a in ("--set", o)),
+    ]
 
 
 def local_command(spec: RunSpec, log_dir: str | None = None) -> list[str]:
@@ -93,20 +114,32 @@ def kubernetes_manifests(spec: RunSpec) -> list[dict]:
     resources = _node_resources(spec)
     endpoint = f"{spec.name}-0.{spec.name}:{spec.port}"
     container = {
-        "name": "train", "image": spec.image, "command": ["torchrun", *torchrun_args(spec, endpoint)],
+        "name": "train",
+        "image": spec.image,
+        "command": ["torchrun", *torchrun_args(spec, endpoint)],
         "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
         "ports": [{"name": "rendezvous", "containerPort": spec.port}],
         "resources": {"requests": resources, "limits": dict(resources)},
     }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": spec.name, "labels": dict(labels)},
-        "spec": {"clusterIP": "None", "selector": {"omni/run": spec.name},
-                 "ports": [{"name": "rendezvous", "port": spec.port}]},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": spec.name, "labels": dict(labels)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": {"omni/run": spec.name},
+            "ports": [{"name": "rendezvous", "port": spec.port}],
+        },
     }
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": spec.name, "labels": dict(labels)},
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": spec.name, "labels": dict(labels)},
         "spec": {
-            "completionMode": "Indexed", "completions": spec.nodes, "parallelism": spec.nodes, "backoffLimit": 0,
+            "completionMode": "Indexed",
+            "completions": spec.nodes,
+            "parallelism": spec.nodes,
+            "backoffLimit": 0,
             **({"activeDeadlineSeconds": math.ceil(spec.time_limit_s)} if spec.time_limit_s else {}),
             "template": {
                 "metadata": {"labels": dict(labels)},
@@ -123,7 +156,9 @@ def trainjob_manifest(spec: RunSpec, runtime: str = "torch-distributed") -> dict
     address as PET_* variables, so the command carries only the restarts and the entry point."""
     resources = _node_resources(spec)
     trainer = {
-        "image": spec.image, "numNodes": spec.nodes, "numProcPerNode": spec.ranks_per_node,
+        "image": spec.image,
+        "numNodes": spec.nodes,
+        "numProcPerNode": spec.ranks_per_node,
         "command": ["torchrun", *entry_args(spec)],
         "env": [{"name": k, "value": v} for k, v in sorted(spec.env.items())],
         "resourcesPerNode": {"requests": resources, "limits": dict(resources)},
@@ -131,9 +166,12 @@ def trainjob_manifest(spec: RunSpec, runtime: str = "torch-distributed") -> dict
     job = {"runtimeRef": {"name": runtime}, "trainer": trainer}
     if spec.time_limit_s:
         job["activeDeadlineSeconds"] = math.ceil(spec.time_limit_s)
-    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "omni", "omni/run": spec.name}},
-            "spec": job}
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": spec.name, "labels": {"app.kubernetes.io/name": "omni", "omni/run": spec.name}},
+        "spec": job,
+    }
 
 
 def _node_resources(spec: RunSpec) -> dict[str, str]:
@@ -146,9 +184,14 @@ def _node_resources(spec: RunSpec) -> dict[str, str]:
 def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
     """An sbatch script: one task per node, each running `torchrun` (by default the README's set-up on the
     shared filesystem, on PATH), meeting at the allocation's first node's address."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={spec.cpus_per_node}",
-             f"#SBATCH --mem={spec.memory_gb}G"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={spec.name}",
+        f"#SBATCH --nodes={spec.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={spec.cpus_per_node}",
+        f"#SBATCH --mem={spec.memory_gb}G",
+    ]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
     if spec.time_limit_s:
@@ -157,10 +200,13 @@ def slurm_script(spec: RunSpec, torchrun: Sequence[str] = ("torchrun",)) -> str:
         lines.append(f"#SBATCH --partition={spec.partition}")
     if spec.nodelist:
         lines.append(f"#SBATCH --nodelist={','.join(spec.nodelist)}")
-    lines += ["set -euo pipefail", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
-              'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              # the node's address as Slurm reaches it (NodeAddr: its name unless the cluster says otherwise)
-              'head=$(scontrol show node "$first" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)']
+    lines += [
+        "set -euo pipefail",
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
+        'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # the node's address as Slurm reaches it (NodeAddr: its name unless the cluster says otherwise)
+        'head=$(scontrol show node "$first" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+    ]
     args = torchrun_args(spec, f"__HEAD__:{spec.port}")
     command = shlex.join(["srun", *torchrun, *args]).replace("__HEAD__", '"$head"')
     return "\n".join([*lines, command, ""])

@@ -46,11 +46,14 @@ Log = Callable[[str], None]
 def skipped_over_shards(loader: PackedLoader | None, plan: ParallelPlan, info: DistInfo) -> dict[str, int]:
     """What every data shard's loader skipped so far, by reason, each shard counted once (by its first rank:
     the ranks of one shard read the same samples). A collective: every rank calls it at every log step."""
-    first = loader is not None and min(
-        r for r in range(plan.llm_world_size) if plan.data_rank(r) == plan.data_rank(info.rank)) == info.rank
+    first = (
+        loader is not None
+        and min(r for r in range(plan.llm_world_size) if plan.data_rank(r) == plan.data_rank(info.rank)) == info.rank
+    )
     stats = loader.stats if first else {}
-    counts = torch.tensor([float(stats.get(reason, 0)) for reason in SKIP_REASONS], dtype=torch.float64,
-                          device=info.device)
+    counts = torch.tensor(
+        [float(stats.get(reason, 0)) for reason in SKIP_REASONS], dtype=torch.float64, device=info.device
+    )
     all_reduce_sum(counts)
     return {reason: int(n) for reason, n in zip(SKIP_REASONS, counts.tolist(), strict=True) if n}
 
@@ -92,9 +95,19 @@ def train(
     dataset = open_dataset(recipe)
     # the encoders' own ranks (`disaggregated`) read no batches: the LLM ranks' items reach them in the step
     data_shard = [replica.data_rank, plan.dp]
-    loader = PackedLoader(dataset, recipe.data, "train", replica.data_rank, plan.dp, recipe.experiment.seed,
-                          balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))) \
-        if replica.loads_data else None
+    loader = (
+        PackedLoader(
+            dataset,
+            recipe.data,
+            "train",
+            replica.data_rank,
+            plan.dp,
+            recipe.experiment.seed,
+            balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info)),
+        )
+        if replica.loads_data
+        else None
+    )
     peak = device_peak(info.device, compute_dtype)
     peak_flops = peak.flops if peak else None
     optimizers = Optimizers(replica.parts, recipe)
@@ -104,17 +117,26 @@ def train(
     start_step = 0
     resume_from = latest_checkpoint(store) if cfg.resume else None
     if not cfg.resume and (earlier := store.steps()):
-        log(f"train.resume=false: the checkpoints of steps {earlier} in {store.location(earlier[-1]).rsplit('/', 1)[0]} "
-            "belong to an earlier run; this run's saves replace them")
+        log(
+            f"train.resume=false: the checkpoints of steps {earlier} in {store.location(earlier[-1]).rsplit('/', 1)[0]} "
+            "belong to an earlier run; this run's saves replace them"
+        )
     if resume_from is not None:
         manifest, rank_state = load_checkpoint(
-            resume_from, cache=checkpoint_cache(recipe), parts=replica.parts, optimizers=optimizers, info=info,
-            plan=plan.name, data_shard=data_shard,
+            resume_from,
+            cache=checkpoint_cache(recipe),
+            parts=replica.parts,
+            optimizers=optimizers,
+            info=info,
+            plan=plan.name,
+            data_shard=data_shard,
         )
         start_step, history = manifest.step, RunHistory(**manifest.history)
         if rank_state is None:
-            log(f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); data order restarts: "
-                f"no rank of the checkpoint read data shard {replica.data_rank} of {plan.dp}")
+            log(
+                f"resumed weights from {resume_from} (plan {manifest.plan} -> {plan.name}); data order restarts: "
+                f"no rank of the checkpoint read data shard {replica.data_rank} of {plan.dp}"
+            )
         else:
             saved = rank_state["loader"].get("balance", "none") if loader is not None else None
             order = "data order kept"
@@ -123,9 +145,16 @@ def train(
             elif loader is not None:
                 loader.load_state_dict(rank_state["loader"])
             torch.set_rng_state(rank_state["rng"])
-            log(f"resumed from {resume_from} at step {start_step}"
-                + (f" (plan {manifest.plan} -> {plan.name}); {order}" if manifest.plan != plan.name else
-                   "" if order == "data order kept" else f"; {order}"))
+            log(
+                f"resumed from {resume_from} at step {start_step}"
+                + (
+                    f" (plan {manifest.plan} -> {plan.name}); {order}"
+                    if manifest.plan != plan.name
+                    else ""
+                    if order == "data order kept"
+                    else f"; {order}"
+                )
+            )
         if start_step >= cfg.steps:
             log(f"already trained to step {start_step}: nothing to do (train.resume=false retrains)")
 
@@ -133,15 +162,27 @@ def train(
     if info.is_main:
         tracker.set_tags({"plan": plan.name, "recipe.hash": rhash, "perf.mfu_peak": peak.name if peak else "unknown"})
         tracker.log_params({"model.num_params": replica.num_params(), "runtime.world_size": info.world_size})
-        log(f"training {recipe.model.flavor} ({replica.num_params():,} params) plan {plan} "
-            f"steps {start_step + 1}..{cfg.steps}, checkpoints in {recipe.checkpoint_dir()}")
+        log(
+            f"training {recipe.model.flavor} ({replica.num_params():,} params) plan {plan} "
+            f"steps {start_step + 1}..{cfg.steps}, checkpoints in {recipe.checkpoint_dir()}"
+        )
 
     def checkpoint(step: int) -> str:
         return save_checkpoint(
-            store, step=step, parts=replica.parts, optimizers=optimizers,
-            rank_state={"loader": loader.state_dict() if loader else {}, "rng": torch.get_rng_state(),
-                        "data_shard": data_shard if loader else None},
-            history=asdict(history), info=info, plan=plan.name, recipe_hash=rhash, keep_last=cfg.keep_last,
+            store,
+            step=step,
+            parts=replica.parts,
+            optimizers=optimizers,
+            rank_state={
+                "loader": loader.state_dict() if loader else {},
+                "rng": torch.get_rng_state(),
+                "data_shard": data_shard if loader else None,
+            },
+            history=asdict(history),
+            info=info,
+            plan=plan.name,
+            recipe_hash=rhash,
+            keep_last=cfg.keep_last,
         )
 
     batches: Iterator[PackedBatch] | None = iter(loader) if loader else None
@@ -165,13 +206,17 @@ def train(
         if step % cfg.log_every == 0 or step == last_step:
             metrics = {f"train/{k}": v for k, v in result.metrics.items()}
             metrics.update(window.rates())
-            metrics.update({f"data/skipped_{reason}": n for reason, n in skipped_over_shards(loader, plan, info).items()})
+            metrics.update(
+                {f"data/skipped_{reason}": n for reason, n in skipped_over_shards(loader, plan, info).items()}
+            )
             metrics["perf/peak_mem_mb"] = peak_memory_mb(info.device)
             metrics["perf/step_s"] = window.seconds() / window.steps
             tracker.log_metrics(metrics, step=step)
             control.report(step, history.samples + window.samples, metrics["perf/step_s"])
-            log(f"step {step}/{cfg.steps} loss {result.metrics['loss']:.4f} "
-                f"tokens/s {metrics['perf/tokens_per_s']:.0f} lr {result.metrics['lr']:.2e}")
+            log(
+                f"step {step}/{cfg.steps} loss {result.metrics['loss']:.4f} "
+                f"tokens/s {metrics['perf/tokens_per_s']:.0f} lr {result.metrics['lr']:.2e}"
+            )
             window = Window(cluster_peak)
         history.record(result, time.perf_counter() - step_start, tracker.logging_s - logging_s_before)
         logging_s_before = tracker.logging_s
@@ -187,9 +232,16 @@ def train(
     if replica.meshes:  # a failed run skips this: its process is about to exit, and a peer may be gone
         replica.meshes.release()
     return history.result(
-        cluster_peak, steps=step, world_size=info.world_size, plan=plan.name, checkpoint=str(last_ckpt or ""),
-        resumed_from_step=start_step, peak_mem_mb=peak_memory_mb(info.device), mfu_peak=peak.name if peak else "",
-        launch_step_s=history.step_s - step_s_before, launch_samples=history.samples - samples_before,
+        cluster_peak,
+        steps=step,
+        world_size=info.world_size,
+        plan=plan.name,
+        checkpoint=str(last_ckpt or ""),
+        resumed_from_step=start_step,
+        peak_mem_mb=peak_memory_mb(info.device),
+        mfu_peak=peak.name if peak else "",
+        launch_step_s=history.step_s - step_s_before,
+        launch_samples=history.samples - samples_before,
     )
 
 
@@ -214,9 +266,17 @@ class Control:
 
     def report(self, step: int, samples: int, step_s: float) -> None:
         if self.folder is not None:
-            TrainProgress(step=step, steps=self.steps, plan=self.plan, samples=samples, step_s=step_s,
-                          startup_s=self.startup_s, ckpt_s=self.ckpt_s, resumed_from_step=self.resumed_from_step,
-                          updated_unix=time.time()).save(self.folder / PROGRESS_FILE)
+            TrainProgress(
+                step=step,
+                steps=self.steps,
+                plan=self.plan,
+                samples=samples,
+                step_s=step_s,
+                startup_s=self.startup_s,
+                ckpt_s=self.ckpt_s,
+                resumed_from_step=self.resumed_from_step,
+                updated_unix=time.time(),
+            ).save(self.folder / PROGRESS_FILE)
 
     def stop_requested(self) -> bool:
         """Whether a watcher asked rank 0 to stop; every rank gets rank 0's answer (all ranks call this)."""
@@ -271,7 +331,7 @@ class RunHistory:
     def record(self, stats: StepStats, step_s: float, logging_s: float) -> None:
         if math.isnan(self.initial_loss):
             self.initial_loss = stats.metrics["loss"]
-        self.recent_losses = (self.recent_losses + [stats.metrics["loss"]])[-self.RECENT:]
+        self.recent_losses = (self.recent_losses + [stats.metrics["loss"]])[-self.RECENT :]
         self.tokens += stats.tokens
         self.samples += stats.samples
         self.flops += stats.flops

@@ -119,9 +119,7 @@ class Cluster:
     def _repack(self, gpu_type: str, alloc: Mapping[str, tuple[str, int]], left: set[str]) -> set[str]:
         """Place the group's jobs afresh, largest first; returns the jobs whose nodes changed."""
         before = {j: nodes for j, (t, nodes) in self.placements.items() if t == gpu_type}
-        members = sorted(
-            [*before, *(j for j in left if alloc[j][0] == gpu_type)], key=lambda j: (-alloc[j][1], j)
-        )
+        members = sorted([*before, *(j for j in left if alloc[j][0] == gpu_type)], key=lambda j: (-alloc[j][1], j))
         for j in before:
             self.release(j)
         for j in members:

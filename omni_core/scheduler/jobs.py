@@ -33,8 +33,16 @@ class Job:
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Job:
-        return cls(cfg.name, cfg.model, cfg.global_batch, cfg.iterations, cfg.arrival_s, cfg.deadline_s,
-                   cfg.gpu_type, cfg.num_gpus)
+        return cls(
+            cfg.name,
+            cfg.model,
+            cfg.global_batch,
+            cfg.iterations,
+            cfg.arrival_s,
+            cfg.deadline_s,
+            cfg.gpu_type,
+            cfg.num_gpus,
+        )
 
     @property
     def samples(self) -> int:

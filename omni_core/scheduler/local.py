@@ -68,12 +68,16 @@ def real_cluster(recipe: Recipe) -> Cluster:
     group = cluster.groups.get(SLOT_TYPE)
     if list(cluster.groups) != [SLOT_TYPE]:
         shape = ", ".join(f"{g.nodes}x{g.gpus_per_node} {t}" for t, g in cluster.groups.items())
-        raise ValueError(f"cluster {cfg.name!r} is {shape}: `omni schedule` places jobs on {SLOT_TYPE} slots "
-                         f"(cluster.slots, or one node group with gpu_type {SLOT_TYPE}); `omni simulate` studies "
-                         "other clusters")
+        raise ValueError(
+            f"cluster {cfg.name!r} is {shape}: `omni schedule` places jobs on {SLOT_TYPE} slots "
+            f"(cluster.slots, or one node group with gpu_type {SLOT_TYPE}); `omni simulate` studies "
+            "other clusters"
+        )
     if group.nodes > 1 and (recipe.launch.target != "slurm" or not cfg.node_groups[0].hosts):
-        raise ValueError(f"cluster {cfg.name!r} has {group.nodes} nodes: `omni schedule` places jobs past one node "
-                         "only on Slurm (launch.target: slurm) with the nodes' names in cluster.node_groups.0.hosts")
+        raise ValueError(
+            f"cluster {cfg.name!r} has {group.nodes} nodes: `omni schedule` places jobs past one node "
+            "only on Slurm (launch.target: slurm) with the nodes' names in cluster.node_groups.0.hosts"
+        )
     return cluster
 
 
@@ -94,14 +98,17 @@ def check_recipe(recipe: Recipe) -> None:
         elif names.index(job.name) != i:
             problems.append(f"jobs[{i}].name {job.name!r} is taken by jobs[{names.index(job.name)}]")
         if job.model not in FLAVORS:
-            problems.append(f"jobs[{i}].model {job.model!r} is not a model flavor ({', '.join(sorted(FLAVORS))}); "
-                            "trace models are for `omni simulate`")
+            problems.append(
+                f"jobs[{i}].model {job.model!r} is not a model flavor ({', '.join(sorted(FLAVORS))}); "
+                "trace models are for `omni simulate`"
+            )
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None,
-                  cells: CellTable | None = None) -> CellOracle:
+def recipe_oracle(
+    recipe: Recipe, cluster: Cluster, profile: DatasetProfile | None = None, cells: CellTable | None = None
+) -> CellOracle:
     """The estimator for the recipe's model flavors on its data (document lengths from `profile` when given),
     answering from `cells` (the estimate stage's CellTable) for every Cell it priced as the slots' node shape."""
     from omni_core.common.catalog import GpuCatalog
@@ -109,9 +116,11 @@ def recipe_oracle(recipe: Recipe, cluster: Cluster, profile: DatasetProfile | No
     from omni_core.estimator.recipe_cells import flavor_workload
     from omni_core.estimator.search import cell_shape
 
-    oracle = CellOracle(GpuCatalog().with_overrides(recipe.estimate.gpus),
-                        {t: g.gpus_per_node for t, g in cluster.groups.items()},
-                        lambda model, batch: flavor_workload(recipe, model, batch, profile))
+    oracle = CellOracle(
+        GpuCatalog().with_overrides(recipe.estimate.gpus),
+        {t: g.gpus_per_node for t, g in cluster.groups.items()},
+        lambda model, batch: flavor_workload(recipe, model, batch, profile),
+    )
     for job in recipe.jobs if cells else ():
         for (gpu_type, n), row in cells.best_cells(job.name).items():
             group = cluster.groups.get(gpu_type)
@@ -124,12 +133,14 @@ def job_checkpoint_dir(recipe: Recipe, job: Job) -> str:
     """The one checkpoint directory of all the job's segments, keyed by the training hash of the job run
     unsplit (one rank, its whole batch as micro-batches of one, all its steps): a rerun of the schedule
     resumes the job or finds it done, and a changed job starts afresh."""
-    unsplit = recipe.model_copy(update={
-        "model": recipe.model.model_copy(update={"flavor": job.model}),
-        "data": recipe.data.model_copy(update={"micro_batch": 1}),
-        "parallel": ParallelConfig(),
-        "train": recipe.train.model_copy(update={"steps": job.iterations, "grad_accum": job.global_batch}),
-    })
+    unsplit = recipe.model_copy(
+        update={
+            "model": recipe.model.model_copy(update={"flavor": job.model}),
+            "data": recipe.data.model_copy(update={"micro_batch": 1}),
+            "parallel": ParallelConfig(),
+            "train": recipe.train.model_copy(update={"steps": job.iterations, "grad_accum": job.global_batch}),
+        }
+    )
     root = recipe.train.ckpt_dir or f"{recipe.experiment.output_dir}/{recipe.experiment.name}"
     return f"{root.rstrip('/')}/{job.id}/ckpt-{unsplit.training_hash()}"
 
@@ -140,8 +151,9 @@ def placed_hosts(recipe: Recipe, placement: Placement) -> list[str]:
     return [names[i] for i in sorted(set(placement))] if names and recipe.launch.target == "slurm" else []
 
 
-def job_overrides(recipe: Recipe, job: Job, best: Estimate, last_step: int, *, resume: bool,
-                  hosts: Sequence[str] = ()) -> list[str]:
+def job_overrides(
+    recipe: Recipe, job: Job, best: Estimate, last_step: int, *, resume: bool, hosts: Sequence[str] = ()
+) -> list[str]:
     """The job's training recipe for one segment, as overrides of the base recipe: its own experiment name
     (stage files, registered model) in the base's MLflow experiment and dataset; its model, steps and
     checkpoint directory; the Slurm nodes it was placed on (`hosts`); the estimator's plan, micro-batch and
@@ -230,9 +242,12 @@ class ScheduleRun(Result):
     results: dict[str, TrainResult]
 
     def metrics(self) -> dict[str, float]:
-        out = {"schedule/wall_s": self.wall_s, "schedule/segments": len(self.segments),
-               "schedule/resizes": len(self.resizes),
-               "schedule/jobs_finished": sum(job.finish_s is not None for job in self.jobs)}
+        out = {
+            "schedule/wall_s": self.wall_s,
+            "schedule/segments": len(self.segments),
+            "schedule/resizes": len(self.resizes),
+            "schedule/jobs_finished": sum(job.finish_s is not None for job in self.jobs),
+        }
         for s in self.segments:  # what each launch's policy expected, and what it got
             out[f"schedule/{s.job}/{s.segment}/expected_samples_per_s"] = s.expected_samples_per_s
             out[f"schedule/{s.job}/{s.segment}/measured_samples_per_s"] = s.measured_samples_per_s
@@ -248,15 +263,21 @@ def format_run(run: ScheduleRun) -> str:
     """The segments in start order, then the jobs that did not finish."""
     finished = sum(job.finish_s is not None for job in run.jobs)
     slots = ", ".join(f"{nodes * per_node} {t}" for t, (nodes, per_node) in run.cluster.items())
-    lines = [(f"{run.policy} on {slots} slots: {finished}/{len(run.jobs)} jobs finished in {run.wall_s:.0f} s, "
-              f"{len(run.resizes)} resize(s)"),
-             f"  {'job':<14}{'seg':>4}{'slots':>6}  {'plan':<14}{'steps':>11}{'start s':>9}{'end s':>8}"
-             f"{'expected/s':>11}{'got/s':>8}"]
+    lines = [
+        (
+            f"{run.policy} on {slots} slots: {finished}/{len(run.jobs)} jobs finished in {run.wall_s:.0f} s, "
+            f"{len(run.resizes)} resize(s)"
+        ),
+        f"  {'job':<14}{'seg':>4}{'slots':>6}  {'plan':<14}{'steps':>11}{'start s':>9}{'end s':>8}"
+        f"{'expected/s':>11}{'got/s':>8}",
+    ]
     for s in sorted(run.segments, key=lambda s: (s.start_s, s.job)):
         steps = f"{s.first_step + 1}..{s.last_step}"
-        lines.append(f"  {s.job:<14}{s.segment:>4}{s.num_gpus:>6}  {s.plan:<14}{steps:>11}"
-                     f"{s.start_s:>9.1f}{s.end_s:>8.1f}"
-                     f"{s.expected_samples_per_s:>11.2f}{s.measured_samples_per_s:>8.2f}")
+        lines.append(
+            f"  {s.job:<14}{s.segment:>4}{s.num_gpus:>6}  {s.plan:<14}{steps:>11}"
+            f"{s.start_s:>9.1f}{s.end_s:>8.1f}"
+            f"{s.expected_samples_per_s:>11.2f}{s.measured_samples_per_s:>8.2f}"
+        )
     lines += [f"  {job.id}: not finished" for job in run.jobs if job.finish_s is None]
     return "\n".join(lines)
 
@@ -265,8 +286,13 @@ class LocalScheduler:
     """Real mode's decisions and bookkeeping, without threads or clocks (callers pass `now`): which job
     trains which segment on how many slots, and what happened."""
 
-    def __init__(self, recipe: Recipe, oracle: CellOracle | None = None, profile: DatasetProfile | None = None,
-                 cells: CellTable | None = None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        oracle: CellOracle | None = None,
+        profile: DatasetProfile | None = None,
+        cells: CellTable | None = None,
+    ):
         check_recipe(recipe)
         self.recipe = recipe
         self.cluster = real_cluster(recipe)
@@ -275,8 +301,10 @@ class LocalScheduler:
         self.policy = make_policy(recipe.schedule.policy).without_search_costs()
         jobs = sorted((Job.from_config(c) for c in recipe.jobs), key=lambda j: (j.arrival_s, j.id))
         self.jobs = {job.id: job for job in jobs}
-        self.records = {job.id: JobRecord(id=job.id, model=job.model, arrival_s=job.arrival_s,
-                                          modelled=self.table.modelled(job)) for job in jobs}
+        self.records = {
+            job.id: JobRecord(id=job.id, model=job.model, arrival_s=job.arrival_s, modelled=self.table.modelled(job))
+            for job in jobs
+        }
         self.arrived: list[str] = []
         self.trained = dict.fromkeys(self.jobs, 0)  # steps per job
         self.running: dict[str, tuple[JobRun, float]] = {}  # launched and not ended: (launch, start time)
@@ -309,11 +337,16 @@ class LocalScheduler:
         for j in current.keys() - self.cluster.placements.keys():
             self.records[j].reschedules += 1  # preempted at its boundary
         launches = [self._launch(j, now) for j in self.cluster.placements if j not in self.running]
-        self.decisions.append(Decision(
-            t_s=now, trigger=trigger, chosen={j: n for j, (_, n) in chosen.items()},
-            held={j: len(nodes) for j, (_, nodes) in self.cluster.placements.items()},
-            started=[run.name for run in launches], latency_s=latency,
-        ))
+        self.decisions.append(
+            Decision(
+                t_s=now,
+                trigger=trigger,
+                chosen={j: n for j, (_, n) in chosen.items()},
+                held={j: len(nodes) for j, (_, nodes) in self.cluster.placements.items()},
+                started=[run.name for run in launches],
+                latency_s=latency,
+            )
+        )
         return launches
 
     def _launch(self, job_id: str, now: float) -> JobRun:
@@ -323,13 +356,29 @@ class LocalScheduler:
         first = self.trained[job_id]
         last = min(first + self.recipe.schedule.segment_steps, job.iterations)
         before = [s for s in self.segments if s.job == job_id]
-        overrides = job_overrides(self.recipe, job, best, last, resume=self.recipe.train.resume or first > 0,
-                                  hosts=placed_hosts(self.recipe, placement))
-        run = JobRun(job_id, len(before) + 1, len(placement), best.plan.name, first, last, tuple(overrides),
-                     best.samples_per_s)
+        overrides = job_overrides(
+            self.recipe,
+            job,
+            best,
+            last,
+            resume=self.recipe.train.resume or first > 0,
+            hosts=placed_hosts(self.recipe, placement),
+        )
+        run = JobRun(
+            job_id, len(before) + 1, len(placement), best.plan.name, first, last, tuple(overrides), best.samples_per_s
+        )
         if before and before[-1].num_gpus != run.slots:
-            self.resizes.append(Resize(job=job_id, t_s=now, step=first, from_slots=before[-1].num_gpus,
-                                       to_slots=run.slots, from_plan=before[-1].plan, to_plan=run.plan))
+            self.resizes.append(
+                Resize(
+                    job=job_id,
+                    t_s=now,
+                    step=first,
+                    from_slots=before[-1].num_gpus,
+                    to_slots=run.slots,
+                    from_plan=before[-1].plan,
+                    to_plan=run.plan,
+                )
+            )
             record.reschedules += 1
         if record.start_s is None:
             record.start_s = now
@@ -340,12 +389,23 @@ class LocalScheduler:
         """Record a finished launch; a job that reached its steps gives its slots back."""
         _, since = self.running.pop(run.job)
         gpu_type, nodes = self.cluster.placements[run.job]
-        self.segments.append(JobSegment(
-            job=run.job, gpu_type=gpu_type, num_gpus=run.slots, nodes=sorted(set(nodes)), plan=run.plan,
-            start_s=since, end_s=now, segment=run.segment, first_step=run.first_step, last_step=result.steps,
-            resumed_from_step=result.resumed_from_step, expected_samples_per_s=run.expected_samples_per_s,
-            measured_samples_per_s=result.launch_samples_per_s,
-        ))
+        self.segments.append(
+            JobSegment(
+                job=run.job,
+                gpu_type=gpu_type,
+                num_gpus=run.slots,
+                nodes=sorted(set(nodes)),
+                plan=run.plan,
+                start_s=since,
+                end_s=now,
+                segment=run.segment,
+                first_step=run.first_step,
+                last_step=result.steps,
+                resumed_from_step=result.resumed_from_step,
+                expected_samples_per_s=run.expected_samples_per_s,
+                measured_samples_per_s=result.launch_samples_per_s,
+            )
+        )
         self.trained[run.job] = result.steps
         self.results[run.job] = result
         if result.steps >= self.jobs[run.job].iterations:
@@ -354,15 +414,27 @@ class LocalScheduler:
 
     def report(self, wall_s: float) -> ScheduleRun:
         return ScheduleRun(
-            policy=self.policy.name, cluster={t: [g.nodes, g.gpus_per_node] for t, g in self.cluster.groups.items()},
-            segment_steps=self.recipe.schedule.segment_steps, wall_s=wall_s, jobs=list(self.records.values()),
-            segments=self.segments, resizes=self.resizes, decisions=self.decisions, results=self.results,
+            policy=self.policy.name,
+            cluster={t: [g.nodes, g.gpus_per_node] for t, g in self.cluster.groups.items()},
+            segment_steps=self.recipe.schedule.segment_steps,
+            wall_s=wall_s,
+            jobs=list(self.records.values()),
+            segments=self.segments,
+            resizes=self.resizes,
+            decisions=self.decisions,
+            results=self.results,
         )
 
 
-def run_schedule(recipe: Recipe, train: Callable[[JobRun], TrainResult], *, profile: DatasetProfile | None = None,
-                 cells: CellTable | None = None, oracle: CellOracle | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> ScheduleRun:
+def run_schedule(
+    recipe: Recipe,
+    train: Callable[[JobRun], TrainResult],
+    *,
+    profile: DatasetProfile | None = None,
+    cells: CellTable | None = None,
+    oracle: CellOracle | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ScheduleRun:
     """Real mode from the first arrival to the last job's end (or until nothing left can run).
 
     `train` runs one launch and returns when it ends (the schedule flow passes the train flow). Launches run

@@ -113,8 +113,9 @@ class Policy:
         return restart_s + (float(self.search_s(config[1])) if new else 0.0)
 
 
-def greedy(values: Sequence[np.ndarray], counts: Sequence[int], capacity: np.ndarray,
-           start: Sequence[Cell | None]) -> list[Cell | None]:
+def greedy(
+    values: Sequence[np.ndarray], counts: Sequence[int], capacity: np.ndarray, start: Sequence[Cell | None]
+) -> list[Cell | None]:
     """Greedy by marginal gain per GPU. `values[j][t, c]` is job j's worth on counts[c] GPUs of type t
     (NaN or <= 0: not allowed); jobs start from `start`. Repeatedly take the move (a first config, or a
     more valuable one) with the largest gain per extra GPU that fits in what is free. Moves are queued per
@@ -154,8 +155,9 @@ def greedy(values: Sequence[np.ndarray], counts: Sequence[int], capacity: np.nda
             heapq.heappush(heaps[k], move)
 
 
-def _first_moves(values: Sequence[np.ndarray], n: np.ndarray, held: Sequence[Cell | None],
-                 types: int) -> list[list[tuple[float, int, int, int]]]:
+def _first_moves(
+    values: Sequence[np.ndarray], n: np.ndarray, held: Sequence[Cell | None], types: int
+) -> list[list[tuple[float, int, int, int]]]:
     """Every job's moves from where it starts, one heap per GPU type, computed for all jobs at once (the
     per-job loop was most of a large decision's cost): (-gain per extra GPU, job, version 0, count)."""
     heaps: list[list[tuple[float, int, int, int]]] = [[] for _ in range(types)]
@@ -177,8 +179,13 @@ def _first_moves(values: Sequence[np.ndarray], n: np.ndarray, held: Sequence[Cel
     return heaps
 
 
-def shrink_to_start(values: Sequence[np.ndarray], counts: Sequence[int], capacity: np.ndarray,
-                    held: list[Cell | None], waiting: Sequence[int]) -> None:
+def shrink_to_start(
+    values: Sequence[np.ndarray],
+    counts: Sequence[int],
+    capacity: np.ndarray,
+    held: list[Cell | None],
+    waiting: Sequence[int],
+) -> None:
     """For each waiting job (in the order given), halve running jobs of one GPU type, cheapest loss per freed
     GPU first, and start it on the count of that type with the largest net gain (its value there minus what
     the halved jobs lose), if any is positive. In place. Free GPUs and one heap of halving candidates per
@@ -233,7 +240,7 @@ def _shrink_try(value: np.ndarray, n: np.ndarray, free: float, heap: list, held:
             break
         if value[c] - loss > best[0]:
             best = (value[c] - loss, int(c), len(popped))
-    return best[0], best[1], popped[:best[2]], popped[best[2]:]
+    return best[0], best[1], popped[: best[2]], popped[best[2] :]
 
 
 def _configs(table: ThroughputTable, held: Sequence[Cell | None], jobs: Sequence[Job]) -> dict[str, Config]:
@@ -249,8 +256,13 @@ class Crius(Policy):
 
     name = "crius"
 
-    def __init__(self, search_s_per_gpu: float = CRIUS_SEARCH_S[0], search_max_s: float = CRIUS_SEARCH_S[1],
-                 queue_window_per_gpu: float = 0.2, queue_window_min: int = 256):
+    def __init__(
+        self,
+        search_s_per_gpu: float = CRIUS_SEARCH_S[0],
+        search_max_s: float = CRIUS_SEARCH_S[1],
+        queue_window_per_gpu: float = 0.2,
+        queue_window_min: int = 256,
+    ):
         super().__init__(search_s_per_gpu, search_max_s)
         self.queue_window_per_gpu, self.queue_window_min = queue_window_per_gpu, queue_window_min
 
@@ -260,8 +272,10 @@ class Crius(Policy):
         counts, capacity = view.table.counts, view.table.capacity
         held = greedy(values, counts, capacity, [view.cell(job) for job in jobs])
         per_gpu = np.asarray(counts, dtype=float)
-        waiting = sorted((j for j, h in enumerate(held) if h is None),
-                         key=lambda j: -np.nanmax(np.nan_to_num(values[j], nan=0.0) / per_gpu))
+        waiting = sorted(
+            (j for j, h in enumerate(held) if h is None),
+            key=lambda j: -np.nanmax(np.nan_to_num(values[j], nan=0.0) / per_gpu),
+        )
         if waiting:
             shrink_to_start(values, counts, capacity, held, waiting)
             held = greedy(values, counts, capacity, held)  # hand out what shrinking left over
@@ -312,8 +326,12 @@ class Gavel(Policy):
     name = "gavel"
     every_round = True
 
-    def __init__(self, search_s_per_gpu: float = UNPRUNED_SEARCH_S[0], search_max_s: float = UNPRUNED_SEARCH_S[1],
-                 tie_weight: float = 1e-3):
+    def __init__(
+        self,
+        search_s_per_gpu: float = UNPRUNED_SEARCH_S[0],
+        search_max_s: float = UNPRUNED_SEARCH_S[1],
+        tie_weight: float = 1e-3,
+    ):
         super().__init__(search_s_per_gpu, search_max_s)
         self.tie_weight = tie_weight
         self._jobs: tuple[str, ...] = ()
@@ -418,9 +436,18 @@ class Sia(Policy):
     name = "sia"
     every_round = True
 
-    def __init__(self, search_s_per_gpu: float = UNPRUNED_SEARCH_S[0], search_max_s: float = UNPRUNED_SEARCH_S[1], *,
-                 p: float = 0.5, unallocated_penalty: float = 1.0, profile_s: float = 30.0, max_changes: int = 5,
-                 partition: int = 200, goodput_clip: float = 3000.0):
+    def __init__(
+        self,
+        search_s_per_gpu: float = UNPRUNED_SEARCH_S[0],
+        search_max_s: float = UNPRUNED_SEARCH_S[1],
+        *,
+        p: float = 0.5,
+        unallocated_penalty: float = 1.0,
+        profile_s: float = 30.0,
+        max_changes: int = 5,
+        partition: int = 200,
+        goodput_clip: float = 3000.0,
+    ):
         super().__init__(search_s_per_gpu, search_max_s)
         self.p, self.unallocated_penalty, self.profile_s = p, unallocated_penalty, profile_s
         self.max_changes, self.partition, self.goodput_clip = max_changes, partition, goodput_clip
@@ -449,8 +476,9 @@ class Sia(Policy):
         jobs = [job for job in view.jobs if job.id in view.current or view.now - job.arrival_s >= bootstrap_s]
         values = [self.value(view, job) for job in jobs]
         start = [view.cell(job) for job in jobs]
-        held = _partitioned_ilp(values, start, np.asarray(view.table.counts), view.table.capacity,
-                                self.partition, self.max_changes)
+        held = _partitioned_ilp(
+            values, start, np.asarray(view.table.counts), view.table.capacity, self.partition, self.max_changes
+        )
         return _configs(view.table, held, jobs)
 
     def _account(self, view: View) -> None:
@@ -503,8 +531,14 @@ class Sia(Policy):
         return np.minimum(goodput, self.goodput_clip) ** self.p + self.unallocated_penalty
 
 
-def _partitioned_ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None], counts: np.ndarray,
-                     capacity: np.ndarray, partition: int, max_changes: int) -> list[Cell | None]:
+def _partitioned_ilp(
+    values: Sequence[np.ndarray],
+    start: Sequence[Cell | None],
+    counts: np.ndarray,
+    capacity: np.ndarray,
+    partition: int,
+    max_changes: int,
+) -> list[Cell | None]:
     """Sia's allocation, one ILP per `partition` jobs in order. A partition gets what earlier ones left
     minus what later ones' running jobs hold, so every running job can at least keep its config; a
     partition whose ILP fails keeps its running jobs where they are and starts nothing."""
@@ -531,8 +565,13 @@ def _partitioned_ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None],
     return held
 
 
-def _ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None], counts: np.ndarray, capacity: np.ndarray,
-         max_changes: int) -> list[Cell | None] | None:
+def _ilp(
+    values: Sequence[np.ndarray],
+    start: Sequence[Cell | None],
+    counts: np.ndarray,
+    capacity: np.ndarray,
+    max_changes: int,
+) -> list[Cell | None] | None:
     """max sum value x  s.t. one config per running job and at most one per waiting job, GPUs per type <=
     capacity, at most `max_changes` running jobs off their config; None if HiGHS finds no solution within
     ILP_OPTIONS. Solved in two steps: the LP relaxation first (a vertex leaves only a few jobs fractional:
@@ -544,8 +583,11 @@ def _ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None], counts: np.
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    var = [(j, int(t), int(c)) for j, v in enumerate(values)
-           for t, c in zip(*np.nonzero((np.nan_to_num(v, nan=0.0) > 0) & (counts[None, :] <= capacity[:, None])))]
+    var = [
+        (j, int(t), int(c))
+        for j, v in enumerate(values)
+        for t, c in zip(*np.nonzero((np.nan_to_num(v, nan=0.0) > 0) & (counts[None, :] <= capacity[:, None])))
+    ]
     if not var:  # configs larger than what their type has left can never be chosen, so they are left out
         return [None] * len(values)
     job_of, type_of, count_of = (np.array(col) for col in zip(*var))
@@ -553,13 +595,18 @@ def _ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None], counts: np.
     stays = np.array([start[j] == (t, c) for j, t, c in var], dtype=float)
     running = [j for j, h in enumerate(start) if h is not None]
     a = coo_matrix(
-        (np.concatenate([np.ones(len(var)), counts[count_of].astype(float), stays]),
-         (np.concatenate([job_of, len(values) + type_of, np.full(len(var), len(values) + len(capacity))]),
-          np.concatenate([idx, idx, idx]))),
+        (
+            np.concatenate([np.ones(len(var)), counts[count_of].astype(float), stays]),
+            (
+                np.concatenate([job_of, len(values) + type_of, np.full(len(var), len(values) + len(capacity))]),
+                np.concatenate([idx, idx, idx]),
+            ),
+        ),
         shape=(len(values) + len(capacity) + 1, len(var)),
     )
-    low = np.concatenate([[1.0 if h is not None else 0.0 for h in start], np.full(len(capacity), -np.inf),
-                          [len(running) - max_changes]])
+    low = np.concatenate(
+        [[1.0 if h is not None else 0.0 for h in start], np.full(len(capacity), -np.inf), [len(running) - max_changes]]
+    )
     high = np.concatenate([np.ones(len(values)), capacity, [np.inf]])
     gain = np.array([values[j][t, c] for j, t, c in var])
     constraints = LinearConstraint(a.tocsr(), low, high)
@@ -568,11 +615,21 @@ def _ilp(values: Sequence[np.ndarray], start: Sequence[Cell | None], counts: np.
         return None
     fractional = np.isin(job_of, job_of[(relaxed.x > 1e-6) & (relaxed.x < 1 - 1e-6)])
     rounded = np.round(relaxed.x)
-    res = milp(-gain, constraints=constraints, integrality=np.ones(len(var)), options=dict(ILP_OPTIONS),
-               bounds=Bounds(np.where(fractional, 0.0, rounded), np.where(fractional, 1.0, rounded)))
+    res = milp(
+        -gain,
+        constraints=constraints,
+        integrality=np.ones(len(var)),
+        options=dict(ILP_OPTIONS),
+        bounds=Bounds(np.where(fractional, 0.0, rounded), np.where(fractional, 1.0, rounded)),
+    )
     if res.x is None or res.status != 0:
-        res = milp(-gain, constraints=constraints, integrality=np.ones(len(var)), bounds=Bounds(0, 1),
-                   options=dict(ILP_OPTIONS))
+        res = milp(
+            -gain,
+            constraints=constraints,
+            integrality=np.ones(len(var)),
+            bounds=Bounds(0, 1),
+            options=dict(ILP_OPTIONS),
+        )
     if res.x is None or res.status != 0:
         return None
     held: list[Cell | None] = [None] * len(values)
@@ -598,7 +655,9 @@ class Fcfs(Policy):
             c = requested_count(job, view.table, rates)
             if c is None or not np.isfinite(rates[view.table.gpu_types.index(job.gpu_type), c]):
                 continue  # the user's request cannot run this model: it waits (reported unfinished)
-            nodes = find_nodes(free[job.gpu_type], view.cluster.groups[job.gpu_type].gpus_per_node, view.table.counts[c])
+            nodes = find_nodes(
+                free[job.gpu_type], view.cluster.groups[job.gpu_type].gpus_per_node, view.table.counts[c]
+            )
             if nodes is not None:
                 np.subtract.at(free[job.gpu_type], list(nodes), 1)
                 alloc[job.id] = (job.gpu_type, view.table.counts[c])

@@ -70,10 +70,16 @@ class ReplanDecision(Result):
         return StopRequest(after_step=self.step, plan=self.best_plan, overrides=self.overrides, reason=self.reason)
 
     def metrics(self) -> dict[str, float]:
-        return {"replan/drift": self.drift, "replan/mix_distance": self.mix_distance,
-                "replan/flops_change": self.flops_change, "replan/predicted_running_s": self.predicted_running_s,
-                "replan/predicted_best_s": self.predicted_best_s, "replan/cost_s": self.cost_s,
-                "replan/gain_s": self.gain_s, "replan/decided": float(self.replan)}
+        return {
+            "replan/drift": self.drift,
+            "replan/mix_distance": self.mix_distance,
+            "replan/flops_change": self.flops_change,
+            "replan/predicted_running_s": self.predicted_running_s,
+            "replan/predicted_best_s": self.predicted_best_s,
+            "replan/cost_s": self.cost_s,
+            "replan/gain_s": self.gain_s,
+            "replan/decided": float(self.replan),
+        }
 
 
 def window_profile(recipe: Recipe, step: int, samples: int) -> DatasetProfile:
@@ -83,13 +89,23 @@ def window_profile(recipe: Recipe, step: int, samples: int) -> DatasetProfile:
     dynamic = isinstance(dataset.source, DynamicSource)
     flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
     # a dynamic source follows its schedule by training step; a file source's stream goes by position
-    return profile_source(dataset, cfg, recipe.experiment.seed, flops, recipe.replan.window, by_record=True,
-                          balance_ranks=data_ranks(recipe), step_batches=recipe.train.grad_accum,
-                          at_step=step if dynamic else 0, skip=0 if dynamic else samples)
+    return profile_source(
+        dataset,
+        cfg,
+        recipe.experiment.seed,
+        flops,
+        recipe.replan.window,
+        by_record=True,
+        balance_ranks=data_ranks(recipe),
+        step_batches=recipe.train.grad_accum,
+        at_step=step if dynamic else 0,
+        skip=0 if dynamic else samples,
+    )
 
 
 def drift(reference: DatasetProfile, window: DatasetProfile) -> tuple[float, float, float]:
     """(drift, mix distance, FLOPs change) of `window` against `reference`; drift is the larger of the two."""
+
     def share(p: DatasetProfile, kind: str) -> float:
         return p.modalities[kind].share if kind in p.modalities else 0.0
 
@@ -131,20 +147,23 @@ def best_overrides(recipe: Recipe, profile: DatasetProfile, gpu_type: str) -> li
         job = override_recipe(recipe, [f"estimate.layout={layout}"]).model_copy(update={"jobs": [], "cluster": machine})
         row = estimate_recipe(job, profile).best_cells(recipe.experiment.name).get((gpu_type, recipe.parallel.nproc))
         for option in [row, *row.runners_up] if row is not None and row.nodes == 1 else []:
-            overrides = plan_overrides(ParallelPlan.parse(option.plan), option.micro_batch, option.checkpoint,
-                                       recipe_batch(recipe))
+            overrides = plan_overrides(
+                ParallelPlan.parse(option.plan), option.micro_batch, option.checkpoint, recipe_batch(recipe)
+            )
             try:
                 priced.append((predicted_step_s(override_recipe(recipe, overrides), profile, gpu_type), overrides))
             except ValueError:
                 continue  # refused as the runtime would run it
     if not priced:
-        raise ValueError(f"the estimate fits no plan of {recipe.experiment.name!r} on {recipe.parallel.nproc} "
-                         f"x {gpu_type}")
+        raise ValueError(
+            f"the estimate fits no plan of {recipe.experiment.name!r} on {recipe.parallel.nproc} x {gpu_type}"
+        )
     return min(priced, key=lambda p: p[0])[1]
 
 
-def look(recipe: Recipe, progress: TrainProgress, reference: DatasetProfile, gpu_type: str,
-         replans_so_far: int = 0) -> tuple[ReplanDecision, DatasetProfile]:
+def look(
+    recipe: Recipe, progress: TrainProgress, reference: DatasetProfile, gpu_type: str, replans_so_far: int = 0
+) -> tuple[ReplanDecision, DatasetProfile]:
     """One look at a running job (`recipe` as it runs now); returns the decision and the window it profiled."""
     cfg = recipe.replan
     window = window_profile(recipe, progress.step, progress.samples)
@@ -160,8 +179,11 @@ def look(recipe: Recipe, progress: TrainProgress, reference: DatasetProfile, gpu
     # the estimator's relative gain in the running launch's measured seconds, as the cost is measured
     step_s = progress.step_s if progress.step_s > 0 else running_s
     gain = remaining * step_s * (1 - best_s / running_s)
-    same = plan_of(best).name == plan_of(recipe).name and best.data.micro_batch == recipe.data.micro_batch \
+    same = (
+        plan_of(best).name == plan_of(recipe).name
+        and best.data.micro_batch == recipe.data.micro_batch
         and best.train.activation_checkpointing == recipe.train.activation_checkpointing
+    )
     name = plan_of(best).name
     decided = False
     if distance < cfg.drift_threshold:
@@ -177,10 +199,23 @@ def look(recipe: Recipe, progress: TrainProgress, reference: DatasetProfile, gpu
         reason = f"{name} saves {gain:.1f} s over the last {remaining} steps, more than a re-plan's {cost:.1f} s"
     kept = same_data_order(recipe, best)
     return ReplanDecision(
-        step=progress.step, stop_step=stop_step, drift=distance, mix_distance=mix, flops_change=flops,
-        threshold=cfg.drift_threshold, running_plan=plan_of(recipe).name, best_plan=name,
-        predicted_running_s=running_s, predicted_best_s=best_s, remaining_steps=remaining, cost_s=cost, gain_s=gain,
-        replan=decided, reason=reason, data_order="kept" if kept else "restarts", overrides=[] if same else overrides,
+        step=progress.step,
+        stop_step=stop_step,
+        drift=distance,
+        mix_distance=mix,
+        flops_change=flops,
+        threshold=cfg.drift_threshold,
+        running_plan=plan_of(recipe).name,
+        best_plan=name,
+        predicted_running_s=running_s,
+        predicted_best_s=best_s,
+        remaining_steps=remaining,
+        cost_s=cost,
+        gain_s=gain,
+        replan=decided,
+        reason=reason,
+        data_order="kept" if kept else "restarts",
+        overrides=[] if same else overrides,
     ), window
 
 
@@ -194,20 +229,28 @@ class Segment(Result):
     measured_step_s: float
 
 
-def replan_figure(segments: list[Segment], measured: list[tuple[int, float]], decisions: list[ReplanDecision],
-                  path: Path) -> Path:
+def replan_figure(
+    segments: list[Segment], measured: list[tuple[int, float]], decisions: list[ReplanDecision], path: Path
+) -> Path:
     """Step seconds over training: measured per log step, predicted per segment, re-plan points marked."""
     fig = Figure(figsize=(7, 3.5))
     ax = fig.subplots()
     if measured:
         ax.plot(*zip(*measured), color="tab:blue", lw=1, label="measured")
     for i, seg in enumerate(segments):
-        ax.hlines(seg.predicted_step_s, seg.first_step, seg.last_step, color="tab:orange", lw=2,
-                  label="predicted" if i == 0 else None)
+        ax.hlines(
+            seg.predicted_step_s,
+            seg.first_step,
+            seg.last_step,
+            color="tab:orange",
+            lw=2,
+            label="predicted" if i == 0 else None,
+        )
         ax.annotate(seg.plan, (seg.first_step, seg.predicted_step_s), fontsize=7, va="bottom")
     for d in decisions:
-        ax.axvline(d.stop_step if d.replan else d.step, color="red" if d.replan else "0.8",
-                   ls="--" if d.replan else ":", lw=1)
+        ax.axvline(
+            d.stop_step if d.replan else d.step, color="red" if d.replan else "0.8", ls="--" if d.replan else ":", lw=1
+        )
     ax.set(xlabel="step", ylabel="seconds per step", title="re-planned run (red: re-plans, grey: looks)")
     ax.legend(fontsize=8)
     FigureCanvasAgg(fig)
@@ -268,10 +311,17 @@ class Replanner:
     def launch_ended(self, result: TrainResult) -> bool:
         """Record a finished launch; True when it stopped because a watcher (this one or another) asked, and is
         to be relaunched under the request's plan (the recipe is then that plan's)."""
-        self.segments.append(Segment(
-            plan=result.plan, first_step=result.resumed_from_step, last_step=result.steps,
-            predicted_step_s=predicted_step_s(self.recipe, self.reference, self.gpu_type)
-            if self.reference is not None else float("nan"), measured_step_s=result.step_s))
+        self.segments.append(
+            Segment(
+                plan=result.plan,
+                first_step=result.resumed_from_step,
+                last_step=result.steps,
+                predicted_step_s=predicted_step_s(self.recipe, self.reference, self.gpu_type)
+                if self.reference is not None
+                else float("nan"),
+                measured_step_s=result.step_s,
+            )
+        )
         request = read_stop(self.folder)
         self.stopping = False
         if request is None or result.steps >= self.recipe.train.steps:
@@ -299,8 +349,10 @@ def look_from_outside(recipe: Recipe, gpu_type: str) -> tuple[ReplanDecision, Da
     folder = control_folder(recipe)
     progress = read_progress(folder)
     if progress is None or not (folder / RECIPE_FILE).is_file() or not (folder / REFERENCE_FILE).is_file():
-        raise ValueError(f"{folder}: no re-planned job of experiment {recipe.experiment.name!r} is running "
-                         "(replan.enabled starts one) or it has not reported its first steps yet")
+        raise ValueError(
+            f"{folder}: no re-planned job of experiment {recipe.experiment.name!r} is running "
+            "(replan.enabled starts one) or it has not reported its first steps yet"
+        )
     if read_stop(folder) is not None:
         raise ValueError(f"{folder}: the job is already stopping for a re-plan ({STOP_FILE})")
     running = load_recipe(folder / RECIPE_FILE)

@@ -11,8 +11,19 @@ from pathlib import Path
 
 from omni_core.scheduler.simulator import Metrics, SchedulePlan
 
-COLUMNS = ("jobs_finished", "mean_throughput", "busy_throughput", "mean_jct_s", "p99_jct_s", "makespan_s",
-           "mean_queueing_s", "p95_decision_s", "max_decision_s", "wall_s", "cpu_s")
+COLUMNS = (
+    "jobs_finished",
+    "mean_throughput",
+    "busy_throughput",
+    "mean_jct_s",
+    "p99_jct_s",
+    "makespan_s",
+    "mean_queueing_s",
+    "p95_decision_s",
+    "max_decision_s",
+    "wall_s",
+    "cpu_s",
+)
 GANTT_WINDOW_S = 24 * 3600.0
 GANTT_MAX_JOBS = 60
 
@@ -27,17 +38,21 @@ def summary(m: Metrics) -> dict[str, float | int | None]:
 
 def caveat(plan: SchedulePlan) -> str:
     m = plan.metrics
-    return (f"{m.jobs} jobs ({m.arrived} arrived by the horizon), {m.unmodelled} not modelled (never run), "
-            f"{m.trace_issues} malformed trace rows")
+    return (
+        f"{m.jobs} jobs ({m.arrived} arrived by the horizon), {m.unmodelled} not modelled (never run), "
+        f"{m.trace_issues} malformed trace rows"
+    )
 
 
 def format_table(plans: Mapping[str, SchedulePlan]) -> str:
     if not plans:
         return "(no policies)"
     first = next(iter(plans.values()))
-    header = (f"{'policy':8} {'finished':>8} {'tput/s':>10} {'x fcfs':>7} {'busy tput/s':>11} {'x fcfs':>7} "
-              f"{'mean JCT h':>10} {'p99 JCT h':>10} {'queue h':>7} {'util':>5} {'resched':>7} {'p95 dec s':>9} "
-              f"{'max dec s':>9} {'cpu s':>7}")
+    header = (
+        f"{'policy':8} {'finished':>8} {'tput/s':>10} {'x fcfs':>7} {'busy tput/s':>11} {'x fcfs':>7} "
+        f"{'mean JCT h':>10} {'p99 JCT h':>10} {'queue h':>7} {'util':>5} {'resched':>7} {'p95 dec s':>9} "
+        f"{'max dec s':>9} {'cpu s':>7}"
+    )
     lines = [f"{first.trace}: {caveat(first)}; {first.metrics.rounds} rounds of {first.round_s:g} s", header]
     fcfs = plans["fcfs"].metrics if "fcfs" in plans else None
 
@@ -49,11 +64,13 @@ def format_table(plans: Mapping[str, SchedulePlan]) -> str:
 
     for name, p in plans.items():
         m = p.metrics
-        lines.append(f"{name:8} {m.jobs_finished:8d} {m.mean_throughput:10.1f} "
-                     f"{ratio(m.mean_throughput, fcfs and fcfs.mean_throughput):>7} {m.busy_throughput:11.1f} "
-                     f"{ratio(m.busy_throughput, fcfs and fcfs.busy_throughput):>7} {hours(m.mean_jct_s):>10} "
-                     f"{hours(m.p99_jct_s):>10} {hours(m.mean_queueing_s):>7} {m.mean_utilisation:5.2f} "
-                     f"{m.reschedules_per_job:7.2f} {m.p95_decision_s:9.3f} {m.max_decision_s:9.3f} {m.cpu_s:7.1f}")
+        lines.append(
+            f"{name:8} {m.jobs_finished:8d} {m.mean_throughput:10.1f} "
+            f"{ratio(m.mean_throughput, fcfs and fcfs.mean_throughput):>7} {m.busy_throughput:11.1f} "
+            f"{ratio(m.busy_throughput, fcfs and fcfs.busy_throughput):>7} {hours(m.mean_jct_s):>10} "
+            f"{hours(m.p99_jct_s):>10} {hours(m.mean_queueing_s):>7} {m.mean_utilisation:5.2f} "
+            f"{m.reschedules_per_job:7.2f} {m.p95_decision_s:9.3f} {m.max_decision_s:9.3f} {m.cpu_s:7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -81,17 +98,29 @@ def write_figures(plans: Mapping[str, SchedulePlan], out_dir: str | Path) -> lis
     for name, p in plans.items():
         t0 = p.jobs[0].arrival_s if p.jobs else 0.0  # jobs are in arrival order; the series starts there too
         shown = [s for s in p.segments if s.start_s - t0 < GANTT_WINDOW_S]
-        jobs = sorted({s.job for s in shown}, key=lambda j: min(s.start_s for s in shown if s.job == j))[:GANTT_MAX_JOBS]
+        jobs = sorted({s.job for s in shown}, key=lambda j: min(s.start_s for s in shown if s.job == j))[
+            :GANTT_MAX_JOBS
+        ]
         row = {j: i for i, j in enumerate(jobs)}
         fig = Figure(figsize=(8, 0.12 * len(jobs) + 1.5))
         ax = fig.add_subplot()
         for s in shown:
             if s.job in row:
-                ax.barh(row[s.job], (s.end_s - s.start_s) / 3600, left=(s.start_s - t0) / 3600, height=0.8,
-                        color=colours.get(s.gpu_type, "tab:gray"), linewidth=0)
-        ax.set(xlabel="hours", ylabel="job", yticks=[],
-               title=f"{name}: first {len(jobs)} jobs started in the first {GANTT_WINDOW_S / 3600:.0f} h "
-                     f"(colour = GPU type)\n{note}")
+                ax.barh(
+                    row[s.job],
+                    (s.end_s - s.start_s) / 3600,
+                    left=(s.start_s - t0) / 3600,
+                    height=0.8,
+                    color=colours.get(s.gpu_type, "tab:gray"),
+                    linewidth=0,
+                )
+        ax.set(
+            xlabel="hours",
+            ylabel="job",
+            yticks=[],
+            title=f"{name}: first {len(jobs)} jobs started in the first {GANTT_WINDOW_S / 3600:.0f} h "
+            f"(colour = GPU type)\n{note}",
+        )
         ax.title.set_fontsize(8)
         paths.append(_save(fig, out_dir / f"gantt_{name}.png", FigureCanvasAgg))
     return paths

@@ -99,9 +99,20 @@ class _Running:
     since: float
 
 
-def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, table: ThroughputTable, *, round_s: float = 300.0,
-             rounds: int = 2000, restart_s: float = 60.0, trace: str = "", issues: Sequence[str] = (),
-             fixed_horizon: bool = False, busy_min_throughput: float = 100.0) -> SchedulePlan:
+def simulate(
+    jobs: Sequence[Job],
+    cluster: Cluster,
+    policy: Policy,
+    table: ThroughputTable,
+    *,
+    round_s: float = 300.0,
+    rounds: int = 2000,
+    restart_s: float = 60.0,
+    trace: str = "",
+    issues: Sequence[str] = (),
+    fixed_horizon: bool = False,
+    busy_min_throughput: float = 100.0,
+) -> SchedulePlan:
     wall0, cpu0 = time.perf_counter(), time.process_time()
     order = sorted(jobs, key=lambda j: (j.arrival_s, j.id))
     if len({j.id for j in order}) != len(order):
@@ -128,8 +139,17 @@ def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, table: Throu
     def close(job_id: str, now: float) -> None:
         r = running.pop(job_id)
         plan = table.plan(order[index[job_id]], r.config)
-        segments.append(Segment(job=job_id, gpu_type=r.config[0], num_gpus=r.config[1], nodes=sorted(set(r.nodes)),
-                                plan=plan.name if plan is not None else "", start_s=r.since, end_s=now))
+        segments.append(
+            Segment(
+                job=job_id,
+                gpu_type=r.config[0],
+                num_gpus=r.config[1],
+                nodes=sorted(set(r.nodes)),
+                plan=plan.name if plan is not None else "",
+                start_s=r.since,
+                end_s=now,
+            )
+        )
 
     for k in range(rounds):
         now = t0 + k * round_s
@@ -142,13 +162,35 @@ def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, table: Throu
             break
         simulated += 1
         if changed or (policy.every_round and active):
-            view = View(now, [order[i] for i in active], {j: r.config for j, r in running.items()},
-                        {order[i].id: remaining[i] for i in active}, table, cluster, restart_s)
+            view = View(
+                now,
+                [order[i] for i in active],
+                {j: r.config for j, r in running.items()},
+                {order[i].id: remaining[i] for i in active},
+                table,
+                cluster,
+                restart_s,
+            )
             tic = time.process_time()
             alloc = policy.decide(view)
             latencies.append(time.process_time() - tic)
-            _apply(alloc, running, cluster, policy, table, order, index, now, close, rate, gpus, stall, start,
-                   reschedules, restart_s)
+            _apply(
+                alloc,
+                running,
+                cluster,
+                policy,
+                table,
+                order,
+                index,
+                now,
+                close,
+                rate,
+                gpus,
+                stall,
+                start,
+                reschedules,
+                restart_s,
+            )
             changed = False
         # --- advance one round, vectorised over the active jobs ---
         idx = np.fromiter(active, dtype=np.int64, count=len(active))
@@ -178,19 +220,48 @@ def simulate(jobs: Sequence[Job], cluster: Cluster, policy: Policy, table: Throu
         close(job_id, end)
     cluster.check()
     return SchedulePlan(
-        policy=policy.name, trace=trace, round_s=round_s, restart_s=restart_s,
+        policy=policy.name,
+        trace=trace,
+        round_s=round_s,
+        restart_s=restart_s,
         cluster={t: [g.nodes, g.gpus_per_node] for t, g in cluster.groups.items()},
-        metrics=_metrics(order, arrival, start, finish, modelled, reschedules, series, fragmentation, latencies,
-                         simulated, admitted, len(issues), busy_min_throughput,
-                         (time.perf_counter() - wall0, time.process_time() - cpu0)),
-        jobs=[JobRecord(id=j.id, model=j.model, arrival_s=j.arrival_s, start_s=_opt(start[i]), finish_s=_opt(finish[i]),
-                        reschedules=int(reschedules[i]), modelled=bool(modelled[i])) for i, j in enumerate(order)],
-        segments=segments, series=series, issues=list(issues),
+        metrics=_metrics(
+            order,
+            arrival,
+            start,
+            finish,
+            modelled,
+            reschedules,
+            series,
+            fragmentation,
+            latencies,
+            simulated,
+            admitted,
+            len(issues),
+            busy_min_throughput,
+            (time.perf_counter() - wall0, time.process_time() - cpu0),
+        ),
+        jobs=[
+            JobRecord(
+                id=j.id,
+                model=j.model,
+                arrival_s=j.arrival_s,
+                start_s=_opt(start[i]),
+                finish_s=_opt(finish[i]),
+                reschedules=int(reschedules[i]),
+                modelled=bool(modelled[i]),
+            )
+            for i, j in enumerate(order)
+        ],
+        segments=segments,
+        series=series,
+        issues=list(issues),
     )
 
 
-def _apply(alloc, running, cluster, policy, table, order, index, now, close, rate, gpus, stall, start, reschedules,
-           restart_s) -> None:
+def _apply(
+    alloc, running, cluster, policy, table, order, index, now, close, rate, gpus, stall, start, reschedules, restart_s
+) -> None:
     """Place the policy's decision; charge restarts to started, resized, moved and re-typed jobs."""
     before = {j: (r.config, r.nodes) for j, r in running.items()}
     moved, _ = cluster.apply(alloc, migrate=policy.migrates)  # jobs left out simply stay queued
@@ -219,8 +290,22 @@ def _opt(x: float) -> float | None:
     return None if np.isnan(x) else float(x)
 
 
-def _metrics(order, arrival, start, finish, modelled, reschedules, series, fragmentation, latencies, rounds,
-             arrived, n_issues, busy_min, seconds) -> Metrics:
+def _metrics(
+    order,
+    arrival,
+    start,
+    finish,
+    modelled,
+    reschedules,
+    series,
+    fragmentation,
+    latencies,
+    rounds,
+    arrived,
+    n_issues,
+    busy_min,
+    seconds,
+) -> Metrics:
     done = ~np.isnan(finish)
     jct = (finish - arrival)[done]
     started = ~np.isnan(start)
@@ -230,8 +315,13 @@ def _metrics(order, arrival, start, finish, modelled, reschedules, series, fragm
     tput = np.array(series["throughput"])
     busy = tput[tput > busy_min]
     return Metrics(
-        jobs=len(order), arrived=arrived, jobs_finished=int(done.sum()), unmodelled=int((~modelled).sum()), trace_issues=n_issues,
-        mean_jct_s=stat(np.mean), p50_jct_s=stat(lambda x: np.percentile(x, 50)),
+        jobs=len(order),
+        arrived=arrived,
+        jobs_finished=int(done.sum()),
+        unmodelled=int((~modelled).sum()),
+        trace_issues=n_issues,
+        mean_jct_s=stat(np.mean),
+        p50_jct_s=stat(lambda x: np.percentile(x, 50)),
         p99_jct_s=stat(lambda x: np.percentile(x, 99)),
         makespan_s=float(finish[done].max() - arrival.min()) if all_done else None,
         mean_queueing_s=float(np.mean((start - arrival)[started])) if started.any() else None,
@@ -240,7 +330,11 @@ def _metrics(order, arrival, start, finish, modelled, reschedules, series, fragm
         mean_utilisation=float(np.mean(series["utilisation"])) if rounds else 0.0,
         mean_fragmentation=float(np.mean(fragmentation)) if rounds else 0.0,
         reschedules_per_job=float(reschedules[started].mean()) if started.any() else 0.0,
-        decisions=len(latencies), p50_decision_s=float(np.percentile(lat, 50)),
-        p95_decision_s=float(np.percentile(lat, 95)), max_decision_s=float(lat.max()), rounds=rounds, wall_s=seconds[0],
+        decisions=len(latencies),
+        p50_decision_s=float(np.percentile(lat, 50)),
+        p95_decision_s=float(np.percentile(lat, 95)),
+        max_decision_s=float(lat.max()),
+        rounds=rounds,
+        wall_s=seconds[0],
         cpu_s=seconds[1],
     )

@@ -46,9 +46,16 @@ class Study:
     def run(self, policy: str, rounds: int | None = None) -> SchedulePlan:
         s = self.recipe.schedule
         return simulate(
-            self.jobs, Cluster.from_config(self.recipe.cluster), make_policy(policy), self.table, round_s=s.round_s,
-            rounds=rounds or s.max_rounds, restart_s=s.restart_s, trace=self.source,
-            issues=[str(i) for i in self.trace.issues] if self.trace else (), fixed_horizon=s.fixed_horizon,
+            self.jobs,
+            Cluster.from_config(self.recipe.cluster),
+            make_policy(policy),
+            self.table,
+            round_s=s.round_s,
+            rounds=rounds or s.max_rounds,
+            restart_s=s.restart_s,
+            trace=self.source,
+            issues=[str(i) for i in self.trace.issues] if self.trace else (),
+            fixed_horizon=s.fixed_horizon,
             busy_min_throughput=s.busy_min_throughput,
         )
 
@@ -63,10 +70,15 @@ def default_oracle(cluster: Cluster) -> ThroughputOracle:
 def scale_jobs(jobs: Sequence[Job], *, iteration_scale: float = 1.0, arrival_compression: float = 1.0) -> list[Job]:
     """Jobs with iterations divided by `iteration_scale` (at least one) and arrival times and deadlines
     divided by `arrival_compression`: the Crius artifact's shorter jobs, or a more contended trace."""
+
     def scaled(job: Job) -> Job:
         deadline = None if job.deadline_s is None else job.deadline_s / arrival_compression
-        return replace(job, iterations=max(1, round(job.iterations / iteration_scale)),
-                       arrival_s=job.arrival_s / arrival_compression, deadline_s=deadline)
+        return replace(
+            job,
+            iterations=max(1, round(job.iterations / iteration_scale)),
+            arrival_s=job.arrival_s / arrival_compression,
+            deadline_s=deadline,
+        )
 
     return [scaled(job) for job in jobs]
 
@@ -81,9 +93,14 @@ def scaled(study: Study, factor: int) -> Study:
     """The study on a cluster with `factor` times the nodes of every group and `factor` copies of its jobs:
     the same load per GPU, so what grows is only the size of each decision (the scale study)."""
     groups = study.recipe.cluster.node_groups
-    recipe = override_recipe(study.recipe, [o for i, g in enumerate(groups)
-                                            for o in (f"cluster.node_groups.{i}.nodes={g.nodes * factor}",
-                                                      f"cluster.node_groups.{i}.hosts=[]")])
+    recipe = override_recipe(
+        study.recipe,
+        [
+            o
+            for i, g in enumerate(groups)
+            for o in (f"cluster.node_groups.{i}.nodes={g.nodes * factor}", f"cluster.node_groups.{i}.hosts=[]")
+        ],
+    )
     cluster = Cluster.from_config(recipe.cluster)
     table = ThroughputTable(study.table.oracle, cluster.capacity(), recipe.schedule.max_gpus_per_job)
     return Study(recipe, table, replicate(study.jobs, factor), study.trace)
@@ -100,15 +117,23 @@ def prepare(recipe: Recipe, *, trace: str | None = None, oracle: ThroughputOracl
     loaded = None
     jobs = [Job.from_config(j) for j in recipe.jobs]
     if path:
-        loaded = load_trace(path, table, fmt=s.trace_format, seed=s.trace_seed, keep=s.trace_keep,
-                            max_gpus=s.max_gpus_per_job, start_s=s.trace_start_s)
+        loaded = load_trace(
+            path,
+            table,
+            fmt=s.trace_format,
+            seed=s.trace_seed,
+            keep=s.trace_keep,
+            max_gpus=s.max_gpus_per_job,
+            start_s=s.trace_start_s,
+        )
         jobs = loaded.jobs
     jobs = scale_jobs(jobs, iteration_scale=s.iteration_scale, arrival_compression=s.arrival_compression)
     return Study(recipe, table, jobs, loaded)
 
 
-def load_study(path: str | Path, overrides: Sequence[str] = (), *, trace: str | None = None,
-               oracle: ThroughputOracle | None = None) -> Study:
+def load_study(
+    path: str | Path, overrides: Sequence[str] = (), *, trace: str | None = None, oracle: ThroughputOracle | None = None
+) -> Study:
     """Load the recipe at `path` and prepare its study, a relative `schedule.trace` taken from the folder of
     the file that wrote it (an `extends:` parent's folder when the parent wrote it)."""
     recipe, locations = load_located(path, overrides)
@@ -134,8 +159,15 @@ def checked_trace(recipe: Recipe, locations: dict[str, str]) -> str:
         raise RecipeError([located_problem(locations, "schedule.trace", str(err))]) from None
     missing = [c for c in HEADERS.get(s.trace_format, ()) if c not in header]
     if missing:
-        raise RecipeError([located_problem(locations, "schedule.trace_format", f"{s.trace_format}: {trace}:1 "
-                                           f"lacks the column(s) {', '.join(missing)}")])
+        raise RecipeError(
+            [
+                located_problem(
+                    locations,
+                    "schedule.trace_format",
+                    f"{s.trace_format}: {trace}:1 lacks the column(s) {', '.join(missing)}",
+                )
+            ]
+        )
     return trace
 
 

@@ -30,16 +30,35 @@ from omni_core.scheduler.jobs import Job, ThroughputTable
 
 TraceFormat = Literal["crius", "itp", "philly"]
 HEADERS: dict[TraceFormat, tuple[str, ...]] = {
-    "crius": ("job_id", "submission_time", "num_iteration", "model_name", "deadline", "batch_size", "num_gpu",
-              "gpu_type"),
+    "crius": (
+        "job_id",
+        "submission_time",
+        "num_iteration",
+        "model_name",
+        "deadline",
+        "batch_size",
+        "num_gpu",
+        "gpu_type",
+    ),
     "itp": ("job_id", "submission_time", "duration", "num_gpu"),
     "philly": ("timestamp", "duration", "num_gpus", "gpu_time", "cluster"),
 }
 # Model and batch mix of the Crius artifact's trace (traces/crius, job counts per value).
 MODEL_MIX = {
-    "moe__2.4B": 454, "moe__1.3B": 331, "moe__690M": 237, "moe__10B": 207, "bert__1.3B": 154, "bert__2.6B": 138,
-    "bert__760M": 120, "wide_resnet__2B": 99, "wide_resnet__1B": 55, "wide_resnet__4B": 46,
-    "wide_resnet__500M": 39, "bert__6.7B": 38, "wide_resnet__6.8B": 18, "moe__27B": 2,
+    "moe__2.4B": 454,
+    "moe__1.3B": 331,
+    "moe__690M": 237,
+    "moe__10B": 207,
+    "bert__1.3B": 154,
+    "bert__2.6B": 138,
+    "bert__760M": 120,
+    "wide_resnet__2B": 99,
+    "wide_resnet__1B": 55,
+    "wide_resnet__4B": 46,
+    "wide_resnet__500M": 39,
+    "bert__6.7B": 38,
+    "wide_resnet__6.8B": 18,
+    "moe__27B": 2,
 }
 BATCH_MIX = {256: 1264, 128: 351, 512: 251, 1024: 72}
 
@@ -126,13 +145,18 @@ def read_crius(path: str | Path, gpu_types: set[str]) -> Trace:
             if gpu_type not in gpu_types:
                 raise _RowError(f"unknown GPU type {gpu_type!r} (cluster has {sorted(gpu_types)})")
             arrival = _number(row, "submission_time")
-            trace.jobs.append(Job(
-                id=_field(row, "job_id"), model=_field(row, "model_name"),
-                global_batch=int(_number(row, "batch_size", integer=True, minimum=1)),
-                iterations=int(_number(row, "num_iteration", integer=True, minimum=1)),
-                arrival_s=arrival, deadline_s=_number(row, "deadline", minimum=arrival), gpu_type=gpu_type,
-                num_gpus=int(_number(row, "num_gpu", integer=True, minimum=1)),
-            ))
+            trace.jobs.append(
+                Job(
+                    id=_field(row, "job_id"),
+                    model=_field(row, "model_name"),
+                    global_batch=int(_number(row, "batch_size", integer=True, minimum=1)),
+                    iterations=int(_number(row, "num_iteration", integer=True, minimum=1)),
+                    arrival_s=arrival,
+                    deadline_s=_number(row, "deadline", minimum=arrival),
+                    gpu_type=gpu_type,
+                    num_gpus=int(_number(row, "num_gpu", integer=True, minimum=1)),
+                )
+            )
         except _RowError as e:
             trace.issues.append(TraceIssue(str(path), line, str(e)))
     return _rebase(trace)
@@ -165,8 +189,9 @@ def read_raw(path: str | Path, fmt: Literal["itp", "philly"]) -> tuple[list[RawJ
     return jobs, issues, rows
 
 
-def map_raw_jobs(raw: list[RawJob], table: ThroughputTable, *, seed: int, keep: float = 1.0,
-                 max_gpus: int = 32) -> list[Job]:
+def map_raw_jobs(
+    raw: list[RawJob], table: ThroughputTable, *, seed: int, keep: float = 1.0, max_gpus: int = 32
+) -> list[Job]:
     """Model jobs from raw (arrival, duration, GPU count) rows; see the module docstring for the recipe."""
     rows = sorted(raw, key=lambda r: (r.arrival_s, r.id))
     rng = np.random.default_rng(seed)
@@ -177,8 +202,9 @@ def map_raw_jobs(raw: list[RawJob], table: ThroughputTable, *, seed: int, keep: 
     types_of = rng.integers(len(table.gpu_types), size=(len(rows), 8))
     counts = [n for n in table.counts if n <= max_gpus]
     jobs: list[Job] = []
-    for r, model, batch, type_draws in zip(np.array(rows, dtype=object)[kept], model_of[kept], batch_of[kept],
-                                            types_of[kept]):
+    for r, model, batch, type_draws in zip(
+        np.array(rows, dtype=object)[kept], model_of[kept], batch_of[kept], types_of[kept]
+    ):
         want = min(1 << (r.num_gpus - 1).bit_length(), counts[-1])
         probe = Job(r.id, str(model), int(batch), 1, r.arrival_s)
         gpu_type, n, rate = table.gpu_types[type_draws[0]], want, float("nan")  # unmodelled: the user's request
@@ -203,8 +229,19 @@ def _shift(jobs: list[Job]) -> list[Job]:
     if not jobs:
         return jobs
     t0 = min(j.arrival_s for j in jobs)
-    return [Job(j.id, j.model, j.global_batch, j.iterations, j.arrival_s - t0,
-                None if j.deadline_s is None else j.deadline_s - t0, j.gpu_type, j.num_gpus) for j in jobs]
+    return [
+        Job(
+            j.id,
+            j.model,
+            j.global_batch,
+            j.iterations,
+            j.arrival_s - t0,
+            None if j.deadline_s is None else j.deadline_s - t0,
+            j.gpu_type,
+            j.num_gpus,
+        )
+        for j in jobs
+    ]
 
 
 def _rebase(trace: Trace) -> Trace:
@@ -212,8 +249,16 @@ def _rebase(trace: Trace) -> Trace:
     return trace
 
 
-def load_trace(path: str | Path, table: ThroughputTable, *, fmt: str = "auto", seed: int = 0, keep: float = 1.0,
-               max_gpus: int = 32, start_s: float = 0.0) -> Trace:
+def load_trace(
+    path: str | Path,
+    table: ThroughputTable,
+    *,
+    fmt: str = "auto",
+    seed: int = 0,
+    keep: float = 1.0,
+    max_gpus: int = 32,
+    start_s: float = 0.0,
+) -> Trace:
     """Read any of the three formats into model jobs (raw traces through `map_raw_jobs`), replaying from
     `start_s` seconds after the first arrival (the window's first job then arrives at 0)."""
     kind: TraceFormat = detect_format(path) if fmt == "auto" else fmt  # type: ignore[assignment]

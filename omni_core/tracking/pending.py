@@ -28,8 +28,16 @@ def pending_path() -> Path:
 
 def defer_finish(uri: str, run_id: str, status: str, tags: dict[str, str]) -> None:
     """Record that `run_id` ended with `status` (now) and `tags`, to be set when `uri` answers again."""
-    _append({"uri": uri, "run_id": run_id, "kind": "finish", "status": status,
-             "end_time": int(time.time() * 1000), "tags": tags})
+    _append(
+        {
+            "uri": uri,
+            "run_id": run_id,
+            "kind": "finish",
+            "status": status,
+            "end_time": int(time.time() * 1000),
+            "tags": tags,
+        }
+    )
 
 
 def defer_replay(uri: str, run_id: str, spool: Path) -> None:
@@ -48,7 +56,7 @@ def replay_when_reachable(run: MlflowTracker, spool: Path, wait_s: float) -> int
         except TrackingError:
             if time.monotonic() + pause > deadline:
                 break
-        except Exception as error:  # noqa: BLE001 - it answers but refuses: the file stays, pending
+        except Exception as error:
             log.warning("%s not replayed into MLflow run %s: %s", spool, run.run_id, error)
             break
         time.sleep(pause)
@@ -80,7 +88,7 @@ def settle(uri: str) -> int:
         for entry in mine:
             try:
                 _carry_out(entry)
-            except Exception as error:  # noqa: BLE001 - kept for the next omni process; this one goes on
+            except Exception as error:
                 log.warning("MLflow run %s: pending %s not settled yet: %s", entry["run_id"], entry["kind"], error)
                 failed.append(entry)
         _rewrite(kept + failed)
@@ -106,9 +114,8 @@ def _carry_out(entry: dict[str, Any]) -> None:
 
 
 def _append(entry: dict[str, Any]) -> None:
-    with _locked():
-        with open(pending_path(), "a") as out:
-            out.write(json.dumps(entry) + "\n")
+    with _locked(), open(pending_path(), "a") as out:
+        out.write(json.dumps(entry) + "\n")
 
 
 def _rewrite(entries: list[dict[str, Any]]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_core import recipe as recipes
+from omni_core.tracking.pending import defer_finish, pending_path, settle
 from omni_core.tracking.store import (
     TrackingError,
     artifact_location,
@@ -24,7 +25,6 @@ from omni_core.tracking.store import (
     mlflow_client,
     resolve_tracking_uri,
 )
-from omni_core.tracking.pending import defer_finish, pending_path, settle
 from omni_core.tracking.tracker import MlflowTracker
 
 if TYPE_CHECKING:
@@ -123,8 +123,13 @@ def _finish(client: MlflowClient, uri: str, run_id: str, status: str, lost_metri
         check_tracking_uri(uri)
     except TrackingError as away:
         defer_finish(uri, run_id, status, tags)
-        log.warning("%s\nMLflow run %s ended %s: kept in %s and set when omni next reaches the server", away, run_id,
-                    status, pending_path())
+        log.warning(
+            "%s\nMLflow run %s ended %s: kept in %s and set when omni next reaches the server",
+            away,
+            run_id,
+            status,
+            pending_path(),
+        )
         return
     for key, value in tags.items():
         client.set_tag(run_id, key, value)

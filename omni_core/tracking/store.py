@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -66,8 +65,10 @@ def check_tracking_uri(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """Fail in seconds with one clear message instead of MLflow's minutes of retries and a traceback."""
     scheme = urlsplit(uri).scheme
     if scheme and scheme.split("+")[0] not in TRACKING_SCHEMES:
-        raise TrackingError(f"MLflow tracking URI {uri}: MLflow cannot track to {scheme}:// (it tracks to "
-                            f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder).")
+        raise TrackingError(
+            f"MLflow tracking URI {uri}: MLflow cannot track to {scheme}:// (it tracks to "
+            f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder)."
+        )
     if scheme in ("http", "https"):
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
@@ -76,7 +77,7 @@ def check_tracking_uri(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
             if e.code < 500:  # it answers; auth or routing problems are MLflow's to report
                 return
             reason = f"HTTP {e.code} from /health"
-        except (urllib.error.URLError, OSError, socket.timeout) as e:
+        except (TimeoutError, urllib.error.URLError, OSError) as e:
             reason = str(getattr(e, "reason", e)) or type(e).__name__
         raise TrackingError(
             f"MLflow tracking server {uri} is not reachable ({reason}). Start it, fix MLFLOW_TRACKING_URI "

@@ -136,8 +136,15 @@ class MlflowTracker:
     Params and tags: sent at once, <= 100 per call, values cut to MLflow's limits with a marker.
     """
 
-    def __init__(self, run_id: str, uri: str | None = None, flush_every_s: float = 2.0, *,
-                 close_timeout_s: float = 60.0, spool: Path | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        uri: str | None = None,
+        flush_every_s: float = 2.0,
+        *,
+        close_timeout_s: float = 60.0,
+        spool: Path | None = None,
+    ):
         self.run_id = run_id
         self.uri = uri or resolve_tracking_uri()
         self.flush_every_s = flush_every_s
@@ -210,16 +217,28 @@ class MlflowTracker:
             unsent, self._pending = self._pending, []
         if unsent and self.spool is not None:
             with open(self.spool, "a") as out:
-                out.writelines(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
-                                           "step": m.step}) + "\n" for m in unsent)
+                out.writelines(
+                    json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n"
+                    for m in unsent
+                )
             self.spooled_metrics += len(unsent)
-            log.warning("MLflow run %s: %d metrics not sent to %s (unreachable); kept in %s", self.run_id,
-                        len(unsent), self.uri, self.spool)
+            log.warning(
+                "MLflow run %s: %d metrics not sent to %s (unreachable); kept in %s",
+                self.run_id,
+                len(unsent),
+                self.uri,
+                self.spool,
+            )
         elif unsent:
             self.lost_metrics += len(unsent)
         if self.lost_metrics:
-            log.warning("MLflow run %s: %d metrics lost (%d batches refused by %s)", self.run_id, self.lost_metrics,
-                        self.failed_batches, self.uri)
+            log.warning(
+                "MLflow run %s: %d metrics lost (%d batches refused by %s)",
+                self.run_id,
+                self.lost_metrics,
+                self.failed_batches,
+                self.uri,
+            )
 
     def __enter__(self) -> MlflowTracker:
         return self
@@ -247,7 +266,7 @@ class MlflowTracker:
         with self._lock:
             pending, self._pending = self._pending, []
         for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
-            chunk = pending[start:start + MAX_METRICS_PER_BATCH]
+            chunk = pending[start : start + MAX_METRICS_PER_BATCH]
             try:
                 self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
             except Exception as e:  # a thread must not die quietly: kept for later, or counted and warned
@@ -259,8 +278,11 @@ class MlflowTracker:
                 self._requeue(pending[start:], e)
                 return False
         if self._unreachable_since is not None:
-            log.warning("MLflow at %s answers again after %.0f s; queued metrics sent", self.uri,
-                        time.monotonic() - self._unreachable_since)
+            log.warning(
+                "MLflow at %s answers again after %.0f s; queued metrics sent",
+                self.uri,
+                time.monotonic() - self._unreachable_since,
+            )
             self._unreachable_since = None
         return True
 
@@ -273,8 +295,11 @@ class MlflowTracker:
                 self.lost_metrics += dropped
         if self._unreachable_since is None:
             self._unreachable_since = time.monotonic()
-            log.warning("MLflow at %s unreachable (%s): metrics are queued and sent when it answers", self.uri,
-                        str(error).splitlines()[0][:200])
+            log.warning(
+                "MLflow at %s unreachable (%s): metrics are queued and sent when it answers",
+                self.uri,
+                str(error).splitlines()[0][:200],
+            )
 
 
 def _unreachable(error: BaseException) -> bool:
@@ -310,16 +335,22 @@ def _bound_http_calls() -> None:
         os.environ.setdefault(key, value)
 
 
-def tracker_for_rank(rank: int, flush_every_s: float = 2.0, spool: Path | None = None,
-                     reconnect_timeout_s: float = RANK_CLOSE_TIMEOUT_S) -> Tracker:
+def tracker_for_rank(
+    rank: int, flush_every_s: float = 2.0, spool: Path | None = None, reconnect_timeout_s: float = RANK_CLOSE_TIMEOUT_S
+) -> Tracker:
     """The trainer's tracker: rank 0 logs into $MLFLOW_RUN_ID (set by the launching flow); everyone else,
     and runs without a flow around them, get a NullTracker."""
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if rank != 0 or not run_id:
         return NullTracker()
     _bound_http_calls()
-    return MlflowTracker(run_id, resolve_tracking_uri(), flush_every_s, spool=spool,
-                         close_timeout_s=min(RANK_CLOSE_TIMEOUT_S, reconnect_timeout_s))
+    return MlflowTracker(
+        run_id,
+        resolve_tracking_uri(),
+        flush_every_s,
+        spool=spool,
+        close_timeout_s=min(RANK_CLOSE_TIMEOUT_S, reconnect_timeout_s),
+    )
 
 
 @contextmanager
@@ -333,8 +364,9 @@ def system_metrics(node: int, sampling_s: float = 10.0) -> Iterator[None]:
     _bound_http_calls()
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=sampling_s, node_id=f"node{node}",
-                                   tracking_uri=resolve_tracking_uri())
+    monitor = SystemMetricsMonitor(
+        run_id, sampling_interval=sampling_s, node_id=f"node{node}", tracking_uri=resolve_tracking_uri()
+    )
     monitor.start()
     try:
         yield

@@ -30,7 +30,9 @@ run: install
 # where one pytest leaves one idle most of the time; every tier is in one stream (tests/unit/test_suite_streams.py).
 TEST_STREAMS := "unit or ranks" "integration or flows"
 
+# tests/system-packages installs the system programs the integration tier needs (PostgreSQL, Slurm, MUNGE) where absent.
 test: install
+	tests/system-packages
 	PYTHON=$(BIN)/python tests/run-streams $(TEST_STREAMS) -- $(PYTEST_ARGS)
 
 # The unit tier only (tests/unit: pure CPU, seconds), for the edit loop; `make test` runs every tier.

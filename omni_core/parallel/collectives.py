@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 
 def all_to_all_uneven(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """Rows of `x` split by `in_splits` to the group's ranks in order; receives `out_splits` rows from each.
+    """Rows of `x` split by `in_splits` to the group's ranks (None: the world's) in order; receives `out_splits`
+    rows from each.
     all_to_all_single with split sizes: the list form of all_to_all fails on gloo with unequal sizes."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -24,7 +25,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return all_to_all_uneven(x, out_splits, in_splits, group)

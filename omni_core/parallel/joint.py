@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from omni_core.parallel.encoders import EncoderStep, Piece, Transfer
+    from omni_core.parallel.encoder_items import Piece, Transfer
+    from omni_core.parallel.encoders import EncoderStep
 
 Span = tuple["Piece", int, int]  # a piece and its [first, end) rows for one consumer
 
@@ -56,7 +57,7 @@ class JointStep:
         step: EncoderStep,
         pieces: list[Piece],
         transfers: list[Transfer],
-        inputs: dict,
+        inputs: dict[Piece, torch.Tensor],
         n_micro: int,
         dtype: torch.dtype,
     ):
@@ -90,7 +91,7 @@ class JointStep:
             self.grads_in = {
                 key: self._receive(key[1], self._size(spans), step.grads_group, key[0])
                 for key, spans in self.outgoing.items()
-                if key[1] != self.rank and step.sends_gradient(key[1])
+                if key[1] != self.rank and step.roles.sends_gradient(key[1])
             }
         self.thread = threading.Thread(target=self._work, name="omni-encoders", daemon=True)
         self.thread.start()
@@ -99,9 +100,17 @@ class JointStep:
     def _size(spans: list[Span]) -> int:
         return sum(end - first for _, first, end in spans)
 
-    def _receive(self, source: int, rows: int, group: dist.ProcessGroup, micro: int):
+    def _receive(self, source: int, rows: int, group: dist.ProcessGroup, micro: int) -> tuple[torch.Tensor, dist.Work]:
         buffer = torch.empty(rows, self.dim, dtype=self.dtype, device=self.step.device)
-        return buffer, dist.irecv(buffer, src=source, group=group, tag=micro)
+        work = dist.irecv(buffer, src=source, group=group, tag=micro)
+        assert work is not None  # None only for a rank outside `group`; the handoff's groups are the world
+        return buffer, work
+
+    def _send(self, payload: torch.Tensor, dest: int, group: dist.ProcessGroup, micro: int) -> None:
+        """Post a send, kept in flight with its buffer until `finish`."""
+        work = dist.isend(payload, dst=dest, group=group, tag=micro)
+        assert work is not None  # None only for a rank outside `group`; the handoff's groups are the world
+        self.in_flight.append((work, payload))
 
     # --- the encoder thread ------------------------------------------------------------------------------
 
@@ -124,7 +133,7 @@ class JointStep:
         mine = [p for p in self.pieces if p.rank == self.rank and p.item.micro == micro]
         device, dtype = step.device, self.dtype
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            produced, self.tokens[micro] = step._encode(mine, self.inputs)
+            produced, self.tokens[micro] = step.compute.encode(mine, self.inputs)
         for (m, consumer), spans in sorted(self.outgoing.items()):
             if m != micro:
                 continue
@@ -134,14 +143,14 @@ class JointStep:
                 self.local_rows[micro] = rows.detach()
             else:
                 payload = rows.detach().contiguous()
-                self.in_flight.append((dist.isend(payload, dst=consumer, group=step.rows_group, tag=micro), payload))
+                self._send(payload, consumer, step.rows_group, micro)
         self.cpu_s += time.thread_time() - started
         self.made[micro].set()
 
     def _backward(self, micro: int) -> None:
         roots, grads = [], []
         for (m, consumer), rows in sorted(self.sent.items()):
-            if m != micro or not self.step.sends_gradient(consumer):
+            if m != micro or not self.step.roles.sends_gradient(consumer):
                 continue
             if consumer == self.rank:
                 self.graded[micro].wait()
@@ -201,10 +210,10 @@ class JointStep:
         if micro in self.graded_by_hook:
             raise RuntimeError(f"the gradient of micro-batch {micro}'s encoder rows arrived twice in one step")
         self.graded_by_hook.add(micro)
-        if not self.step.sends_gradient(self.rank):
+        if not self.step.roles.sends_gradient(self.rank):
             return
         shares: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for (source, rows), part in zip(
+        for (source, _rows), part in zip(
             self.layout[micro], grad.split([r for _, r in self.layout[micro]]), strict=True
         ):
             shares[source].append(part)
@@ -214,8 +223,7 @@ class JointStep:
                 self.local_grads[micro] = payload
                 self.graded[micro].set()
             else:
-                work = dist.isend(payload, dst=source, group=self.step.grads_group, tag=micro)
-                self.in_flight.append((work, payload))
+                self._send(payload, source, self.step.grads_group, micro)
 
     def finish(self) -> float:
         """After the LLM's backward: every receive waited for (no stale one may match the next step's sends),

@@ -5,10 +5,14 @@ Each member holds a contiguous chunk of the item's tokens (`lssp_splits`); every
 per-token and runs on the chunk. Attention swaps "my chunk x all heads" for "all tokens x H/S heads" with one
 uneven all-to-all per q/k/v, attends over the whole item, and swaps back. The encoders take the
 `SequenceShard` as their `shard` argument (`omni_core.models.attention.EncoderShard` is the protocol).
+
+The groups are runs of consecutive encoder ranks (`lssp_group_ranks`): the assignment places a long item on
+one of them and every rank creates their process groups (`new_lssp_groups`) in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +43,22 @@ def lssp_splits(n_tokens: int, size: int, align: int = 1) -> list[int]:
     splits = [(base + (member >= size - extra)) * align for member in range(size)]
     splits[-1] -= units * align - n_tokens
     return splits
+
+
+def lssp_group_ranks(ranks: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    """The LSSP groups of `size` members over the encoder ranks `ranks`: consecutive runs in rank order (ranks
+    left over at the end are in none)."""
+    return [tuple(ranks[i : i + size]) for i in range(0, len(ranks) - size + 1, size)]
+
+
+def new_lssp_groups(ranks: Sequence[int], sizes: Iterable[int]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group for every LSSP group of each size in `sizes` (1: no group). Every rank of the world
+    creates every group, members or not, in one order: `new_group` is collective over the world."""
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for size in sorted(set(sizes) - {1}):
+        for group in lssp_group_ranks(ranks, size):
+            groups[group] = dist.new_group(list(group))
+    return groups
 
 
 @dataclass(frozen=True)

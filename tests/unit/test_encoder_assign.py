@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from omni_core.common.plan import ParallelPlan
 from omni_core.models.flavors import get_flavor
-from omni_core.parallel.encoders import Item, assign, item_cost, output_rows
+from omni_core.parallel.encoder_assign import assign
+from omni_core.parallel.encoder_items import Item, item_cost, output_rows
 
 ARGS = get_flavor("debug", patch_size=8, n_mels=32)
 

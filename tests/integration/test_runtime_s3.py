@@ -9,7 +9,8 @@ from omni_core.runtime.checkpoint import checkpoint_store
 from omni_core.runtime.ckpt_store import CheckpointError
 from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.trainer import train
-from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
+from tests.helpers.recipes import build_recipe
+from tests.helpers.runtime import CPU, RecordingTracker
 
 
 def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3_endpoint, monkeypatch):
@@ -17,9 +18,10 @@ def test_checkpoints_to_s3_and_resumes_with_the_same_next_step_loss(tmp_path, s3
 
     boto3.client("s3").create_bucket(Bucket="ckpt")
     straight = RecordingTracker()
-    train(tiny_recipe(tmp_path / "local", steps=4), CPU, tracker=straight, log=lambda _: None)
+    train(build_recipe(tmp_path / "local", {"train.steps": 4}), CPU, tracker=straight, log=lambda _: None)
 
-    recipe = tiny_recipe(tmp_path / "s3", steps=4, ckpt_every=2, ckpt_dir="s3://ckpt/runs/tiny")
+    recipe = build_recipe(tmp_path / "s3",
+                          {"train.steps": 4, "train.ckpt_every": 2, "train.ckpt_dir": "s3://ckpt/runs/tiny"})
     train(recipe, CPU, log=lambda _: None, stop_after=2)
     store = checkpoint_store(recipe)
     assert store.steps() == [2]

@@ -23,7 +23,8 @@ from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.step import lr_lambda
 from omni_core.runtime.trainer import resolve_plan, train
 from tests.helpers.models import MERGES
-from tests.helpers.runtime import CPU, RecordingTracker, tiny_recipe
+from tests.helpers.recipes import build_recipe
+from tests.helpers.runtime import CPU, RecordingTracker
 
 
 def fake_batch(labels: list[int], modality: list[int]) -> SimpleNamespace:
@@ -50,7 +51,7 @@ def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
     from omni_core.data.loader import PackedLoader
     from omni_core.runtime.generate import documents
 
-    recipe = tiny_recipe(tmp_path)
+    recipe = build_recipe(tmp_path)
     batch = next(iter(PackedLoader(open_dataset(recipe), recipe.data, "train")))
     docs = list(documents(batch, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, *MERGES)))
     assert len(docs) == batch.num_samples
@@ -81,7 +82,7 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
 
 
 def test_recipe_plan_is_checked_against_world_and_model(tmp_path):
-    recipe = tiny_recipe(tmp_path)
+    recipe = build_recipe(tmp_path)
     assert resolve_plan(recipe, 4).name == "dp4"
     recipe.parallel = ParallelConfig(dp_replicate=2, tp=2)
     assert resolve_plan(recipe, 8).name == "dp2x2-tp2"
@@ -97,7 +98,7 @@ def test_recipe_plan_is_checked_against_world_and_model(tmp_path):
 
 
 def test_training_lowers_loss_and_evaluates(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=30, lr=5e-3)
+    recipe = build_recipe(tmp_path, {"train.steps": 30, "train.lr": 5e-3})
     tracker = RecordingTracker()
     result = train(recipe, CPU, tracker=tracker, log=lambda _: None)
     assert result.steps == 30
@@ -121,9 +122,9 @@ def test_training_lowers_loss_and_evaluates(tmp_path):
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     straight = RecordingTracker()
-    train(tiny_recipe(tmp_path / "a"), CPU, tracker=straight, log=lambda _: None)
+    train(build_recipe(tmp_path / "a"), CPU, tracker=straight, log=lambda _: None)
 
-    interrupted = tiny_recipe(tmp_path / "b", ckpt_every=3)
+    interrupted = build_recipe(tmp_path / "b", {"train.ckpt_every": 3})
     first = RecordingTracker()
     partial = train(interrupted, CPU, tracker=first, log=lambda _: None, stop_after=3)
     assert partial.steps == 3
@@ -154,7 +155,7 @@ class _Planted:
 
 
 def test_a_planted_rank_file_cannot_run_code_on_resume(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=4, ckpt_every=2)
+    recipe = build_recipe(tmp_path, {"train.steps": 4, "train.ckpt_every": 2})
     train(recipe, CPU, log=lambda _: None, stop_after=2)
     marker = tmp_path / "ran"
     torch.save({"loader": _Planted(marker)}, Path(recipe.checkpoint_dir()) / step_name(2) / "rank0.pt")
@@ -164,18 +165,19 @@ def test_a_planted_rank_file_cannot_run_code_on_resume(tmp_path):
 
 
 def test_retraining_with_resume_false_replaces_a_longer_runs_checkpoints(tmp_path):
-    train(tiny_recipe(tmp_path, steps=6, ckpt_every=2), CPU, log=lambda _: None)  # keeps steps 4 and 6
-    restart = tiny_recipe(tmp_path, steps=6, ckpt_every=2, resume=False)
+    every_2 = {"train.steps": 6, "train.ckpt_every": 2}
+    train(build_recipe(tmp_path, every_2), CPU, log=lambda _: None)  # keeps steps 4 and 6
+    restart = build_recipe(tmp_path, {**every_2, "train.resume": False})
     messages = []
     train(restart, CPU, log=messages.append, stop_after=2)
     assert any("steps [4, 6]" in m and "belong to an earlier run" in m for m in messages)
     store = checkpoint_store(restart)
     assert store.steps() == [2]  # its own save kept; the earlier run's later steps are not taken for its own
-    assert train(tiny_recipe(tmp_path, steps=6, ckpt_every=2), CPU, log=lambda _: None).resumed_from_step == 2
+    assert train(build_recipe(tmp_path, every_2), CPU, log=lambda _: None).resumed_from_step == 2
 
 
 def test_a_run_that_only_measures_saves_nothing(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=2, ckpt_every=1)
+    recipe = build_recipe(tmp_path, {"train.steps": 2, "train.ckpt_every": 1})
     result = train(recipe, CPU, log=lambda _: None, save=False)
     assert result.steps == 2 and result.checkpoint == ""
     saved = Path(recipe.checkpoint_dir())
@@ -183,18 +185,19 @@ def test_a_run_that_only_measures_saves_nothing(tmp_path):
 
 
 def test_resume_when_an_encoder_never_saw_input(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=4, ckpt_every=2)
-    recipe.data.synthetic.mix = {"text": 1.0}  # vision and audio encoders get no gradient at all
+    # text only: the vision and audio encoders get no gradient at all
+    recipe = build_recipe(tmp_path, {"train.steps": 4, "train.ckpt_every": 2, "data.synthetic.mix": {"text": 1.0}})
     train(recipe, CPU, log=lambda _: None, stop_after=2)
     assert train(recipe, CPU, log=lambda _: None).resumed_from_step == 2
 
 
 def test_activation_checkpointing_and_bf16_keep_the_numerics(tmp_path):
     plain, recomputed, bf16 = RecordingTracker(), RecordingTracker(), RecordingTracker()
-    result = train(tiny_recipe(tmp_path / "a", steps=3), CPU, tracker=plain, log=lambda _: None)
-    train(tiny_recipe(tmp_path / "b", steps=3, activation_checkpointing=True), CPU, tracker=recomputed,
+    result = train(build_recipe(tmp_path / "a", {"train.steps": 3}), CPU, tracker=plain, log=lambda _: None)
+    train(build_recipe(tmp_path / "b", {"train.steps": 3, "train.activation_checkpointing": True}), CPU,
+          tracker=recomputed, log=lambda _: None)
+    train(build_recipe(tmp_path / "c", {"train.steps": 3, "train.dtype": "bfloat16"}), CPU, tracker=bf16,
           log=lambda _: None)
-    train(tiny_recipe(tmp_path / "c", steps=3, dtype="bfloat16"), CPU, tracker=bf16, log=lambda _: None)
     for step in (1, 2, 3):
         assert recomputed.metrics[step]["train/loss"] == pytest.approx(plain.metrics[step]["train/loss"], abs=1e-5)
         assert bf16.metrics[step]["train/loss"] == pytest.approx(plain.metrics[step]["train/loss"], rel=0.02)
@@ -205,21 +208,21 @@ def test_activation_checkpointing_and_bf16_keep_the_numerics(tmp_path):
 
 
 def test_moe_model_trains_with_its_load_balancing_loss(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=2)
-    recipe.model.flavor = "debug-moe"
+    recipe = build_recipe(tmp_path, {"train.steps": 2, "model.flavor": "debug-moe"})
     tracker = RecordingTracker()
     train(recipe, CPU, tracker=tracker, log=lambda _: None)
     assert tracker.metrics[2]["train/aux_loss"] > 0
 
 
 def test_changed_training_recipe_gets_its_own_checkpoints(tmp_path):
-    base = tiny_recipe(tmp_path)
-    assert base.checkpoint_dir() == tiny_recipe(tmp_path, log_every=3, ckpt_every=2).checkpoint_dir()
-    assert base.checkpoint_dir() != tiny_recipe(tmp_path, lr=1e-3).checkpoint_dir()
+    base = build_recipe(tmp_path)
+    operational = build_recipe(tmp_path, {"train.log_every": 3, "train.ckpt_every": 2})
+    assert base.checkpoint_dir() == operational.checkpoint_dir()
+    assert base.checkpoint_dir() != build_recipe(tmp_path, {"train.lr": 1e-3}).checkpoint_dir()
 
 
 def test_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
-    recipe = tiny_recipe(tmp_path, steps=2)
+    recipe = build_recipe(tmp_path, {"train.steps": 2})
     train(recipe, CPU, log=lambda _: None)
     store = checkpoint_store(recipe)
     assert isinstance(store, LocalStore)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from omni_core.common.plan import MESH_ORDER, ParallelPlan
+from omni_core.models.llm import TransformerBlock
 from omni_core.models.omni import OmniModel
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass
@@ -47,11 +52,11 @@ class ParallelMeshes:
     def release(self) -> None:
         """Destroy the process groups these meshes created (every rank calls it once training is done).
 
-        Each gloo group keeps threads that poll while idle (~0.15% of a core each): a process that trained
-        plan after plan (the estimator's validation) piled up 70 of them per rank and ran 30-40% slower. The
-        groups' threads stop only when nothing holds them any more, and DTensor's caches hold meshes (which
-        hold their groups); those caches would also hand a later plan's ops a stale mesh, since meshes
-        compare equal whatever their groups. So they are emptied too (private to torch, pinned at 2.13)."""
+        Each gloo group keeps threads that poll while idle: a process that trains plan after plan (the
+        estimator's validation) would pile them up and slow down with every plan. The groups' threads stop
+        only when nothing holds them any more, and DTensor's caches hold meshes (which hold their groups);
+        those caches would also hand a later plan's ops a stale mesh, since meshes compare equal whatever
+        their groups. So they are emptied too (private to torch, pinned at 2.13)."""
         from torch.distributed.tensor._api import DTensor
         from torch.distributed.tensor._collective_utils import MeshTopoInfo
         from torch.distributed.tensor._redistribute import (
@@ -93,6 +98,8 @@ class ParallelMeshes:
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
+        if self.ep_mesh is None:
+            raise ValueError(f"plan {self.plan.name} has no expert-parallel group: ep=1")
         return self.ep_mesh.get_group("ep")
 
     @property
@@ -128,22 +135,31 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
         dp_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
     ep_mesh = None
     if plan.ep > 1:
-        shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
-        ep_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
+        ep_shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
+        ep_mesh = flat_view(ep_shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         expert_dp_mesh = ep_mesh[(*replicas, "dp_mod_ep")]
     return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh)
 
 
-def transformer_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(container, key) of every transformer block this model part holds: encoders' and the LLM's `layers`."""
-    blocks = []
+BlockSlot = tuple[nn.Module, str]  # a transformer block's container (a `layers`) and its name in it
+
+
+def transformer_blocks(model: OmniModel) -> list[BlockSlot]:
+    """(container, name) of every transformer block this model part holds: encoders' and the LLM's `layers`."""
+    blocks: list[BlockSlot] = []
     for part in (getattr(model, "vision", None), getattr(model, "audio", None), model.llm):
         if part is None:
             continue
         layers = part.layers
         keys = layers.keys() if isinstance(layers, nn.ModuleDict) else range(len(layers))
-        blocks.extend((layers, key) for key in keys)
+        blocks.extend((layers, str(key)) for key in keys)
     return blocks
+
+
+def llm_blocks(model: OmniModel) -> list[TransformerBlock]:
+    """The LLM blocks this model part holds, before activation checkpointing or compile wraps them (until
+    then `llm.layers` registers nothing but `TransformerBlock`s)."""
+    return [cast(TransformerBlock, block) for block in model.llm.layers.values()]
 
 
 def apply_tensor_parallel(model: OmniModel, tp_mesh: DeviceMesh) -> None:
@@ -153,6 +169,43 @@ def apply_tensor_parallel(model: OmniModel, tp_mesh: DeviceMesh) -> None:
     attention and the FFN all-gather tokens on entry and reduce-scatter on exit (column-parallel q/k/v and
     w1/w3, row-parallel wo and w2). The stage holding the embeddings slices the full sequence at the first
     block; the last stage gathers it back before the output head, whose logits are replicated."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    llm = model.llm
+    for block in llm_blocks(model):
+        parallelize_module(block, tp_mesh, {**_attention_plan(), **_feed_forward_plan(block)})
+    if llm.tok_embeddings is not None:
+        _slice_tokens_at_first_block(model, tp_mesh)
+    if llm.output is not None:
+        _gather_tokens_for_head(model, tp_mesh)
+
+
+def _attention_plan() -> dict[str, ParallelStyle]:
+    """A block's attention half: its norm on the token slice, all tokens gathered into column-parallel q/k/v,
+    the row-parallel output reduce-scattered back to the slice."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "attention_norm": SequenceParallel(sequence_dim=0),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(0), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(0)),
+    }
+
+
+def _feed_forward_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
+    """A block's FFN half: its norm on the token slice; a dense FFN column- then row-parallel on all tokens;
+    a MoE's tokens gathered whole around it (its experts are split by EP, never by TP)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -160,62 +213,56 @@ def apply_tensor_parallel(model: OmniModel, tp_mesh: DeviceMesh) -> None:
         PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
-        parallelize_module,
     )
 
-    llm = model.llm
-    to_tokens = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
-    for key, block in llm.layers.items():
-        block_plan = {
-            "attention_norm": SequenceParallel(sequence_dim=0),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(0), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(0)),
-            "ffn_norm": SequenceParallel(sequence_dim=0),
-        }
-        if block.moe_enabled:
-            block_plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(0),),
-                desired_input_layouts=(Replicate(),),
-                use_local_input=True,
-                output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(0),),
-                use_local_output=True,
-            )
-        else:
-            block_plan.update(
-                {
-                    "feed_forward": to_tokens,
-                    "feed_forward.w1": ColwiseParallel(),
-                    "feed_forward.w3": ColwiseParallel(),
-                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
-                }
-            )
-        parallelize_module(block, tp_mesh, block_plan)
-    if llm.tok_embeddings is not None:
-        first = next(iter(llm.layers.values()))
-        parallelize_module(
-            first,
-            tp_mesh,
-            PrepareModuleInput(
-                input_layouts=(Replicate(), None, None, None),
-                desired_input_layouts=(Shard(0), None, None, None),
-                use_local_output=True,
-            ),
+    plan: dict[str, ParallelStyle] = {"ffn_norm": SequenceParallel(sequence_dim=0)}
+    if block.moe_enabled:
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(0),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(0),),
+            use_local_output=True,
         )
-    if llm.output is not None:
-        parallelize_module(
-            llm,
-            tp_mesh,
-            {
-                "norm": SequenceParallel(sequence_dim=0),
-                "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
-            },
-        )
+    else:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(0))
+    return plan
+
+
+def _slice_tokens_at_first_block(model: OmniModel, tp_mesh: DeviceMesh) -> None:
+    """The stage with the embeddings: the first block takes the full sequence and keeps this rank's slice."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    first = next(iter(model.llm.layers.values()))
+    parallelize_module(
+        first,
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Replicate(), None, None, None),
+            desired_input_layouts=(Shard(0), None, None, None),
+            use_local_output=True,
+        ),
+    )
+
+
+def _gather_tokens_for_head(model: OmniModel, tp_mesh: DeviceMesh) -> None:
+    """The stage with the head: the final norm on the slice, the output head on all tokens, logits replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    parallelize_module(
+        model.llm,
+        tp_mesh,
+        {
+            "norm": SequenceParallel(sequence_dim=0),
+            "output": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
+        },
+    )
 
 
 def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: ParallelMeshes, total_tokens: int) -> None:
@@ -225,30 +272,32 @@ def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: Paralle
     from omni_core.parallel.context import ContextParallelAttention, cp_token_index
 
     attend = ContextParallelAttention(plan.cp_kind, meshes.group("cp"), total_tokens)
-    for block in model.llm.layers.values():
+    for block in llm_blocks(model):
         block.attention.attend = attend
         if block.moe_enabled:
-            block.moe.sequence_group = meshes.group("cp")
+            # MoE's attribute is typed by its initial None (models/llm.py); a process group is what it holds
+            block.moe.sequence_group = meshes.group("cp")  # type: ignore[assignment]
     model.token_index = cp_token_index(total_tokens, plan.cp, meshes.cp_rank, plan.cp_kind)
 
 
-def apply_activation_checkpointing(model: nn.Module, skip: Collection[str] = ()) -> None:
+def apply_activation_checkpointing(model: OmniModel, skip: Collection[str] = ()) -> None:
     """Recompute each block's activations in backward: memory O(blocks) instead of O(blocks x activations).
     Checkpoint keys are unchanged (DCP's state-dict helpers strip the wrapper's prefix). The encoders in `skip`
     are left alone: their sharded blocks recompute already (`parallel.encoder_shards`)."""
     skipped = [getattr(model, name).layers for name in skip if getattr(model, name, None) is not None]
-    for container, key in transformer_blocks(model):
+    for container, name in transformer_blocks(model):
         if not any(container is layers for layers in skipped):
-            container[key] = checkpoint_wrapper(container[key], preserve_rng_state=False)
+            block = container.get_submodule(name)
+            container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: OmniModel) -> None:
     """Compile block by block (the blocks repeat, so one graph serves them all)."""
-    for container, key in transformer_blocks(model):
-        container[key] = torch.compile(container[key], dynamic=True)
+    for container, name in transformer_blocks(model):
+        container.register_module(name, cast(nn.Module, torch.compile(container.get_submodule(name), dynamic=True)))
 
 
-def encoder_modules(model: nn.Module) -> list[nn.Module]:
+def encoder_modules(model: OmniModel) -> list[nn.Module]:
     """The encoders and projectors this model part holds."""
     modules = [getattr(model, name, None) for name in ("vision", "audio")]
     if getattr(model, "projectors", None) is not None:
@@ -264,24 +313,24 @@ def apply_fsdp(model: OmniModel, meshes: ParallelMeshes, param_dtype: torch.dtyp
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    shard = {"mesh": meshes.dp_mesh, "mp_policy": mp_policy}
+    mesh = meshes.dp_mesh
     coupled = meshes.plan.encoders.layout == "coupled"
-    for container, key in transformer_blocks(model):
-        block = container[key]
+    for container, name in transformer_blocks(model):
+        block = container.get_submodule(name)
         if not coupled and container is not model.llm.layers:
             continue  # an encoder block, in the encoders' own layout
         moe = getattr(getattr(block, "_checkpoint_wrapped_module", block), "moe", None)
         if moe is not None and meshes.expert_dp_mesh is not None:
             for expert in moe.experts.values():
                 fully_shard(expert, mesh=meshes.expert_dp_mesh, mp_policy=mp_policy)
-        fully_shard(block, **shard)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     encoders = encoder_modules(model)
     if coupled:
         for module in encoders:
-            fully_shard(module, **shard)
-        fully_shard(model, **shard)
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     else:
-        fully_shard(model, **shard, ignored_params={p for m in encoders for p in m.parameters()})
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params={p for m in encoders for p in m.parameters()})
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -305,7 +354,7 @@ def parallelize_omni(
         if plan.ep > 1:
             from omni_core.parallel.expert import apply_expert_parallel
 
-            for block in model.llm.layers.values():
+            for block in llm_blocks(model):
                 if block.moe_enabled:
                     apply_expert_parallel(block.moe, meshes.ep_group)
         if plan.cp > 1:

@@ -25,11 +25,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from omni_core.models.audio import AudioEncoder
+from omni_core.models.omni import OmniModel
+from omni_core.models.vision import VisionEncoder
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 PROJECTOR_OF = {"vision": "image", "audio": "audio"}  # each encoder's projector (`OmniModel.projectors`)
 Owned = tuple[nn.Module, str, nn.Parameter]  # a parameter, with the module that registers it and its name
@@ -45,8 +52,13 @@ class _Slot:
     offset: int  # of its chunk in a rank's flat shard
     chunk_rows: int  # ceil(rows / ranks): every rank's chunk is padded to it
 
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's rows of the parameter (its DTensor's local shard)."""
+        return cast("DTensor", self.shard).to_local()
 
-def stem_and_head(model: nn.Module, encoder: str) -> list[Owned]:
+
+def stem_and_head(model: OmniModel, encoder: str) -> list[Owned]:
     """A sharded encoder's parameters outside its blocks (stem, final norm) and its projector's."""
     blocks = set(getattr(model, encoder).layers.modules())
     return [
@@ -68,9 +80,11 @@ class EncoderShards:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        self.group, self.slots, self.full = group, [], []
+        self.group = group
+        self.slots: list[_Slot] = []
+        self.full: list[torch.Tensor] = []
         self.ranks = dist.get_world_size(group) if params else 1
-        self.mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type) if params else None
+        self.mesh = DeviceMesh.from_group(group or _world(), device.type) if params else None
         offset = 0
         for owner, name, param in params:
             if param.ndim == 0:
@@ -87,17 +101,21 @@ class EncoderShards:
         self.trains = any(slot.shard.requires_grad for slot in self.slots)
         self.grads = self._gradient_buffer()
 
-    def _gradient_buffer(self) -> list:
+    def _gradient_buffer(self) -> list[torch.Tensor]:
         """The trainable shards' gradients, as DTensors over views of one flat buffer that each reduce-scatter
         writes into (made once: DTensor's wrapping costs more than the collective on small encoders)."""
         from torch.distributed.tensor import DTensor, Shard
 
         trains = [slot for slot in self.slots if slot.shard.requires_grad]
+        self.grad_flat: torch.Tensor | None = None
+        if not trains:
+            return []
+        assert self.mesh is not None  # built whenever there are parameters
         sizes = [slot.chunk_rows * slot.shard.shape[1:].numel() for slot in trains]
-        self.grad_flat = torch.zeros(sum(sizes), device=self.mesh.device_type) if trains else None
-        grads = []
-        for slot, chunk in zip(trains, self.grad_flat.split(sizes) if trains else [], strict=True):
-            rows = slot.shard.to_local().shape[0]
+        self.grad_flat = torch.zeros(sum(sizes), device=self.mesh.device_type)
+        grads: list[torch.Tensor] = []
+        for slot, chunk in zip(trains, self.grad_flat.split(sizes), strict=True):
+            rows = slot.local.shape[0]
             local = chunk.view(slot.chunk_rows, *slot.shard.shape[1:])[:rows]
             grads.append(
                 DTensor.from_local(
@@ -115,7 +133,7 @@ class EncoderShards:
         as leaves that collect gradients (where the parameter trains)."""
         if not self.slots:
             return
-        local = torch.cat([_padded(slot.shard.to_local().detach(), slot.chunk_rows).reshape(-1) for slot in self.slots])
+        local = torch.cat([_padded(slot.local.detach(), slot.chunk_rows).reshape(-1) for slot in self.slots])
         everyone = local.new_empty(self.ranks * self.flat_numel)
         dist.all_gather_single(everyone, local, group=self.group)
         by_rank = everyone.view(self.ranks, self.flat_numel)
@@ -125,7 +143,8 @@ class EncoderShards:
             size = slot.chunk_rows * shape[1:].numel()
             rows = by_rank[:, slot.offset : slot.offset + size].reshape(self.ranks * slot.chunk_rows, *shape[1:])
             full = rows[: shape[0]].clone().requires_grad_(trainable and slot.shard.requires_grad)
-            slot.module._parameters[slot.name] = full  # a plain tensor while installed: the module computes with it
+            # a plain tensor while installed (the module computes with it), where torch types only Parameters
+            slot.module._parameters[slot.name] = full  # type: ignore[assignment]
             self.full.append(full)
 
     def reduce(self) -> None:
@@ -143,6 +162,7 @@ class EncoderShards:
                 ],
                 dim=1,
             )
+            assert self.grad_flat is not None  # made whenever a slot trains
             first = trains[0][0].shard.grad is None  # the optimizer set them to None after the last step
             target = self.grad_flat if first else torch.empty_like(self.grad_flat)
             dist.reduce_scatter_single(target, by_rank.reshape(-1), group=self.group)
@@ -167,7 +187,9 @@ class BlockChain:
     shards: list[EncoderShards]
 
     @classmethod
-    def of(cls, encoder: nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> BlockChain:
+    def of(
+        cls, encoder: VisionEncoder | AudioEncoder, group: dist.ProcessGroup | None, device: torch.device
+    ) -> BlockChain:
         layers = list(encoder.layers)
         return cls(layers, [EncoderShards(owned(layer), group, device) for layer in layers])
 
@@ -218,6 +240,14 @@ class _Blocks(torch.autograd.Function):
             shards.reduce()
         ctx.inputs = None
         return (None, None, token_grad, *grads)
+
+
+def _world() -> dist.ProcessGroup:
+    """The default (world) process group, which exists once torch.distributed is initialised."""
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("sharding encoder weights needs torch.distributed initialised")
+    return world
 
 
 def _padded(rows: torch.Tensor, count: int) -> torch.Tensor:

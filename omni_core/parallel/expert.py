@@ -16,6 +16,8 @@ input requires grad: each forward and backward is a collective.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,7 +74,7 @@ def apply_expert_parallel(moe: MoE, group: dist.ProcessGroup) -> None:
         if e not in keep:
             del moe.experts[str(e)]
     moe.__class__ = ExpertParallelMoE  # as FSDP's fully_shard does: same state, EP forward
-    moe.ep_group = group
+    cast(ExpertParallelMoE, moe).ep_group = group  # the same object, of the EP class from here on
 
 
 def apply_expert_parallel_to_model(model: nn.Module, group: dist.ProcessGroup) -> None:

@@ -1,5 +1,5 @@
-"""The data-source tests' shared set-up: one generated dataset as a JSONL manifest and as WebDataset shards, and
-how to read a consumer's records back (the unit tests and the S3 server test use them)."""
+"""The data-source tests' shared set-up: one generated dataset (its recipe's overrides, SOURCES) as a JSONL manifest and
+as WebDataset shards, and how to read a consumer's records back (the unit tests and the S3 server test use them)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ import torch
 
 from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.sources import Record, View
-from omni_core.recipe.schema import Recipe
+from tests.helpers.recipes import build_recipe
 
 MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}
 
 
-def make_recipe(tmp_path: Path, num_samples: int = 40, fmt: str = "wds", **data) -> Recipe:
-    return Recipe(
-        experiment={"name": "s", "seed": 5, "output_dir": str(tmp_path)},
-        data={"synthetic": {"num_samples": num_samples, "mix": MIX, "format": fmt, "shard_size": 7}, **data},
-    )
+# the generated dataset, as overrides of tests.helpers.recipes' base: 40 samples of every modality, in shards of 7
+SOURCES = {"experiment.name": "s", "experiment.seed": 5, "data.seq_len": 512, "data.synthetic.num_samples": 40,
+           "data.synthetic.mix": MIX, "data.synthetic.format": "wds", "data.synthetic.shard_size": 7}
 
 
 def records(dataset: ManifestDataset, split: str = "all", consumer: int = 0, consumers: int = 1, epoch_seed: int = 0,
@@ -37,5 +35,6 @@ def same_docs(a, b) -> bool:
 
 def both_formats(root: Path) -> tuple[ManifestDataset, ManifestDataset]:
     """The same generated samples as a JSONL manifest and as WebDataset shards (each test module's `both`)."""
-    jsonl, wds = make_recipe(root / "j", fmt="jsonl"), make_recipe(root / "w")
+    jsonl = build_recipe(root / "j", {**SOURCES, "data.synthetic.format": "jsonl"})
+    wds = build_recipe(root / "w", SOURCES)
     return open_dataset(jsonl), open_dataset(wds)

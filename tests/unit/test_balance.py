@@ -20,18 +20,19 @@ from omni_core.recipe.loader import override_recipe
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.step import ModelReplica, train_step
 from tests.helpers.plans import CapturingOptimizers
+from tests.helpers.recipes import build_recipe
 
 FLAVOR = "debug-enc"
 
 
-def recipe(tmp_path, mix: dict[str, float], seq_len: int = 512, lookahead: float = 1.5) -> Recipe:
-    return Recipe.model_validate({
-        "experiment": {"name": "bal", "output_dir": str(tmp_path / "out"), "seed": 3},
-        "data": {"source": "dynamic", "seq_len": seq_len, "pack_lookahead": lookahead,
-                 "synthetic": {"mix": mix, "image_side_px": {"min": 32, "max": 160}}},
-        "model": {"flavor": FLAVOR},
-        "train": {"steps": 4, "grad_accum": 2, "dtype": "float32", "lr": 1e-3, "warmup_steps": 1},
-    })
+# drawn on the fly, images of 32-160 px beside the text: samples of very different cost to place
+BALANCED = {
+    "experiment.name": "bal", "experiment.seed": 3,
+    "data.source": "dynamic", "data.seq_len": 512, "data.synthetic.num_samples": 2000,
+    "data.synthetic.image_side_px": {"min": 32, "max": 160},
+    "model.flavor": FLAVOR,
+    "train.steps": 4, "train.grad_accum": 2, "train.dtype": "float32", "train.lr": 1e-3, "train.warmup_steps": 1,
+}  # fmt: skip
 
 
 def group_loaders(r: Recipe, members: int, policy: str = "grouped") -> list[PackedLoader]:
@@ -58,7 +59,8 @@ def test_the_placement_is_a_permutation_that_fits_and_does_not_depend_on_the_cal
 
 
 def test_members_of_a_group_share_one_window_and_split_it_without_loss_or_duplicates(tmp_path):
-    loaders = group_loaders(recipe(tmp_path, {"text": 0.3, "image": 0.7}), members=2)
+    r = build_recipe(tmp_path / "out", {**BALANCED, "data.synthetic.mix": {"text": 0.3, "image": 0.7}})
+    loaders = group_loaders(r, members=2)
     streams = [loader.consumer(0) for loader in loaders]
     drawn = [[r.id for _ in range(6) for seq in stream.next_sequences() for r in seq] for stream in streams]
     assert not set(drawn[0]) & set(drawn[1])
@@ -73,7 +75,7 @@ def test_members_of_a_group_share_one_window_and_split_it_without_loss_or_duplic
 @pytest.mark.parametrize("mix", [{"text": 0.1, "image": 0.9}, {"text": 0.5, "image": 0.5},
                                  {"text": 0.3, "audio": 0.7}], ids=["9:1", "1:1", "audio"])
 def test_grouped_batches_are_balanced_when_the_window_holds_enough_samples(tmp_path, mix):
-    r = recipe(tmp_path, mix, lookahead=3.0)
+    r = build_recipe(tmp_path / "out", {**BALANCED, "data.synthetic.mix": mix, "data.pack_lookahead": 3.0})
     grouped, plain = group_loaders(r, 2), group_loaders(r, 2, policy="none")
     ratio = {}
     for name, loaders in (("grouped", grouped), ("none", plain)):
@@ -87,7 +89,7 @@ def test_grouped_batches_are_balanced_when_the_window_holds_enough_samples(tmp_p
 
 
 def test_a_resumed_grouped_loader_yields_the_batches_an_uninterrupted_one_would(tmp_path):
-    r = recipe(tmp_path, {"text": 0.4, "image": 0.4, "audio": 0.2})
+    r = build_recipe(tmp_path / "out", {**BALANCED, "data.synthetic.mix": {"text": 0.4, "image": 0.4, "audio": 0.2}})
     loader = group_loaders(r, 2)[1]
     it = iter(loader)
     for _ in range(3):  # mid-step: one of the two placed batches is still queued
@@ -107,7 +109,8 @@ def test_a_resumed_grouped_loader_yields_the_batches_an_uninterrupted_one_would(
 def test_reordering_changes_neither_the_loss_nor_the_gradients_of_a_global_batch(tmp_path):
     """The same documents, packed by rank as the grouped placement put them or with every sequence's documents
     reversed and the two members' batches swapped, train to the same loss and gradients."""
-    r = recipe(tmp_path, {"text": 0.4, "image": 0.6}, seq_len=256)
+    r = build_recipe(tmp_path / "out", {**BALANCED, "data.synthetic.mix": {"text": 0.4, "image": 0.6},
+                                        "data.seq_len": 256})
     streams = [loader.consumer(0) for loader in group_loaders(r, 2)]
     placed = [stream.next_sequences() for stream in streams]
     reordered = [[list(reversed(seq)) for seq in batch] for batch in reversed(placed)]
@@ -131,8 +134,8 @@ def test_the_group_size_must_divide_the_data_ranks():
 
 
 def test_the_profile_simulates_each_policy_and_the_estimator_reads_the_recipes(tmp_path):
-    r = recipe(tmp_path, {"text": 0.5, "image": 0.5})
-    r = override_recipe(r, ["parallel.nproc=2", "data.synthetic.num_samples=400"])
+    r = build_recipe(tmp_path / "out", {**BALANCED, "data.synthetic.mix": {"text": 0.5, "image": 0.5},
+                                        "parallel.nproc": 2, "data.synthetic.num_samples": 400})
     profile, _ = profile_dataset(r, tmp_path / "profile")
     assert profile.balance_ranks == 2 and set(profile.balance) == {"none", "grouped", "global"}
     assert 1.0 <= profile.balance["grouped"].imbalance <= profile.balance["none"].imbalance

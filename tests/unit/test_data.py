@@ -29,17 +29,14 @@ from omni_core.data.profile import profile_dataset
 from omni_core.data.sources import CorruptSample, Record, View, in_heldout
 from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
 from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
-from omni_core.recipe.schema import DataConfig, Recipe
+from omni_core.recipe.schema import DataConfig
+from tests.helpers.recipes import build_recipe
 
 N = 60
 LOADER_CFG = DataConfig(seq_len=128, micro_batch=2, heldout_fraction=0.2)
 
 
-def make_recipe(tmp_path: Path, num_samples: int = N, synthetic: dict | None = None, **data) -> Recipe:
-    return Recipe(
-        experiment={"name": "t", "seed": 3, "output_dir": str(tmp_path)},
-        data={"synthetic": {"num_samples": num_samples, **(synthetic or {})}, **data},
-    )
+DATA = {"experiment.name": "t", "experiment.seed": 3, "data.seq_len": 512, "data.synthetic.num_samples": N}
 
 
 def read_manifest(path: Path) -> list[dict]:
@@ -49,7 +46,7 @@ def read_manifest(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> Path:
     """One shared generated dataset; tests that damage files work on a copy."""
-    return Path(ensure_dataset(make_recipe(tmp_path_factory.mktemp("shared"))))
+    return Path(ensure_dataset(build_recipe(tmp_path_factory.mktemp("shared"), DATA)))
 
 
 def loader(location: Path | str, cfg: DataConfig = LOADER_CFG, **kwargs) -> PackedLoader:
@@ -90,7 +87,7 @@ def same_batches(a: list[PackedBatch], b: list[PackedBatch]) -> bool:
 
 
 def test_generator_is_deterministic_with_exact_mix(tmp_path):
-    recipe = make_recipe(tmp_path)
+    recipe = build_recipe(tmp_path, DATA)
     a, b = generate_dataset(recipe, tmp_path / "a").parent, generate_dataset(recipe, tmp_path / "b").parent
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
@@ -98,12 +95,12 @@ def test_generator_is_deterministic_with_exact_mix(tmp_path):
     for rel in files:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     assert Counter(s["modality"] for s in read_manifest(a / MANIFEST)) == {"text": 24, "image": 24, "audio": 12}
-    other_seed = recipe.model_copy(update={"experiment": recipe.experiment.model_copy(update={"seed": 4})})
+    other_seed = build_recipe(tmp_path, {**DATA, "experiment.seed": 4})
     assert generate_dataset(other_seed, tmp_path / "c").read_bytes() != (a / MANIFEST).read_bytes()
 
 
 def test_crashed_generation_leaves_nothing_that_looks_complete(tmp_path):
-    recipe = make_recipe(tmp_path)
+    recipe = build_recipe(tmp_path, DATA)
     out = Path(recipe.data_dir())
 
     def crash(done: int, total: int) -> None:
@@ -117,11 +114,14 @@ def test_crashed_generation_leaves_nothing_that_looks_complete(tmp_path):
 
 
 def test_ensure_dataset_regenerates_only_its_own_stale_data(tmp_path):
-    manifest = Path(ensure_dataset(make_recipe(tmp_path, num_samples=20)))
+    def samples(num_samples: int) -> dict:
+        return {**DATA, "data.synthetic.num_samples": num_samples}
+
+    manifest = Path(ensure_dataset(build_recipe(tmp_path, samples(20))))
     assert len(read_manifest(manifest)) == 20
-    assert len(read_manifest(Path(ensure_dataset(make_recipe(tmp_path, num_samples=30))))) == 30  # settings changed
+    assert len(read_manifest(Path(ensure_dataset(build_recipe(tmp_path, samples(30)))))) == 30  # settings changed
     (manifest.parent / "synthetic.json").unlink()  # now it looks like someone's real data: never overwrite
-    assert len(read_manifest(Path(ensure_dataset(make_recipe(tmp_path, num_samples=40))))) == 30
+    assert len(read_manifest(Path(ensure_dataset(build_recipe(tmp_path, samples(40)))))) == 30
 
 
 def test_captions_describe_the_drawn_shape_and_colors(manifest):
@@ -167,8 +167,9 @@ def test_text_documents_have_exact_lengths_and_count_right(tokens):
 
 
 def test_video_clips_move_as_their_captions_say(tmp_path):
-    manifest = Path(ensure_dataset(make_recipe(tmp_path, 12, {"mix": {"video": 1.0}, "video_frames": {"min": 5,
-                                                                                               "max": 9}})))
+    videos = {**DATA, "data.synthetic.num_samples": 12, "data.synthetic.mix": {"video": 1.0},
+              "data.synthetic.video_frames": {"min": 5, "max": 9}}
+    manifest = Path(ensure_dataset(build_recipe(tmp_path, videos)))
     for sample in read_manifest(manifest):
         seg, caption = sample["segments"][0], sample["segments"][1]["text"]
         color, direction = caption.split()[1], caption.rstrip(".").split()[-1]
@@ -238,7 +239,7 @@ def test_jsonl_source_decodes_foreign_formats(tmp_path):
         {"id": "c", "modality": "text", "segments": [{"type": "text", "text": "héllo"}]},
     ]
     (tmp_path / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
+    recipe = build_recipe(tmp_path, {**DATA, "data.source": "jsonl", "data.path": tmp_path})
     dataset = open_dataset(recipe)
     by_id = {r.id: r for r in records(dataset)}
     image, audio, text = (dataset.decode(by_id[k]) for k in "abc")
@@ -259,7 +260,7 @@ def test_jsonl_media_paths_outside_the_manifests_folder_are_skipped_unread(tmp_p
              for name, path in [("ok", "inside.png"), ("up", "../secret.png"), ("abs", str(tmp_path / "secret.png")),
                                 ("url", "s3://other/secret.png")]]
     (data / MANIFEST).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    recipe = make_recipe(data, source="jsonl", path=str(data))
+    recipe = build_recipe(data, {**DATA, "data.source": "jsonl", "data.path": data})
     from omni_core.data.profile import profile_dataset
 
     profile, _ = profile_dataset(recipe, tmp_path / "profile")
@@ -500,7 +501,7 @@ def test_bad_manifest_lines_are_skipped_counted_and_logged_with_their_line(tmp_p
         json.dumps({**good, "id": "v"}),
     ]
     (tmp_path / MANIFEST).write_text("\n".join(lines) + "\n")
-    recipe = make_recipe(tmp_path, source="jsonl", path=str(tmp_path))
+    recipe = build_recipe(tmp_path, {**DATA, "data.source": "jsonl", "data.path": tmp_path})
     with caplog.at_level(logging.WARNING, logger="omni_core.data.sources"):
         profile, _ = profile_dataset(recipe, tmp_path / "profile")
     assert profile.total_samples == 2 and profile.skipped == {"bad_record": 5}
@@ -514,7 +515,7 @@ def test_missing_dataset_errors_name_the_location(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(missing)):
         ManifestDataset(missing / MANIFEST, DataConfig(source="jsonl"))
     with pytest.raises(FileNotFoundError, match=str(missing)):
-        ensure_dataset(make_recipe(tmp_path, source="wds", path=str(missing)))
+        ensure_dataset(build_recipe(tmp_path, {**DATA, "data.source": "wds", "data.path": missing}))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty: no \*\.tar shard"):
         ManifestDataset(tmp_path / "empty", DataConfig(source="wds"))

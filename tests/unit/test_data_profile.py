@@ -24,7 +24,8 @@ from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_data
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe import load_recipe
-from omni_core.recipe.schema import DataConfig, LengthDist, Recipe, SyntheticConfig
+from omni_core.recipe.schema import DataConfig, LengthDist, SyntheticConfig
+from tests.helpers.recipes import build_recipe, write_recipe
 
 
 def schedule(steps: int) -> dict:
@@ -37,9 +38,7 @@ def schedule(steps: int) -> dict:
 SCHEDULE = schedule(100)
 
 
-def make_recipe(tmp_path: Path, synthetic: dict | None = None, **data) -> Recipe:
-    return Recipe(experiment={"name": "p", "seed": 11, "output_dir": str(tmp_path)},
-                  data={"synthetic": {"num_samples": 60, **(synthetic or {})}, **data})
+PROFILE = {"experiment.name": "p", "experiment.seed": 11, "data.seq_len": 512, "data.synthetic.num_samples": 60}
 
 
 # --- workload --------------------------------------------------------------------------------------------
@@ -85,9 +84,9 @@ def test_length_distributions_have_their_stated_shape(dist, check):
 
 def test_generated_metadata_measures_exactly_like_the_written_files(tmp_path):
     """The vectorized metadata (what the dynamic source packs by) equals what the written samples measure."""
-    recipe = make_recipe(tmp_path, {"num_samples": 50, "mix": {"text": 0.25, "image": 0.25, "audio": 0.25,
-                                                               "video": 0.25}, "long_doc_share": 0.3,
-                                    "long_doc_tokens": {"min": 300, "max": 400}})
+    recipe = build_recipe(tmp_path, {**PROFILE, "data.synthetic": {
+        "num_samples": 50, "mix": {"text": 0.25, "image": 0.25, "audio": 0.25, "video": 0.25}, "long_doc_share": 0.3,
+        "long_doc_tokens": {"min": 300, "max": 400}}})
     manifest = generate_dataset(recipe, tmp_path / "d")
     written = [Sample.from_json(json.loads(line)) for line in manifest.read_text().splitlines()]
     specs = next(dataset_specs(recipe.data.synthetic, recipe.experiment.seed, 50))
@@ -101,7 +100,8 @@ def test_generated_metadata_measures_exactly_like_the_written_files(tmp_path):
 
 
 def test_dynamic_loader_follows_the_schedule_by_step_and_resumes_exactly(tmp_path):
-    recipe = make_recipe(tmp_path, SCHEDULE, source="dynamic", seq_len=256)
+    recipe = build_recipe(tmp_path, {**PROFILE, "data.synthetic": SCHEDULE, "data.source": "dynamic",
+                                     "data.seq_len": 256})
     assert ensure_dataset(recipe) == "dynamic"
     dataset = ManifestDataset("dynamic", recipe.data)
     batches = [b for _, b in zip(range(110), PackedLoader(dataset, recipe.data, "train", 0, 1, 4))]
@@ -137,11 +137,9 @@ def test_training_and_evaluation_run_on_the_dynamic_source(tmp_path):
     from omni_core.runtime.evaluate import evaluate_checkpoint
     from omni_core.runtime.trainer import train
 
-    recipe = Recipe.model_validate({
-        "experiment": {"name": "dyn", "output_dir": str(tmp_path), "seed": 1},
-        "data": {"source": "dynamic", "seq_len": 256, "synthetic": {"num_samples": 200, **SCHEDULE}},
-        "train": {"steps": 2, "warmup_steps": 1, "log_every": 1, "ckpt_every": 0}, "eval": {"max_batches": 2},
-    })
+    recipe = build_recipe(tmp_path, {"experiment.name": "dyn", "experiment.seed": 1, "data.source": "dynamic",
+                                     "data.seq_len": 256, "data.synthetic": {"num_samples": 200, **SCHEDULE},
+                                     "train.steps": 2, "train.warmup_steps": 1})
     result = train(recipe, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), log=print)
     assert result.steps == 2 and math.isfinite(result.final_loss)
     assert math.isfinite(evaluate_checkpoint(recipe).loss)
@@ -164,7 +162,7 @@ def hand_tokens(sample: dict) -> int:
 
 
 def test_profile_matches_hand_counts(tmp_path):
-    recipe = make_recipe(tmp_path, profile_window=25)
+    recipe = build_recipe(tmp_path, {**PROFILE, "data.profile_window": 25})
     profile, figures = profile_dataset(recipe, tmp_path / "profile")
     samples = [json.loads(line) for line in (Path(recipe.data_dir()) / MANIFEST).read_text().splitlines()]
     tokens = {s["id"]: hand_tokens(s) for s in samples}
@@ -216,8 +214,8 @@ def test_sample_flops_are_the_models_own_counts(flavor):
 @pytest.mark.parametrize("synthetic,drifts", [(schedule(500), True), ({}, False)])
 def test_drift_is_flagged_on_a_schedule_and_not_on_a_stationary_mix(tmp_path, synthetic, drifts):
     """3,000 samples of ~40 tokens at seq_len 256 are ~500 steps: the whole schedule."""
-    recipe = make_recipe(tmp_path, {"num_samples": 3000, **synthetic}, source="dynamic", seq_len=256,
-                         profile_window=250)
+    recipe = build_recipe(tmp_path, {**PROFILE, "data.synthetic": {"num_samples": 3000, **synthetic},
+                                     "data.source": "dynamic", "data.seq_len": 256, "data.profile_window": 250})
     profile, _ = profile_dataset(recipe, tmp_path / "profile")
     assert len(profile.windows) == 12 and profile.drift_detected == drifts
     flagged = [w.drift for w in profile.windows]
@@ -307,8 +305,7 @@ def test_columnar_profile_equals_the_record_by_record_one(tmp_path):
 
 
 def test_data_generate_writes_the_recipe_as_jsonl_or_webdataset(tmp_path, capsys):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"experiment: {{name: g, output_dir: {tmp_path}}}\ndata: {{synthetic: {{shard_size: 8}}}}\n")
+    recipe = write_recipe(tmp_path / "r.yaml", {"experiment.name": "g", "data.synthetic.shard_size": 8}, tmp_path)
     assert main(["data", "generate", str(recipe), "--out", str(tmp_path / "w"), "--format", "wds", "--num", "20"]) == 0
     assert sorted(p.name for p in (tmp_path / "w").glob("*.tar")) == [f"shard-00000{k}.tar" for k in range(3)]
     assert "wrote 20 samples" in capsys.readouterr().out

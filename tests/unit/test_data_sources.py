@@ -19,8 +19,9 @@ from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
 from omni_core.data.sources import View, in_heldout
-from omni_core.recipe.schema import DataConfig, Recipe
-from tests.helpers.data_sources import MIX, both_formats, make_recipe, records, same_docs
+from omni_core.recipe.schema import DataConfig
+from tests.helpers.data_sources import MIX, SOURCES, both_formats, records, same_docs
+from tests.helpers.recipes import build_recipe
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,8 @@ def test_webdataset_shards_are_dealt_to_consumers_and_reshuffled_per_epoch(both)
 
 
 def test_webdataset_loader_resumes_mid_shard(tmp_path):
-    recipe = make_recipe(tmp_path, 60, micro_batch=1, seq_len=256)
+    recipe = build_recipe(tmp_path, {**SOURCES, "data.synthetic.num_samples": 60, "data.micro_batch": 1,
+                                     "data.seq_len": 256})
     dataset = open_dataset(recipe)
     reference = PackedLoader(dataset, recipe.data, "train", 0, 1, 3)
     stream = iter(reference)
@@ -143,8 +145,10 @@ def test_bad_members_and_shards_are_skipped_and_counted_never_fatal(tmp_path):
         image_sample(tar, "lost", 40, 40, png(40, 40))
     whole = (tmp_path / "shard-1.tar").read_bytes()
     (tmp_path / "shard-1.tar").write_bytes(whole[: len(whole) // 2 + 700])  # cut inside lost.png
-    cfg = DataConfig(source="wds", path=str(tmp_path), heldout_fraction=0.01, profile_decode=True, profile_window=10)
-    recipe = Recipe(experiment={"name": "bad", "output_dir": str(tmp_path / "out")}, data=cfg.model_dump())
+    recipe = build_recipe(tmp_path / "out", {"experiment.name": "bad", "data.source": "wds", "data.path": tmp_path,
+                                             "data.seq_len": 512, "data.heldout_fraction": 0.01,
+                                             "data.profile_decode": True, "data.profile_window": 10})
+    cfg = recipe.data
 
     profile, _ = profile_dataset(recipe, tmp_path / "profile")
     assert profile.total_samples == 3 and profile.modalities["image"].count == 3

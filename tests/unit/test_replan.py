@@ -7,36 +7,29 @@ from __future__ import annotations
 import pytest
 
 from omni_core.common.control import TrainProgress, read_stop
-from omni_core.recipe import load_recipe, override_recipe
+from omni_core.recipe import override_recipe
 from omni_core.scheduler.replan import Replanner, drift, look, plan_of, same_data_order, window_profile
+from tests.helpers.recipes import build_recipe
 
 pytestmark = pytest.mark.usefixtures("uncalibrated")
 
-RECIPE = """\
-experiment: {{name: replan-test, output_dir: {out}, seed: 0}}
-data:
-  source: dynamic
-  seq_len: 512
-  max_image_patches: 256
-  synthetic:
-    num_samples: 400
-    mix: {{text: 0.5, image: 0.5}}
-    schedule:
-      - {{step: 0, mix: {{text: 1.0}}}}
-      - {{step: 20, mix: {{text: 0.05, image: 0.95}}}}
-    image_side_px: {{min: 160, max: 224}}
-model: {{flavor: debug-enc}}
-parallel: {{nproc: 2, dp_replicate: 2, dp_shard: 1}}
-train: {{steps: 400, grad_accum: 2, ckpt_every: 10}}
-replan: {{enabled: true, window: 60}}
-"""
+# a dynamic source whose mix turns from text alone to mostly images by step 20: the drift the watcher looks for
+REPLAN = {
+    "experiment.name": "replan-test", "experiment.seed": 0,
+    "data.source": "dynamic", "data.seq_len": 512, "data.max_image_patches": 256,
+    "data.synthetic.num_samples": 400, "data.synthetic.mix": {"text": 0.5, "image": 0.5},
+    "data.synthetic.schedule": [{"step": 0, "mix": {"text": 1.0}}, {"step": 20, "mix": {"text": 0.05, "image": 0.95}}],
+    "data.synthetic.image_side_px": {"min": 160, "max": 224},
+    "model.flavor": "debug-enc",
+    "parallel.nproc": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1,
+    "train.steps": 400, "train.grad_accum": 2, "train.ckpt_every": 10,
+    "replan.enabled": True, "replan.window": 60,
+}  # fmt: skip
 
 
 @pytest.fixture
 def recipe(tmp_path):
-    path = tmp_path / "recipe.yaml"
-    path.write_text(RECIPE.format(out=tmp_path / "out"))
-    return load_recipe(path)
+    return build_recipe(tmp_path / "out", REPLAN)
 
 
 def progress(step: int, steps: int = 400, startup_s: float = 5.0) -> TrainProgress:
@@ -121,9 +114,10 @@ def test_the_window_of_a_file_source_is_what_the_job_reads_next(tmp_path):
 
     from omni_core.data.dataset import open_dataset
     from omni_core.data.synthetic import ensure_dataset
-    from tests.helpers.data_sources import make_recipe, records
+    from tests.helpers.data_sources import SOURCES, records
 
-    recipe = make_recipe(tmp_path, num_samples=60, fmt="jsonl", profile_window=10)
+    recipe = build_recipe(tmp_path, {**SOURCES, "data.synthetic.num_samples": 60, "data.synthetic.format": "jsonl",
+                                     "data.profile_window": 10})
     ensure_dataset(recipe)
     recipe = override_recipe(recipe, ["replan.window=20"])
     expected = Counter(r.modality for r in records(open_dataset(recipe))[25:45])

@@ -4,8 +4,9 @@ one `torch.distributed.pipelining` schedule (1F1B, GPipe or interleaved 1F1B) ov
 A chunk is a pruned deep copy of the whole model, as torchtitan builds its stages: the first stage keeps the
 token embedding (and, under the `coupled` encoder layout, the encoders and projectors; under `omni` every pp
 rank's first chunk holds them, run outside the schedule), the last the final norm and output head, each
-stage its own LLM layers. Parameter names stay those of the whole model (`llm.layers.5.attention.wq.weight` on every plan), so
-DCP checkpoints reshard between plans. Stage ids are torch's loop style: rank r holds stages r, r + pp, ...
+stage its own LLM layers. Parameter names stay those of the whole model (`llm.layers.5.attention.wq.weight`
+on every plan), so DCP checkpoints reshard between plans. Stage ids are torch's loop style: rank r holds
+stages r, r + pp, ...
 
 The loss is the trainer's exact global token mean: the last stage backpropagates each micro-batch's summed
 token loss over the step's global target count, and every stage injects the gradient of its own share of the
@@ -18,15 +19,19 @@ import copy
 import functools
 import itertools
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from omni_core.common.batch import PackedBatch
 from omni_core.common.loss import STATS_SIZE, local_targets, token_loss_sums
@@ -34,6 +39,9 @@ from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.models.args import LLMArgs
 from omni_core.models.flops import llm_block_matmul_params
 from omni_core.models.omni import OmniModel
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 # --- the split ------------------------------------------------------------------------------------------
 
@@ -98,7 +106,9 @@ def balance_layers(costs: list[float], stages: int) -> list[range]:
                 options.append((round(c * c + rest[0], 9), (c, *rest[1]), (end - start, *rest[2])))
         return min(options, default=None)
 
-    bounds = [0, *itertools.accumulate(most_even(0, stages)[2])]
+    best = most_even(0, stages)
+    assert best is not None  # `limit` is the least maximum over all splits, so one split meets it
+    bounds = [0, *itertools.accumulate(best[2])]
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
@@ -122,13 +132,20 @@ def pipeline_split(model: OmniModel, plan: ParallelPlan, pp_rank: int) -> list[O
             if i not in ranges[stage]:
                 del chunk.llm.layers[key]
         if stage > 0:
-            chunk.llm.tok_embeddings = None
+            _drop(chunk.llm, "tok_embeddings")
         if stage > 0 and (plan.encoders.layout == "coupled" or stage != stage_ids(plan, pp_rank)[0]):
-            chunk.vision = chunk.audio = chunk.projectors = None  # `omni`: every pp rank's first chunk keeps them
+            _drop(chunk, "vision", "audio", "projectors")  # `omni`: every pp rank's first chunk keeps them
         if stage < num_stages - 1:
-            chunk.llm.norm = chunk.llm.output = None
+            _drop(chunk.llm, "norm", "output")
         chunks.append(chunk)
     return chunks
+
+
+def _drop(module: nn.Module, *names: str) -> None:
+    """Empty these submodule slots of a stage chunk: the names stay registered, holding None, which is how
+    the models tell a stage without them."""
+    for name in names:
+        module.register_module(name, None)
 
 
 # --- the runner -----------------------------------------------------------------------------------------
@@ -163,14 +180,15 @@ class _ChunkHooks:
 
     def __init__(self, runner: PipelineRunner, chunk: OmniModel, stage: int):
         self.runner, self.stage = runner, stage
-        self.first = chunk.llm.tok_embeddings is not None
+        embeddings = chunk.llm.tok_embeddings
+        self.first = embeddings is not None
         self.micro: int | None = None
         self.autocast: torch.autocast | None = None
         self.started = self.backward_started = 0.0
         chunk.register_forward_pre_hook(self.before, with_kwargs=True)
         chunk.register_forward_hook(self.after)
-        if self.first:
-            chunk.llm.tok_embeddings.register_forward_hook(self.embedded)
+        if embeddings is not None:
+            embeddings.register_forward_hook(self.embedded)
 
     def before(self, chunk: OmniModel, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if "micro" not in kwargs:
@@ -192,8 +210,9 @@ class _ChunkHooks:
         if self.autocast is None:
             return None
         self.close()
-        aux, scale = chunk.aux_loss, self.runner.aux_scale
-        self.runner.aux[(self.stage, self.micro)] = aux.detach() * scale
+        aux, scale, micro = chunk.aux_loss, self.runner.aux_scale, self.micro
+        assert aux is not None and micro is not None  # set by the forward that just ran, and by `before`
+        self.runner.aux[(self.stage, micro)] = aux.detach() * scale
         output = _AddAuxGrad.apply(output, aux, scale) if aux.requires_grad else output
         if output.requires_grad:
             output.register_hook(self.backward_start)
@@ -258,18 +277,21 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.last = chunks[-1] if ids[-1] == num_stages - 1 else None
         self.hooks = [_ChunkHooks(self, chunk, stage) for chunk, stage in zip(chunks, ids, strict=True)]
-        stages = [
+        stages: list[_PipelineStageBase] = [
             PipelineStage(chunk, stage, num_stages, self.device, group=group)
             for chunk, stage in zip(chunks, ids, strict=True)
         ]
-        options = {"n_microbatches": n_microbatches, "loss_fn": self._loss, "scale_grads": False}
+        self.schedule: PipelineScheduleMulti | PipelineScheduleSingle
         if plan.pp_schedule == "Interleaved1F1B":
-            self.schedule = ScheduleInterleaved1F1B(stages, **options)
+            self.schedule = ScheduleInterleaved1F1B(
+                stages, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False
+            )
         else:
-            self.schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[plan.pp_schedule](stages[0], **options)
+            single = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[plan.pp_schedule]
+            self.schedule = single(stages[0], n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
         # per-step state, read by the hooks and the loss
         self.batches: list[PackedBatch] = []
-        self.encoded: list[torch.Tensor | None] = []  # `omni`: each micro-batch's encoded rows (stage 0)
+        self.encoded: Sequence[torch.Tensor | None] = []  # `omni`: each micro-batch's encoded rows (stage 0)
         self.global_targets = 1.0
         self.compute_dtype = torch.float32
         self.aux_scale = 0.0
@@ -283,7 +305,7 @@ class PipelineRunner:
         global_targets: float,
         compute_dtype: torch.dtype,
         aux_scale: float,
-        encoded: list[torch.Tensor | None] | None = None,
+        encoded: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Forward and backward of every micro-batch through the pipeline, gradients accumulated in the chunks
         (and, under `omni`, in the `encoded` rows' leaves).
@@ -316,6 +338,7 @@ class PipelineRunner:
         """The last stage's loss for micro-batch `target`: its summed token loss over the global target count.
         Under context parallelism the targets are cut to the tokens this rank's LLM holds."""
         micro = int(target)
+        assert self.last is not None  # the schedule computes the loss on the last stage only
         batch = local_targets(self.batches[micro], self.last.token_index)
         sums = token_loss_sums(logits, batch)
         self.stats[micro] = sums.stats()

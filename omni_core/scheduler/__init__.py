@@ -13,7 +13,8 @@ local.py      real mode: the policies place the recipe's jobs on this machine's 
 
 from omni_core.scheduler.cluster import Cluster, GroupSpec
 from omni_core.scheduler.jobs import Job, ThroughputTable
-from omni_core.scheduler.policies import POLICIES, Policy, make_policy
+from omni_core.scheduler.policies import POLICIES, make_policy
+from omni_core.scheduler.policies.base import Policy
 from omni_core.scheduler.simulator import Metrics, SchedulePlan, simulate
 from omni_core.scheduler.traces import Trace, TraceIssue, load_trace
 

@@ -40,7 +40,8 @@ from omni_core.common.results import Result, TrainResult
 from omni_core.recipe.schema import ParallelConfig, Recipe
 from omni_core.scheduler.cluster import Cluster, GroupSpec, Placement
 from omni_core.scheduler.jobs import Job, ThroughputTable
-from omni_core.scheduler.policies import View, make_policy
+from omni_core.scheduler.policies import make_policy
+from omni_core.scheduler.policies.base import View
 from omni_core.scheduler.simulator import JobRecord, Segment
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from pydantic import Field
 from omni_core.common.results import Result
 from omni_core.scheduler.cluster import Cluster
 from omni_core.scheduler.jobs import Config, Job, ThroughputTable
-from omni_core.scheduler.policies import Policy, View
+from omni_core.scheduler.policies.base import Policy, View
 
 
 class Segment(Result):

@@ -14,7 +14,10 @@ from omni_core.common.plan import ParallelPlan
 from omni_core.recipe import RecipeError
 from omni_core.recipe.schema import ClusterConfig, NodeGroup
 from omni_core.scheduler import Cluster, GroupSpec, Job, ThroughputTable, make_policy, simulate
-from omni_core.scheduler.policies import CRIUS_SEARCH_S, Gavel, Sia, View
+from omni_core.scheduler.policies.base import View
+from omni_core.scheduler.policies.crius import CRIUS_SEARCH_S
+from omni_core.scheduler.policies.gavel import Gavel
+from omni_core.scheduler.policies.sia import Sia
 from omni_core.scheduler.report import format_table, summary
 from omni_core.scheduler.study import load_study, replicate, scale_jobs, scaled
 from omni_core.scheduler.traces import RawJob, detect_format, load_trace, map_raw_jobs, read_crius, read_raw

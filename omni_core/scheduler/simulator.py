@@ -113,33 +113,164 @@ def simulate(
     fixed_horizon: bool = False,
     busy_min_throughput: float = 100.0,
 ) -> SchedulePlan:
+    """Replay `jobs` on `cluster` under `policy` for at most `rounds` rounds of `round_s` seconds (see the
+    module docstring); `trace` and `issues` are recorded in the plan as given."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     order = sorted(jobs, key=lambda j: (j.arrival_s, j.id))
     if len({j.id for j in order}) != len(order):
         raise ValueError("job ids must be unique")
-    index = {j.id: i for i, j in enumerate(order)}
-    modelled = np.array([table.modelled(j) for j in order], dtype=bool)
-    arrival = np.array([j.arrival_s for j in order])
-    remaining = np.array([float(j.samples) for j in order])
-    rate = np.zeros(len(order))  # samples/s of the config held now
-    gpus = np.zeros(len(order))
-    stall = np.zeros(len(order))  # restart seconds still to serve
-    start = np.full(len(order), np.nan)
-    finish = np.full(len(order), np.nan)
-    reschedules = np.zeros(len(order), dtype=np.int64)
-    active: list[int] = []  # arrived, modelled, unfinished, arrival order
-    running: dict[str, _Running] = {}
-    segments: list[Segment] = []
-    latencies: list[float] = []
-    series: dict[str, list[float]] = {k: [] for k in ("t_s", "throughput", "utilisation", "running", "queued")}
-    fragmentation: list[float] = []
-    t0 = float(arrival[0]) if len(order) else 0.0
-    admitted, changed, simulated = 0, True, 0
+    replay = _Replay(order, cluster, policy, table, restart_s)
+    simulated = 0
+    for k in range(rounds):
+        now = replay.t0 + k * round_s
+        replay.admit_arrivals(now)
+        if replay.drained() and not fixed_horizon:
+            break
+        simulated += 1
+        if replay.changed or (policy.every_round and replay.active):
+            replay.decide(now)
+        idx, served, done_at = replay.progress(round_s)
+        replay.record(now, idx, served, round_s)
+        replay.complete(now, idx, done_at, round_s)
+    replay.close_all(replay.t0 + simulated * round_s)
+    cluster.check()
+    return SchedulePlan(
+        policy=policy.name,
+        trace=trace,
+        round_s=round_s,
+        restart_s=restart_s,
+        cluster={t: [g.nodes, g.gpus_per_node] for t, g in cluster.groups.items()},
+        metrics=replay.metrics(
+            simulated, len(issues), busy_min_throughput, (time.perf_counter() - wall0, time.process_time() - cpu0)
+        ),
+        jobs=replay.job_records(),
+        segments=replay.segments,
+        series=replay.series,
+        issues=list(issues),
+    )
 
-    def close(job_id: str, now: float) -> None:
-        r = running.pop(job_id)
-        plan = table.plan(order[index[job_id]], r.config)
-        segments.append(
+
+class _Replay:
+    """One simulation's state, per job in arrival order (the index into every array), and the steps of a
+    round that change it; `simulate` runs the rounds. Arrays, so that progress is vectorised over jobs."""
+
+    def __init__(
+        self, order: Sequence[Job], cluster: Cluster, policy: Policy, table: ThroughputTable, restart_s: float
+    ):
+        self.order, self.cluster, self.policy, self.table, self.restart_s = order, cluster, policy, table, restart_s
+        self.index = {j.id: i for i, j in enumerate(order)}
+        self.modelled = np.array([table.modelled(j) for j in order], dtype=bool)
+        self.arrival = np.array([j.arrival_s for j in order])
+        self.remaining = np.array([float(j.samples) for j in order])
+        self.rate = np.zeros(len(order))  # samples/s of the config held now
+        self.gpus = np.zeros(len(order))
+        self.stall = np.zeros(len(order))  # restart seconds still to serve
+        self.start = np.full(len(order), np.nan)
+        self.finish = np.full(len(order), np.nan)
+        self.reschedules = np.zeros(len(order), dtype=np.int64)
+        self.active: list[int] = []  # arrived, modelled, unfinished, arrival order
+        self.running: dict[str, _Running] = {}
+        self.segments: list[Segment] = []
+        self.latencies: list[float] = []
+        self.series: dict[str, list[float]] = {k: [] for k in ("t_s", "throughput", "utilisation", "running", "queued")}
+        self.fragmentation: list[float] = []
+        self.t0 = float(self.arrival[0]) if len(order) else 0.0
+        self.admitted = 0  # jobs arrived so far (a prefix of `order`)
+        self.changed = True  # a job arrived or ended since the last decision
+
+    def admit_arrivals(self, now: float) -> None:
+        """Jobs that arrived by `now` join the active ones (those the oracle cannot model never do)."""
+        while self.admitted < len(self.order) and self.arrival[self.admitted] <= now:
+            if self.modelled[self.admitted]:
+                self.active.append(self.admitted)
+                self.changed = True
+            self.admitted += 1
+
+    def drained(self) -> bool:
+        """Every job has arrived and none is left to run."""
+        return self.admitted == len(self.order) and not self.active
+
+    def decide(self, now: float) -> None:
+        """The policy's decision on what it sees now, timed in CPU seconds, then placed."""
+        view = View(
+            now,
+            [self.order[i] for i in self.active],
+            {j: r.config for j, r in self.running.items()},
+            {self.order[i].id: self.remaining[i] for i in self.active},
+            self.table,
+            self.cluster,
+            self.restart_s,
+        )
+        tic = time.process_time()
+        alloc = self.policy.decide(view)
+        self.latencies.append(time.process_time() - tic)
+        self.apply(alloc, now)
+        self.changed = False
+
+    def apply(self, alloc: dict[str, Config], now: float) -> None:
+        """Place the policy's decision; charge restarts to started, resized, moved and re-typed jobs."""
+        before = {j: (r.config, r.nodes) for j, r in self.running.items()}
+        moved, _ = self.cluster.apply(alloc, migrate=self.policy.migrates)  # jobs left out simply stay queued
+        for job_id, (config, _) in before.items():
+            if job_id not in self.cluster.placements or alloc.get(job_id) != config or job_id in moved:
+                self.close(job_id, now)
+                i = self.index[job_id]
+                self.reschedules[i] += 1
+                self.rate[i] = self.gpus[i] = 0.0
+        for job_id, (gpu_type, nodes) in self.cluster.placements.items():
+            if job_id in self.running:
+                continue
+            i = self.index[job_id]
+            config = (gpu_type, len(nodes))
+            self.running[job_id] = _Running(config, nodes, now)
+            self.rate[i] = self.table.rate(self.order[i], config)
+            if not np.isfinite(self.rate[i]):
+                raise ValueError(f"policy {self.policy.name} gave job {job_id} config {config}, where no plan fits")
+            self.gpus[i] = len(nodes)
+            self.stall[i] = self.policy.start_s(self.order[i], config, self.restart_s)
+            if np.isnan(self.start[i]):
+                self.start[i] = now
+
+    def progress(self, round_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One round of training, vectorised over the active jobs: their indices, the samples each served,
+        and when in the round each would finish (inf: not while it holds no GPUs)."""
+        idx = np.fromiter(self.active, dtype=np.int64, count=len(self.active))
+        rate, stall, remaining = self.rate[idx], self.stall[idx], self.remaining[idx]
+        work = np.clip(round_s - stall, 0.0, None)
+        done_at = np.where(rate > 0, stall + remaining / np.where(rate > 0, rate, 1), np.inf)
+        served = np.where(done_at <= round_s, remaining, rate * work)
+        self.remaining[idx] -= served
+        self.stall[idx] = np.clip(stall - round_s, 0.0, None)
+        return idx, served, done_at
+
+    def record(self, now: float, idx: np.ndarray, served: np.ndarray, round_s: float) -> None:
+        """The round's point of every time series, before its finished jobs give their GPUs back."""
+        self.series["t_s"].append(now - self.t0)
+        self.series["throughput"].append(float(served.sum()) / round_s)
+        self.series["utilisation"].append(float(self.gpus[idx].sum()) / self.cluster.total_gpus)
+        self.series["running"].append(float(np.count_nonzero(self.rate[idx])))
+        self.series["queued"].append(float(np.count_nonzero(self.rate[idx] == 0)))
+        self.fragmentation.append(self.cluster.fragmentation())
+
+    def complete(self, now: float, idx: np.ndarray, done_at: np.ndarray, round_s: float) -> None:
+        """Jobs that finished inside the round: their finish time, segment closed, GPUs released."""
+        ends = done_at <= round_s
+        if not ends.any():
+            return
+        for i, at in zip(idx[ends], done_at[ends]):
+            self.finish[i] = now + at
+            self.remaining[i] = self.rate[i] = self.gpus[i] = 0.0
+            self.close(self.order[i].id, self.finish[i])
+            self.cluster.release(self.order[i].id)
+        done = set(idx[ends].tolist())
+        self.active = [i for i in self.active if i not in done]
+        self.changed = True
+
+    def close(self, job_id: str, now: float) -> None:
+        """End the job's current segment (it stopped, moved or finished)."""
+        r = self.running.pop(job_id)
+        plan = self.table.plan(self.order[self.index[job_id]], r.config)
+        self.segments.append(
             Segment(
                 job=job_id,
                 gpu_type=r.config[0],
@@ -151,190 +282,60 @@ def simulate(
             )
         )
 
-    for k in range(rounds):
-        now = t0 + k * round_s
-        while admitted < len(order) and arrival[admitted] <= now:
-            if modelled[admitted]:
-                active.append(admitted)
-                changed = True
-            admitted += 1
-        if admitted == len(order) and not active and not fixed_horizon:
-            break
-        simulated += 1
-        if changed or (policy.every_round and active):
-            view = View(
-                now,
-                [order[i] for i in active],
-                {j: r.config for j, r in running.items()},
-                {order[i].id: remaining[i] for i in active},
-                table,
-                cluster,
-                restart_s,
-            )
-            tic = time.process_time()
-            alloc = policy.decide(view)
-            latencies.append(time.process_time() - tic)
-            _apply(
-                alloc,
-                running,
-                cluster,
-                policy,
-                table,
-                order,
-                index,
-                now,
-                close,
-                rate,
-                gpus,
-                stall,
-                start,
-                reschedules,
-                restart_s,
-            )
-            changed = False
-        # --- advance one round, vectorised over the active jobs ---
-        idx = np.fromiter(active, dtype=np.int64, count=len(active))
-        work = np.clip(round_s - stall[idx], 0.0, None)
-        done_at = np.where(rate[idx] > 0, stall[idx] + remaining[idx] / np.where(rate[idx] > 0, rate[idx], 1), np.inf)
-        ends = done_at <= round_s
-        served = np.where(ends, remaining[idx], rate[idx] * work)
-        remaining[idx] -= served
-        stall[idx] = np.clip(stall[idx] - round_s, 0.0, None)
-        series["t_s"].append(now - t0)
-        series["throughput"].append(float(served.sum()) / round_s)
-        series["utilisation"].append(float(gpus[idx].sum()) / cluster.total_gpus)
-        series["running"].append(float(np.count_nonzero(rate[idx])))
-        series["queued"].append(float(np.count_nonzero(rate[idx] == 0)))
-        fragmentation.append(cluster.fragmentation())
-        if ends.any():
-            for i, at in zip(idx[ends], done_at[ends]):
-                finish[i] = now + at
-                remaining[i] = rate[i] = gpus[i] = 0.0
-                close(order[i].id, finish[i])
-                cluster.release(order[i].id)
-            done = set(idx[ends].tolist())
-            active = [i for i in active if i not in done]
-            changed = True
-    end = t0 + simulated * round_s
-    for job_id in list(running):
-        close(job_id, end)
-    cluster.check()
-    return SchedulePlan(
-        policy=policy.name,
-        trace=trace,
-        round_s=round_s,
-        restart_s=restart_s,
-        cluster={t: [g.nodes, g.gpus_per_node] for t, g in cluster.groups.items()},
-        metrics=_metrics(
-            order,
-            arrival,
-            start,
-            finish,
-            modelled,
-            reschedules,
-            series,
-            fragmentation,
-            latencies,
-            simulated,
-            admitted,
-            len(issues),
-            busy_min_throughput,
-            (time.perf_counter() - wall0, time.process_time() - cpu0),
-        ),
-        jobs=[
+    def close_all(self, end: float) -> None:
+        for job_id in list(self.running):
+            self.close(job_id, end)
+
+    def job_records(self) -> list[JobRecord]:
+        return [
             JobRecord(
                 id=j.id,
                 model=j.model,
                 arrival_s=j.arrival_s,
-                start_s=_opt(start[i]),
-                finish_s=_opt(finish[i]),
-                reschedules=int(reschedules[i]),
-                modelled=bool(modelled[i]),
+                start_s=_opt(self.start[i]),
+                finish_s=_opt(self.finish[i]),
+                reschedules=int(self.reschedules[i]),
+                modelled=bool(self.modelled[i]),
             )
-            for i, j in enumerate(order)
-        ],
-        segments=segments,
-        series=series,
-        issues=list(issues),
-    )
+            for i, j in enumerate(self.order)
+        ]
 
-
-def _apply(
-    alloc, running, cluster, policy, table, order, index, now, close, rate, gpus, stall, start, reschedules, restart_s
-) -> None:
-    """Place the policy's decision; charge restarts to started, resized, moved and re-typed jobs."""
-    before = {j: (r.config, r.nodes) for j, r in running.items()}
-    moved, _ = cluster.apply(alloc, migrate=policy.migrates)  # jobs left out simply stay queued
-    for job_id, (config, _) in before.items():
-        if job_id not in cluster.placements or alloc.get(job_id) != config or job_id in moved:
-            close(job_id, now)
-            i = index[job_id]
-            reschedules[i] += 1
-            rate[i] = gpus[i] = 0.0
-    for job_id, (gpu_type, nodes) in cluster.placements.items():
-        if job_id in running:
-            continue
-        i = index[job_id]
-        config = (gpu_type, len(nodes))
-        running[job_id] = _Running(config, nodes, now)
-        rate[i] = table.rate(order[i], config)
-        if not np.isfinite(rate[i]):
-            raise ValueError(f"policy {policy.name} gave job {job_id} config {config}, where no plan fits")
-        gpus[i] = len(nodes)
-        stall[i] = policy.start_s(order[i], config, restart_s)
-        if np.isnan(start[i]):
-            start[i] = now
+    def metrics(self, rounds: int, n_issues: int, busy_min: float, seconds: tuple[float, float]) -> Metrics:
+        """The run's `Metrics` over `rounds` simulated rounds; `seconds`: (wall, CPU) of the whole run."""
+        arrival, start, finish, modelled = self.arrival, self.start, self.finish, self.modelled
+        done = ~np.isnan(finish)
+        jct = (finish - arrival)[done]
+        started = ~np.isnan(start)
+        lat = np.array(self.latencies) if self.latencies else np.zeros(1)
+        all_done = bool(done[modelled].all()) and len(self.order) > 0
+        stat = (lambda f: float(f(jct))) if jct.size else (lambda f: None)
+        tput = np.array(self.series["throughput"])
+        busy = tput[tput > busy_min]
+        return Metrics(
+            jobs=len(self.order),
+            arrived=self.admitted,
+            jobs_finished=int(done.sum()),
+            unmodelled=int((~modelled).sum()),
+            trace_issues=n_issues,
+            mean_jct_s=stat(np.mean),
+            p50_jct_s=stat(lambda x: np.percentile(x, 50)),
+            p99_jct_s=stat(lambda x: np.percentile(x, 99)),
+            makespan_s=float(finish[done].max() - arrival.min()) if all_done else None,
+            mean_queueing_s=float(np.mean((start - arrival)[started])) if started.any() else None,
+            mean_throughput=float(np.mean(tput)) if rounds else 0.0,
+            busy_throughput=float(np.mean(busy)) if busy.size else 0.0,
+            mean_utilisation=float(np.mean(self.series["utilisation"])) if rounds else 0.0,
+            mean_fragmentation=float(np.mean(self.fragmentation)) if rounds else 0.0,
+            reschedules_per_job=float(self.reschedules[started].mean()) if started.any() else 0.0,
+            decisions=len(self.latencies),
+            p50_decision_s=float(np.percentile(lat, 50)),
+            p95_decision_s=float(np.percentile(lat, 95)),
+            max_decision_s=float(lat.max()),
+            rounds=rounds,
+            wall_s=seconds[0],
+            cpu_s=seconds[1],
+        )
 
 
 def _opt(x: float) -> float | None:
     return None if np.isnan(x) else float(x)
-
-
-def _metrics(
-    order,
-    arrival,
-    start,
-    finish,
-    modelled,
-    reschedules,
-    series,
-    fragmentation,
-    latencies,
-    rounds,
-    arrived,
-    n_issues,
-    busy_min,
-    seconds,
-) -> Metrics:
-    done = ~np.isnan(finish)
-    jct = (finish - arrival)[done]
-    started = ~np.isnan(start)
-    lat = np.array(latencies) if latencies else np.zeros(1)
-    all_done = bool(done[modelled].all()) and len(order) > 0
-    stat = (lambda f: float(f(jct))) if jct.size else (lambda f: None)
-    tput = np.array(series["throughput"])
-    busy = tput[tput > busy_min]
-    return Metrics(
-        jobs=len(order),
-        arrived=arrived,
-        jobs_finished=int(done.sum()),
-        unmodelled=int((~modelled).sum()),
-        trace_issues=n_issues,
-        mean_jct_s=stat(np.mean),
-        p50_jct_s=stat(lambda x: np.percentile(x, 50)),
-        p99_jct_s=stat(lambda x: np.percentile(x, 99)),
-        makespan_s=float(finish[done].max() - arrival.min()) if all_done else None,
-        mean_queueing_s=float(np.mean((start - arrival)[started])) if started.any() else None,
-        mean_throughput=float(np.mean(tput)) if rounds else 0.0,
-        busy_throughput=float(np.mean(busy)) if busy.size else 0.0,
-        mean_utilisation=float(np.mean(series["utilisation"])) if rounds else 0.0,
-        mean_fragmentation=float(np.mean(fragmentation)) if rounds else 0.0,
-        reschedules_per_job=float(reschedules[started].mean()) if started.any() else 0.0,
-        decisions=len(latencies),
-        p50_decision_s=float(np.percentile(lat, 50)),
-        p95_decision_s=float(np.percentile(lat, 95)),
-        max_decision_s=float(lat.max()),
-        rounds=rounds,
-        wall_s=seconds[0],
-        cpu_s=seconds[1],
-    )

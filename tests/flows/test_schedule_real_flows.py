@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from omni_core.scheduler.local import ScheduleRun
-from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
+from tests.helpers.recipes import write_recipe
+from tests.helpers.schedule_real import SCHEDULED, assert_never_double_booked
 
 pytestmark = pytest.mark.usefixtures("uncalibrated")
 
@@ -22,7 +23,7 @@ def test_experiment_flow_schedules_two_tiny_jobs_and_resizes_one_mid_run(
     from flows.experiment import experiment_flow
 
     monkeypatch.chdir(tmp_path)
-    summary = experiment_flow(str(write_recipe(tmp_path)))
+    summary = experiment_flow(str(write_recipe(tmp_path / "recipe.yaml", SCHEDULED, tmp_path / "out")))
 
     result = ScheduleRun.model_validate(summary["schedule"])
     assert "train" not in summary and all(job.finish_s is not None for job in result.jobs)

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.helpers.recipes import write_recipe
+
 
 def test_omni_simulate_logs_schedule_plans_and_figures_to_mlflow(tmp_path: Path, mlflow_uri: str, capsys):
     from mlflow import MlflowClient
 
     from flows.cli import main
 
-    recipe = tmp_path / "sim.yaml"
-    recipe.write_text(f"""\
-experiment: {{name: sim-mlflow, output_dir: {tmp_path}}}
-cluster: {{node_groups: [{{gpu_type: a100, nodes: 1, gpus_per_node: 4}}]}}
-jobs: [{{name: a, model: bert__760M, global_batch: 128, iterations: 100}}]
-schedule: {{max_rounds: 20}}
-""")
+    recipe = write_recipe(tmp_path / "sim.yaml", {
+        "experiment.name": "sim-mlflow",
+        "cluster.node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}],
+        "jobs": [{"name": "a", "model": "bert__760M", "global_batch": 128, "iterations": 100}],
+        "schedule.max_rounds": 20,
+    }, tmp_path)
     assert main(["simulate", str(recipe)]) == 0
     assert "crius" in capsys.readouterr().out
     client = MlflowClient(mlflow_uri)

@@ -16,17 +16,14 @@ import pytest
 from omni_core.runtime.slurm import job_state, run_slurm_job
 from omni_core.runtime.supervisor import LaunchError, terminate_group
 from omni_core.runtime.targets import RunSpec
+from tests.helpers.recipes import write_recipe
 from tests.servers import slurm_cluster
 
-RECIPE = """\
-experiment: {{name: slurm_test, output_dir: {out}, seed: 0}}
-data: {{path: {data}, synthetic: {{num_samples: 60}}, seq_len: 256}}
-model: {{flavor: debug}}
-parallel: {{nproc: 2}}
-train: {{steps: {steps}, warmup_steps: 2, log_every: 2, ckpt_every: 0, timeout_s: 300, dist_timeout_s: 60}}
-eval: {{max_batches: 2}}
-launch: {{target: slurm, memory_gb: 2, poll_s: 0.5}}
-"""
+# two ranks trained as one Slurm job (train.steps set by each test), as overrides of tests.helpers.recipes' base
+SLURM = {"experiment.name": "slurm_test", "experiment.seed": 0, "data.synthetic.num_samples": 60, "data.seq_len": 256,
+         "model.flavor": "debug", "parallel.nproc": 2, "train.warmup_steps": 2, "train.log_every": 2,
+         "train.ckpt_every": 0, "train.timeout_s": 300, "train.dist_timeout_s": 60, "eval.max_batches": 2,
+         "launch.target": "slurm", "launch.memory_gb": 2, "launch.poll_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +34,6 @@ def slurm():
         yield env
 
 
-def recipe_file(tmp_path: Path, steps: int, data: Path | None = None) -> Path:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(RECIPE.format(out=tmp_path / "out", data=data or tmp_path / "data", steps=steps))
-    return path
-
-
 def test_the_train_stage_trains_as_a_slurm_job(slurm, tmp_path, mlflow_uri, prefect_harness):
     """sbatch of the rendered script, torchrun on the allocation, the result and checkpoint back on the shared
     filesystem, rank 0's output streamed into the stage's log, the MLflow run finished."""
@@ -50,7 +41,7 @@ def test_the_train_stage_trains_as_a_slurm_job(slurm, tmp_path, mlflow_uri, pref
 
     from flows.train import train_flow
 
-    result = train_flow(str(recipe_file(tmp_path, steps=6)))
+    result = train_flow(str(write_recipe(tmp_path / "recipe.yaml", {**SLURM, "train.steps": 6}, tmp_path / "out")))
     assert result.steps == 6 and result.world_size == 2 and Path(result.checkpoint).is_dir()
     run_dir = next((tmp_path / "out").glob("slurm_test/runs/*"))  # flows.stage_dir
     outputs = list(run_dir.glob("slurm-test-*.out"))
@@ -65,8 +56,8 @@ def test_the_train_stage_trains_as_a_slurm_job(slurm, tmp_path, mlflow_uri, pref
 
 
 def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tmp_path):
-    spec = RunSpec(name="too-long", recipe=str(recipe_file(tmp_path, steps=100_000)), result=str(tmp_path / "r.json"),
-                   ranks_per_node=2, memory_gb=2)
+    recipe = write_recipe(tmp_path / "recipe.yaml", {**SLURM, "train.steps": 100_000}, tmp_path / "out")
+    spec = RunSpec(name="too-long", recipe=str(recipe), result=str(tmp_path / "r.json"), ranks_per_node=2, memory_gb=2)
     lines: list[str] = []
     with pytest.raises(LaunchError, match="exceeded its 18s limit and was cancelled") as failure:
         run_slurm_job(spec, tmp_path / "job", timeout_s=18, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -84,7 +75,7 @@ def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path, prefect_
     left on the node, and the MLflow run is KILLED."""
     from mlflow import MlflowClient
 
-    recipe = recipe_file(tmp_path, steps=100_000)
+    recipe = write_recipe(tmp_path / "recipe.yaml", {**SLURM, "train.steps": 100_000}, tmp_path / "out")
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "OMP_NUM_THREADS": "1",
            "MLFLOW_TRACKING_URI": store, "PREFECT_API_URL": prefect_api_url}
@@ -113,10 +104,9 @@ def test_a_cancelled_train_stage_cancels_its_slurm_job(slurm, tmp_path, prefect_
 
 def test_a_failed_slurm_job_ends_with_its_output(slurm, tmp_path):
     """The ranks' own error reaches the LaunchError, which is not an infrastructure failure (no retry)."""
-    spec = RunSpec(name="fails", recipe=str(recipe_file(tmp_path, steps=4, data=tmp_path / "missing")),
-                   result=str(tmp_path / "r.json"), ranks_per_node=2, memory_gb=2)
-    spec_recipe = Path(spec.recipe)
-    spec_recipe.write_text(spec_recipe.read_text().replace("synthetic: {num_samples: 60}, ", "source: jsonl, "))
+    recipe = write_recipe(tmp_path / "recipe.yaml", {**SLURM, "train.steps": 4, "data.source": "jsonl",
+                                                     "data.path": tmp_path / "missing"}, tmp_path / "out")
+    spec = RunSpec(name="fails", recipe=str(recipe), result=str(tmp_path / "r.json"), ranks_per_node=2, memory_gb=2)
     with pytest.raises(LaunchError, match=r"ended FAILED \(exit code [1-9]") as failure:
         run_slurm_job(spec, tmp_path / "job", timeout_s=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
                       poll_s=0.5, on_line=lambda line: None)
@@ -132,11 +122,13 @@ def test_the_schedule_stage_places_its_jobs_on_slurm_nodes_and_they_run_there(tm
     from flows.schedule import schedule_flow
     from omni_core.recipe import RecipeError, load_recipe
     from omni_core.runtime.preflight import check_launch
-    from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
+    from tests.helpers.schedule_real import SCHEDULED, assert_never_double_booked
 
-    recipe = write_recipe(tmp_path, launch="{target: slurm, memory_gb: 1, poll_s: 0.5}",
-                          cluster="{name: two-nodes, node_groups: [{gpu_type: cpu, nodes: 2, gpus_per_node: 1, "
-                                  "hosts: [n1, n2]}]}")
+    recipe = write_recipe(tmp_path / "recipe.yaml", {
+        **SCHEDULED, "launch.target": "slurm", "launch.memory_gb": 1, "launch.poll_s": 0.5,
+        "cluster.name": "two-nodes", "cluster.slots": 0,
+        "cluster.node_groups": [{"gpu_type": "cpu", "nodes": 2, "gpus_per_node": 1, "hosts": ["n1", "n2"]}],
+    }, tmp_path / "out")
     with slurm_cluster(nodes=2) as cluster:
         monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
         with pytest.raises(RecipeError, match=r"node_groups\.0\.hosts: n3: no such node in the Slurm cluster"):

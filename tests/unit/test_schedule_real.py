@@ -12,7 +12,8 @@ import pytest
 from omni_core.common.results import TrainResult
 from omni_core.recipe import RecipeError, load_recipe
 from omni_core.scheduler.local import JobRun, LocalScheduler, ScheduleRun, run_schedule
-from tests.helpers.schedule_real import assert_never_double_booked, write_recipe
+from tests.helpers.recipes import write_recipe
+from tests.helpers.schedule_real import SCHEDULED, assert_never_double_booked
 
 pytestmark = pytest.mark.usefixtures("uncalibrated")
 
@@ -30,7 +31,7 @@ def finished(run: JobRun, resumed_from: int | None = None) -> TrainResult:
 # --- decisions, no training -------------------------------------------------------------------------------
 
 def test_a_running_job_shrinks_at_its_segment_end_so_an_arrival_starts(tmp_path):
-    path = write_recipe(tmp_path)
+    path = write_recipe(tmp_path / "recipe.yaml", SCHEDULED, tmp_path / "out")
     recipe = load_recipe(path)
     s = LocalScheduler(recipe)
     assert s.admit(0.0) == ["a"]
@@ -61,7 +62,7 @@ def test_a_running_job_shrinks_at_its_segment_end_so_an_arrival_starts(tmp_path)
 
 
 def test_the_loop_runs_placed_jobs_concurrently_and_never_double_books(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path, b_arrives=0.2))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", {**SCHEDULED, "jobs.1.arrival_s": 0.2}, tmp_path / "out"))
     active, most = set(), 0
     lock = threading.Lock()
 
@@ -92,7 +93,7 @@ def test_the_loop_runs_placed_jobs_concurrently_and_never_double_books(tmp_path)
 
 
 def test_a_failed_launch_stops_new_ones_and_is_raised_after_the_running_ones_end(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path, b_arrives=0.0))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", {**SCHEDULED, "jobs.1.arrival_s": 0.0}, tmp_path / "out"))
     started = []
 
     def train(run: JobRun) -> TrainResult:
@@ -111,7 +112,7 @@ def test_on_slurm_nodes_each_launch_is_pinned_to_the_nodes_the_job_was_placed_on
     """Two one-slot Slurm nodes: a alone takes both (one rank per node), then a and b one node each."""
     nodes = ["cluster.node_groups=[{gpu_type: cpu, nodes: 2, gpus_per_node: 1, hosts: [n1, n2]}]",
              "launch.target=slurm"]
-    path = write_recipe(tmp_path)
+    path = write_recipe(tmp_path / "recipe.yaml", SCHEDULED, tmp_path / "out")
     s = LocalScheduler(load_recipe(path, nodes))
     s.admit(0.0)
     [a1] = s.decide(0.0, "a arrived")
@@ -131,17 +132,19 @@ def test_on_slurm_nodes_each_launch_is_pinned_to_the_nodes_the_job_was_placed_on
 
 def test_real_mode_refuses_what_it_cannot_run_in_one_message(tmp_path):
     two_nodes = "cluster.node_groups=[{gpu_type: a100, nodes: 2, gpus_per_node: 4}]"
-    recipe = load_recipe(write_recipe(tmp_path), ["jobs.0.model=bert__1.3B", "jobs.1.name=a", two_nodes])
+    path = write_recipe(tmp_path / "recipe.yaml", SCHEDULED, tmp_path / "out")
+    recipe = load_recipe(path, ["jobs.0.model=bert__1.3B", "jobs.1.name=a", two_nodes])
     with pytest.raises(ValueError) as error:
         LocalScheduler(recipe)
     message = str(error.value)
     assert "2x4 a100" in message and "bert__1.3B" in message and "taken by jobs[0]" in message
     with pytest.raises(RecipeError, match="slots=3 must be a power of two"):
-        load_recipe(write_recipe(tmp_path), ["cluster.slots=3"])
+        load_recipe(path, ["cluster.slots=3"])
 
 
 def test_omni_schedule_reports_a_recipe_it_cannot_run_before_starting_anything(tmp_path, capsys):
     from flows.cli import main
 
-    assert main(["schedule", str(write_recipe(tmp_path)), "--set", "jobs.1.model=moe__10B"]) == 2
+    path = write_recipe(tmp_path / "recipe.yaml", SCHEDULED, tmp_path / "out")
+    assert main(["schedule", str(path), "--set", "jobs.1.model=moe__10B"]) == 2
     assert "omni: schedule: jobs[1].model 'moe__10B' is not a model flavor" in capsys.readouterr().err

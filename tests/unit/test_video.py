@@ -20,9 +20,10 @@ from omni_core.data.profile import DatasetProfile, profile_dataset
 from omni_core.data.sample import SPATIAL_MERGE, TEMPORAL_MERGE
 from omni_core.data.synthetic import MANIFEST
 from omni_core.models import build_model
-from omni_core.recipe.schema import DataConfig, Recipe
+from omni_core.recipe.schema import DataConfig
 from tests.helpers.data_sources import records
 from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
+from tests.helpers.recipes import build_recipe
 
 
 def clip_manifest(folder: Path, frames: int) -> list[Image.Image]:
@@ -61,9 +62,10 @@ def test_a_video_packs_to_its_merged_placeholders_and_its_sampled_frames(tmp_pat
 def test_synthetic_clips_over_the_frame_budget_embed_on_the_debug_flavor(tmp_path, source):
     """Clips longer than video_max_frames: the written and the on-the-fly source both sample the frames the
     token rule counts, and the model anchors exactly as many embeddings."""
-    recipe = Recipe(experiment={"name": "v", "seed": 3, "output_dir": str(tmp_path)},
-                    data={"source": source, "seq_len": 256, "video_max_frames": 5, "synthetic": {
-                        "num_samples": 24, "mix": {"video": 0.5, "image": 0.5}, "video_frames": {"min": 4, "max": 9}}})
+    recipe = build_recipe(tmp_path, {
+        "experiment.name": "v", "experiment.seed": 3, "data.source": source, "data.seq_len": 256,
+        "data.video_max_frames": 5, "data.synthetic": {
+            "num_samples": 24, "mix": {"video": 0.5, "image": 0.5}, "video_frames": {"min": 4, "max": 9}}})
     model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
     loader = PackedLoader(open_dataset(recipe), recipe.data, "train", seed=0)
     for _, batch in zip(range(3), loader):
@@ -102,10 +104,10 @@ def test_gradients_reach_the_vision_encoder_from_video_alone():
 
 
 def test_the_profile_counts_videos_next_to_images_and_audio(tmp_path):
-    recipe = Recipe(experiment={"name": "p", "seed": 4, "output_dir": str(tmp_path)},
-                    data={"video_max_frames": 6, "synthetic": {
-                        "num_samples": 40, "mix": {"text": 0.2, "image": 0.3, "audio": 0.2, "video": 0.3},
-                        "video_frames": {"min": 4, "max": 9}}})
+    recipe = build_recipe(tmp_path, {
+        "experiment.name": "p", "experiment.seed": 4, "data.seq_len": 512, "data.video_max_frames": 6,
+        "data.synthetic": {"num_samples": 40, "mix": {"text": 0.2, "image": 0.3, "audio": 0.2, "video": 0.3},
+                           "video_frames": {"min": 4, "max": 9}}})
     profile, _ = profile_dataset(recipe, tmp_path / "profile")
     samples = [json.loads(line) for line in (Path(recipe.data_dir()) / MANIFEST).read_text().splitlines()]
     clips = [s["segments"][0] for s in samples if s["modality"] == "video"]

@@ -11,7 +11,8 @@ from omni_core.recipe import Recipe, load_recipe, override_recipe
 from omni_core.tracking import disable_telemetry
 
 disable_telemetry()
-# The first ephemeral Prefect API on a fresh PREFECT_HOME runs its migrations: past Prefect's 20 s default on 2 cores.
+# The first ephemeral Prefect API on a fresh PREFECT_HOME runs its migrations, which can outlast Prefect's 20 s
+# startup default on a small machine.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 

@@ -31,6 +31,7 @@ def estimate_flow(
         metrics = {}
         for job in dict.fromkeys(c.job for c in table.cells):
             best = table.best(job)
+            assert best is not None  # the job is one of the table's rows
             metrics[f"estimate/{job}/samples_per_s"] = best.samples_per_s
             metrics[f"estimate/{job}/step_time_s"] = best.step_time_s
             run.set_tags({f"estimate.{job}.plan": f"{best.gpu_type}x{best.num_gpus}:{best.plan}"})

@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
+from pydantic import BaseModel
 
 from flows.estimate import estimate_flow
 from flows.evaluate import evaluate_flow
@@ -30,6 +31,7 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
     with parent_run(r, flow_run_id=flow_run.id, run_name=name) as run:
         profile = profile_flow(r)
         cells = estimate_flow(r, profile=profile)
+        results: dict[str, BaseModel]  # each stage's typed result
         if r.jobs:
             results = {"schedule": schedule_flow(r, profile=profile, cells=cells)}
         else:

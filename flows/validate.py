@@ -34,7 +34,7 @@ def validate_flow(recipe: Recipe | str, overrides: list[str] | None = None) -> V
             "validate/seconds": report.seconds,
         }
         metrics.update({f"validate/mape_pct/world{w}": v for w, v in report.mape_pct_by_world.items()})
-        if report.measured_spread_pct is not None:
+        if report.measured_spread_pct is not None and report.predicted_spread_pct is not None:  # two rounds or more
             metrics["validate/measured_spread_pct"] = report.measured_spread_pct
             metrics["validate/predicted_spread_pct"] = report.predicted_spread_pct
         run.set_tags({"validate.device": report.device})

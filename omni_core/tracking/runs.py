@@ -69,6 +69,10 @@ def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             experiment = client.get_experiment_by_name(name)
+            if experiment is None:  # removed for good again before this process could read it
+                raise TrackingError(
+                    f"MLflow experiment {name!r} at {uri} was created by another process, then could not be found"
+                ) from e
     if experiment.lifecycle_stage == "deleted":
         raise TrackingError(
             f"MLflow experiment {name!r} (id {experiment.experiment_id}) at {uri} is deleted: restore it with "
@@ -144,8 +148,9 @@ def parent_run(recipe: Recipe, *, flow_run_id: str, run_name: str) -> Iterator[M
 
 
 @contextmanager
-def children_of(run_id: str) -> Iterator[None]:
-    """Stage runs opened inside become children of `run_id` (the schedule stage nests its jobs' train runs)."""
+def children_of(run_id: str | None) -> Iterator[None]:
+    """Stage runs opened inside become children of `run_id` (the schedule stage nests its jobs' train runs);
+    None: top-level runs."""
     token = _parent_run_id.set(run_id)
     try:
         yield

@@ -66,7 +66,6 @@ def real_cluster(recipe: Recipe) -> Cluster:
     if not cfg.node_groups:
         return Cluster({SLOT_TYPE: GroupSpec(SLOT_TYPE, 1, cfg.slots or default_slots(), "loopback")})
     cluster = Cluster.from_config(cfg)
-    group = cluster.groups.get(SLOT_TYPE)
     if list(cluster.groups) != [SLOT_TYPE]:
         shape = ", ".join(f"{g.nodes}x{g.gpus_per_node} {t}" for t, g in cluster.groups.items())
         raise ValueError(
@@ -74,6 +73,7 @@ def real_cluster(recipe: Recipe) -> Cluster:
             f"(cluster.slots, or one node group with gpu_type {SLOT_TYPE}); `omni simulate` studies "
             "other clusters"
         )
+    group = cluster.groups[SLOT_TYPE]
     if group.nodes > 1 and (recipe.launch.target != "slurm" or not cfg.node_groups[0].hosts):
         raise ValueError(
             f"cluster {cfg.name!r} has {group.nodes} nodes: `omni schedule` places jobs past one node "
@@ -122,7 +122,9 @@ def recipe_oracle(
         {t: g.gpus_per_node for t, g in cluster.groups.items()},
         lambda model, batch: flavor_workload(recipe, model, batch, profile),
     )
-    for job in recipe.jobs if cells else ():
+    if cells is None:
+        return oracle
+    for job in recipe.jobs:
         for (gpu_type, n), row in cells.best_cells(job.name).items():
             group = cluster.groups.get(gpu_type)
             if group and cell_shape(n, group.gpus_per_node) == (row.nodes, row.gpus_per_node):
@@ -256,6 +258,7 @@ class ScheduleRun(Result):
             out[f"schedule/{job.id}/reschedules"] = job.reschedules
             if job.finish_s is not None:
                 out[f"schedule/{job.id}/jct_s"] = job.finish_s - job.arrival_s
+                assert job.start_s is not None, f"job {job.id} finished without starting"
                 out[f"schedule/{job.id}/queueing_s"] = job.start_s - job.arrival_s
         return out
 
@@ -471,6 +474,7 @@ def run_schedule(
             if running:
                 wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
             else:
+                assert timeout is not None  # nothing runs and no job is due: the loop ended above
                 time.sleep(timeout)
     if error is not None:
         raise error

@@ -41,6 +41,7 @@ from omni_core.data.flops import FlopModel
 from omni_core.data.profile import DatasetProfile, data_ranks, profile_source
 from omni_core.data.synthetic import DynamicSource
 from omni_core.estimator.recipe_cells import estimate_recipe, plan_overrides, predicted_step_times, recipe_batch
+from omni_core.estimator.search import CellRow, PlanRow
 from omni_core.recipe.loader import dump_recipe, load_recipe, override_recipe
 from omni_core.recipe.schema import ClusterConfig, NodeGroup, Recipe
 
@@ -146,7 +147,10 @@ def best_overrides(recipe: Recipe, profile: DatasetProfile, gpu_type: str) -> li
     for layout in recipe.replan.layouts:
         job = override_recipe(recipe, [f"estimate.layout={layout}"]).model_copy(update={"jobs": [], "cluster": machine})
         row = estimate_recipe(job, profile).best_cells(recipe.experiment.name).get((gpu_type, recipe.parallel.nproc))
-        for option in [row, *row.runners_up] if row is not None and row.nodes == 1 else []:
+        if row is None or row.nodes != 1:
+            continue
+        options: list[CellRow | PlanRow] = [row, *row.runners_up]
+        for option in options:
             overrides = plan_overrides(
                 ParallelPlan.parse(option.plan), option.micro_batch, option.checkpoint, recipe_batch(recipe)
             )
@@ -244,7 +248,7 @@ def replan_figure(
             seg.last_step,
             color="tab:orange",
             lw=2,
-            label="predicted" if i == 0 else None,
+            label="predicted" if i == 0 else "_nolegend_",
         )
         ax.annotate(seg.plan, (seg.first_step, seg.predicted_step_s), fontsize=7, va="bottom")
     for d in decisions:
@@ -290,14 +294,16 @@ class Replanner:
         """A new progress report of the running launch: a look (and its window) when one is due."""
         if not self.measured or self.measured[-1][0] != progress.step:
             self.measured.append((progress.step, progress.step_s))
-        if self.reference is None:  # the window this launch's plan runs on: where it started
+        reference = self.reference
+        if reference is None:  # the window this launch's plan runs on: where it started
             start = progress.resumed_from_step
-            self.set_reference(window_profile(self.recipe, start, progress.samples * start // max(progress.step, 1)))
+            reference = window_profile(self.recipe, start, progress.samples * start // max(progress.step, 1))
+            self.set_reference(reference)
             self.next_look = start + self.every
         if self.stopping or progress.step < self.next_look or progress.step >= progress.steps:
             return None
         self.next_look = progress.step + self.every
-        decision, window = look(self.recipe, progress, self.reference, self.gpu_type, self.replans)
+        decision, window = look(self.recipe, progress, reference, self.gpu_type, self.replans)
         self.decisions.append(decision)
         if decision.replan:
             decision.stop_request().save(self.folder / STOP_FILE)

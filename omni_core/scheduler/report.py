@@ -55,6 +55,7 @@ def format_table(plans: Mapping[str, SchedulePlan]) -> str:
     )
     lines = [f"{first.trace}: {caveat(first)}; {first.metrics.rounds} rounds of {first.round_s:g} s", header]
     fcfs = plans["fcfs"].metrics if "fcfs" in plans else None
+    fcfs_tput, fcfs_busy = (fcfs.mean_throughput, fcfs.busy_throughput) if fcfs is not None else (None, None)
 
     def ratio(x: float, base: float | None) -> str:
         return f"{x / base:.2f}" if base else "-"
@@ -66,8 +67,8 @@ def format_table(plans: Mapping[str, SchedulePlan]) -> str:
         m = p.metrics
         lines.append(
             f"{name:8} {m.jobs_finished:8d} {m.mean_throughput:10.1f} "
-            f"{ratio(m.mean_throughput, fcfs and fcfs.mean_throughput):>7} {m.busy_throughput:11.1f} "
-            f"{ratio(m.busy_throughput, fcfs and fcfs.busy_throughput):>7} {hours(m.mean_jct_s):>10} "
+            f"{ratio(m.mean_throughput, fcfs_tput):>7} {m.busy_throughput:11.1f} "
+            f"{ratio(m.busy_throughput, fcfs_busy):>7} {hours(m.mean_jct_s):>10} "
             f"{hours(m.p99_jct_s):>10} {hours(m.mean_queueing_s):>7} {m.mean_utilisation:5.2f} "
             f"{m.reschedules_per_job:7.2f} {m.p95_decision_s:9.3f} {m.max_decision_s:9.3f} {m.cpu_s:7.1f}"
         )

@@ -157,7 +157,8 @@ def checked_trace(recipe: Recipe, locations: dict[str, str]) -> str:
             detect_format(trace)
     except (ValueError, OSError, UnicodeDecodeError) as err:
         raise RecipeError([located_problem(locations, "schedule.trace", str(err))]) from None
-    missing = [c for c in HEADERS.get(s.trace_format, ()) if c not in header]
+    expected = () if s.trace_format == "auto" else HEADERS[s.trace_format]  # auto: detect_format checked it
+    missing = [c for c in expected if c not in header]
     if missing:
         raise RecipeError(
             [

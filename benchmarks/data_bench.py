@@ -67,7 +67,7 @@ def write_manifest(path: Path, records: int) -> float:
     from omni_core.data.sample import KINDS
     from omni_core.data.synthetic import caption, dataset_specs, sample_of
     from omni_core.data.workload import TONES
-    from omni_core.recipe.schema import SyntheticConfig
+    from omni_core.recipe.data_sections import SyntheticConfig
 
     syn = SyntheticConfig(num_samples=records)
 
@@ -91,7 +91,7 @@ def profile_worker(manifest: str) -> None:
     from omni_core.data.dataset import ManifestDataset
     from omni_core.data.flops import FlopModel
     from omni_core.data.profile import profile_source
-    from omni_core.recipe.schema import DataConfig
+    from omni_core.recipe.data_sections import DataConfig
 
     cfg = DataConfig(source="jsonl")
     dataset = ManifestDataset(manifest, cfg)

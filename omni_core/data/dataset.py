@@ -19,7 +19,8 @@ from omni_core.data.image import patchify
 from omni_core.data.sample import Segment, token_ids
 from omni_core.data.sources import CorruptSample, JsonlSource, Record, Source, WdsSource
 from omni_core.data.synthetic import DynamicSource, ensure_dataset
-from omni_core.recipe.schema import DataConfig, Recipe
+from omni_core.recipe.data_sections import DataConfig
+from omni_core.recipe.schema import Recipe
 
 __all__ = ["CorruptSample", "DecodedSample", "ManifestDataset", "Split"]
 

@@ -30,7 +30,7 @@ from omni_core.data.balance import Balance, GroupPacker, make_packer
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
 from omni_core.data.packing import collate
 from omni_core.data.sources import Record, View
-from omni_core.recipe.schema import DataConfig
+from omni_core.recipe.data_sections import DataConfig
 
 log = logging.getLogger(__name__)
 MAX_REJECTED = 10_000  # consecutive samples over seq_len after which a stream is declared unusable

@@ -14,7 +14,7 @@ import torch
 from omni_core.common.batch import MODALITY_IDS, PackedBatch
 from omni_core.common.tokenizer import EOS_ID, NUM_BYTES
 from omni_core.data.dataset import DecodedSample
-from omni_core.recipe.schema import DataConfig
+from omni_core.recipe.data_sections import DataConfig
 
 IGNORE = -100
 OVERDUE = 2  # batches a sample may be passed over before it is placed ahead of everything else

@@ -30,7 +30,8 @@ from omni_core.data.packing import BatchPacker
 from omni_core.data.sample import KIND_CODE, KINDS, SIZE_FIELDS
 from omni_core.data.sources import Record, ShardedSource, Sizes, View
 from omni_core.data.synthetic import DynamicSource
-from omni_core.recipe.schema import DataConfig, Recipe
+from omni_core.recipe.data_sections import DataConfig
+from omni_core.recipe.schema import Recipe
 
 HIST_BINS = 20
 KS_CRITICAL = 1.949  # c(alpha) of the two-sample Kolmogorov-Smirnov test at alpha = 0.001

@@ -28,7 +28,7 @@ from omni_core.common.tokenizer import BOS_ID, EOS_ID, PLACEHOLDER_IDS, ByteToke
 from omni_core.data.audio import mel_frames, resampled_length
 from omni_core.data.image import patch_grid, sampled_frames
 from omni_core.models.args import OmniModelArgs
-from omni_core.recipe.schema import MODALITIES, DataConfig
+from omni_core.recipe.data_sections import MODALITIES, DataConfig
 
 KINDS = MODALITIES  # segment kinds; a sample's modality is the kind of its first non-text segment
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}

@@ -43,7 +43,7 @@ from omni_core.data.sample import (
     record_fields,
 )
 from omni_core.data.storage import Storage, join, parent
-from omni_core.recipe.schema import DataConfig
+from omni_core.recipe.data_sections import DataConfig
 
 log = logging.getLogger(__name__)
 

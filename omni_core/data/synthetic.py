@@ -50,7 +50,8 @@ from omni_core.data.workload import (
     segments_of,
     uniforms,
 )
-from omni_core.recipe.schema import DataConfig, Recipe, SyntheticConfig
+from omni_core.recipe.data_sections import DataConfig, SyntheticConfig
+from omni_core.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from omni_core.data.sample import KIND_CODE, KINDS, Segments
-from omni_core.recipe.schema import LengthDist, SyntheticConfig
+from omni_core.recipe.data_sections import LengthDist, SyntheticConfig
 
 SHAPES = ("circle", "square", "triangle")
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}

@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_core.recipe.schema import Recipe, redact_userinfo
+from omni_core.recipe.base import redact_userinfo
+from omni_core.recipe.schema import Recipe
 
 EXTENDS_KEY = "extends"
 OVERRIDE_LABEL = "--set "  # how a value from an override is located: `--set key=value`

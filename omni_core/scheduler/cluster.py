@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omni_core.recipe.schema import ClusterConfig
+from omni_core.recipe.schedule_sections import ClusterConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omni_core.recipe.schema import JobConfig
+from omni_core.recipe.schedule_sections import JobConfig
 
 if TYPE_CHECKING:
     from omni_core.common.plan import ParallelPlan

@@ -11,7 +11,7 @@ import torch
 
 from omni_core.data.dataset import ManifestDataset
 from omni_core.data.loader import PackedLoader
-from omni_core.recipe.schema import DataConfig
+from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.data_sources import both_formats, records, same_docs
 
 

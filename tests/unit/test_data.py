@@ -29,7 +29,7 @@ from omni_core.data.profile import profile_dataset
 from omni_core.data.sources import CorruptSample, Record, View, in_heldout
 from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
 from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
-from omni_core.recipe.schema import DataConfig
+from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.recipes import build_recipe
 
 N = 60

@@ -24,7 +24,7 @@ from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_data
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe import load_recipe
-from omni_core.recipe.schema import DataConfig, LengthDist, SyntheticConfig
+from omni_core.recipe.data_sections import DataConfig, LengthDist, SyntheticConfig
 from tests.helpers.recipes import build_recipe, write_recipe
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_core.common.plan import ModelShape, ParallelPlan, PlanError
-from omni_core.recipe.schema import ParallelConfig
+from omni_core.recipe.model_sections import ParallelConfig
 
 LLAMA_TINY = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, seq_len=256)
 MOE_TINY = ModelShape(n_layers=4, n_heads=8, n_kv_heads=4, num_experts=4, seq_len=256)

@@ -9,7 +9,7 @@ from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.estimator.recipe_cells import estimate_own_cells, estimate_recipe, plan_overrides, with_best_plan
 from omni_core.estimator.search import CellRow, CellTable
 from omni_core.recipe import RecipeError, override_recipe
-from omni_core.recipe.schema import ParallelConfig
+from omni_core.recipe.model_sections import ParallelConfig
 from tests.helpers.recipes import build_recipe
 
 AUTO = {"experiment.name": "auto", "model.flavor": "debug", "data.seq_len": 256, "parallel.nproc": 2,

@@ -12,7 +12,7 @@ import pytest
 
 from omni_core.common.plan import ParallelPlan
 from omni_core.recipe import RecipeError
-from omni_core.recipe.schema import ClusterConfig, NodeGroup
+from omni_core.recipe.schedule_sections import ClusterConfig, NodeGroup
 from omni_core.scheduler import Cluster, GroupSpec, Job, ThroughputTable, make_policy, simulate
 from omni_core.scheduler.policies.base import View
 from omni_core.scheduler.policies.crius import CRIUS_SEARCH_S

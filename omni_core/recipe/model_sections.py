@@ -1,0 +1,153 @@
+"""The `model` and `parallel` sections of a recipe: the flavor and its frozen parts, the LLM's 5D degrees
+and where the encoders run (`encoder_layout_problems` is shared with `common.plan.EncoderPlan`)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+
+from omni_core.recipe.base import Strict
+
+MAX_LOCAL_RANKS = 1024  # torchrun ranks on one machine at most: past any node's GPUs or cores
+ModelPart = Literal["vision", "audio", "projectors", "llm"]  # OmniModel's modules, what model.freeze names
+MODEL_PARTS: tuple[str, ...] = get_args(ModelPart)
+
+
+class ModelConfig(Strict):
+    flavor: str = Field("debug", description="Name in the model flavor registry")
+    freeze: list[ModelPart] = Field(default_factory=list)
+
+    @field_validator("freeze")
+    @classmethod
+    def _something_to_train(cls, freeze: list[str]) -> list[str]:
+        if set(freeze) >= set(MODEL_PARTS):
+            raise ValueError(
+                f"every part of the model is frozen ({', '.join(MODEL_PARTS)}): nothing is left to "
+                "train (the optimizer would get no parameters)"
+            )
+        return freeze
+
+
+ENCODER_LAYOUTS = ("coupled", "omni", "disaggregated")
+ENCODER_SCHEDULES = ("phased", "joint")
+PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep")
+
+
+ENCODER_SPEC_DEFAULTS = {"lssp": 1, "long_tokens": 0, "long_mb": 0, "fsdp": False}
+
+
+def encoder_layout_problems(layout: str, ranks: int, specs: dict[str, dict], schedule: str = "phased") -> list[str]:
+    """Every problem of an encoder layout, each naming its `encoders.` field; shared by the recipe and by
+    `common.plan.EncoderPlan` (a plan read back from its name)."""
+    if layout not in ENCODER_LAYOUTS:
+        return [f"encoders.layout={layout!r} must be one of {', '.join(ENCODER_LAYOUTS)}"]
+    out: list[str] = []
+    for encoder, spec in specs.items():
+        out.extend(
+            f"encoders.{encoder}.{key}={spec[key]} must be >= {least}"
+            for key, least in (("lssp", 1), ("long_tokens", 0), ("long_mb", 0))
+            if spec[key] < least
+        )
+        if spec["lssp"] > 1 and not (spec["long_tokens"] or spec["long_mb"]):
+            out.append(f"encoders.{encoder}.lssp={spec['lssp']} needs a long-item threshold (long_tokens or long_mb)")
+        if layout == "coupled" and spec != ENCODER_SPEC_DEFAULTS:
+            out.append(
+                f"encoders.{encoder} is set, which needs layout omni or disaggregated: coupled encoders "
+                "run on their LLM stage's batches as they come"
+            )
+    if layout == "disaggregated" and ranks < 1:
+        out.append("encoders.ranks must be >= 1 under layout disaggregated (the encoders' own ranks)")
+    if layout != "disaggregated" and ranks:
+        out.append(f"encoders.ranks={ranks} needs layout disaggregated (layout is {layout})")
+    if schedule not in ENCODER_SCHEDULES:
+        out.append(f"encoders.schedule={schedule!r} must be one of {', '.join(ENCODER_SCHEDULES)}")
+    elif schedule == "joint" and layout == "coupled":
+        out.append(
+            "encoders.schedule=joint needs layout omni or disaggregated: coupled encoders already run inside "
+            "the first pipeline stage, per micro-batch"
+        )
+    return out
+
+
+class EncoderSpecConfig(Strict):
+    """One encoder's layout over its group (omni and disaggregated layouts)."""
+
+    lssp: StrictInt = Field(1, ge=1, description="Ranks a long item is split over (long-short sequence parallelism)")
+    long_tokens: StrictInt = Field(
+        0, ge=0, description="An item with more encoder tokens (patches, mel frames) is long; 0: no threshold by cost"
+    )
+    long_mb: StrictInt = Field(
+        0, ge=0, description="An item whose encoder activations exceed this many MiB is long; 0: no threshold by memory"
+    )
+    fsdp: StrictBool = Field(
+        False,
+        description="Shard the encoder's weights over its group, its blocks gathered one at a time (else replicated)",
+    )
+
+
+class EncodersConfig(Strict):
+    """Where the encoders run (DESIGN.md §3): coupled (the LLM's first stage, Megatron-LLaVA), omni (every rank,
+    their own balanced layout, MegaScale-Omni) or disaggregated (ranks of their own, DistTrain)."""
+
+    layout: Literal["coupled", "omni", "disaggregated"] = "coupled"
+    ranks: StrictInt = Field(0, ge=0, description="disaggregated: ranks the encoders get (the LLM gets the rest)")
+    vision: EncoderSpecConfig = EncoderSpecConfig()
+    audio: EncoderSpecConfig = EncoderSpecConfig()
+    schedule: Literal["phased", "joint"] = Field(
+        "phased",
+        description="phased: the step's encoder forward, the LLM, the encoder backward; joint: the encoders per "
+        "micro-batch in the ranks' idle time, embeddings handed off as they are made (omni, disaggregated)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EncodersConfig:
+        problems = encoder_layout_problems(
+            self.layout,
+            self.ranks,
+            {"vision": self.vision.model_dump(), "audio": self.audio.model_dump()},
+            self.schedule,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class ParallelConfig(Strict):
+    """Degrees of the LLM's 5D layout; their product with dp is the world size."""
+
+    nproc: StrictInt = Field(
+        1, ge=1, le=MAX_LOCAL_RANKS, description="Local ranks started by torchrun (--nproc-per-node)"
+    )
+    plan: Literal["explicit", "auto"] = Field(
+        "explicit",
+        description="explicit: the degrees below; auto: the estimate stage's best plan for the Cell "
+        "the train stage has (this machine's device type x nproc), with its micro-batch, gradient accumulation "
+        "(the global batch kept) and activation checkpointing; the degrees below must then stay unset",
+    )
+    dp_replicate: StrictInt = Field(1, ge=1)
+    dp_shard: StrictInt = Field(-1, ge=-1, description="-1: whatever is left of the world after the other degrees")
+    tp: StrictInt = Field(1, ge=1)
+    pp: StrictInt = Field(1, ge=1)
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
+    cp: StrictInt = Field(1, ge=1)
+    cp_kind: Literal["ulysses", "ring"] = "ulysses"
+    ep: StrictInt = Field(1, ge=1)
+    encoders: EncodersConfig = EncodersConfig()
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @model_validator(mode="after")
+    def _dp_shard_set_or_derived(self) -> ParallelConfig:
+        if self.dp_shard == 0:
+            raise ValueError("dp_shard must be -1 (derived from the world size) or >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _auto_leaves_the_degrees_unset(self) -> ParallelConfig:
+        given = [k for k in PLAN_DEGREES if getattr(self, k) != type(self).model_fields[k].default]
+        if self.plan == "auto" and given:
+            raise ValueError(
+                f"plan is auto, so the estimate stage chooses {', '.join(given)}: drop "
+                f"{'them' if len(given) > 1 else 'it'}, or set parallel.plan=explicit to run them"
+            )
+        return self

@@ -1,11 +1,11 @@
 """GPU catalogue: peak compute, memory and links per GPU type, each number next to its source.
 
 Peaks are dense (no 2:4 sparsity) datasheet figures (TF32 too: the datasheets' "TF32 tensor core" line
-without sparsity); what a training step reaches of them is the
-`Efficiency` of the cost model, corrected per device by the micro-profile (`calibrate.py`). Link figures
-are per direction: inside a node per GPU, across nodes per node (all of a node's NICs together, which its
-GPUs share: a 100 Gb/s NIC is 12.5 GB/s for the whole node). Latencies (alpha of the alpha-beta model) are typical NCCL per-hop
-latencies (nccl-tests on NVLink ~ 3-5 us, PCIe ~ 10 us, InfiniBand ~ 5-10 us), not datasheet values.
+without sparsity); what a training step reaches of them is the `Efficiency` of the cost model, corrected
+per device by the micro-profile (`calibrate.py`). Link figures are per direction: inside a node per GPU,
+across nodes per node (all of a node's NICs together, which its GPUs share: a 100 Gb/s NIC is 12.5 GB/s for
+the whole node). Latencies (alpha of the alpha-beta model) are typical NCCL per-hop latencies (nccl-tests on
+NVLink ~ 3-5 us, PCIe ~ 10 us, InfiniBand ~ 5-10 us), not datasheet values.
 Recipes add or override types through `estimate.gpus` (see `GpuCatalog.with_overrides`).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypedDict
 
 TFLOPS = 1e12
 GBps = 1e9
@@ -69,16 +69,28 @@ class GpuSpec:
         return (self.mem_gb - self.reserved_gb) * GB
 
 
-_NVLINK3 = {"intra_link": "nvlink3", "intra_bw": 300 * GBps, "intra_lat": 5e-6}  # A100: 600 GB/s bidirectional
-_NVLINK4 = {"intra_link": "nvlink4", "intra_bw": 450 * GBps, "intra_lat": 4e-6}  # H100/H200: 900 GB/s bidirectional
-_PCIE4 = {
-    "intra_link": "pcie4",
-    "intra_bw": 25 * GBps,
-    "intra_lat": 10e-6,
-}  # x16: 32 GB/s/dir theoretical, ~25 achieved
-_HDR_IB = {"nic_bw": 8 * 25 * GBps, "inter_lat": 8e-6}  # DGX/HGX A100: 8 x 200 Gb/s HDR InfiniBand per node
-_NDR_IB = {"nic_bw": 8 * 50 * GBps, "inter_lat": 8e-6}  # DGX/HGX H100, H200: 8 x 400 Gb/s NDR InfiniBand per node
-_ETH100 = {"nic_bw": 12.5 * GBps, "inter_lat": 15e-6}  # PCIe servers: one 100 Gb/s Ethernet NIC per node
+class IntraLink(TypedDict):
+    """A node's GPU-to-GPU link, as `GpuSpec`'s intra_* fields (shared by the GPUs that have it)."""
+
+    intra_link: str
+    intra_bw: float
+    intra_lat: float
+
+
+class InterLink(TypedDict):
+    """A node's network, as `GpuSpec`'s nic_bw and inter_lat fields (shared by the servers that have it)."""
+
+    nic_bw: float
+    inter_lat: float
+
+
+_NVLINK3 = IntraLink(intra_link="nvlink3", intra_bw=300 * GBps, intra_lat=5e-6)  # A100: 600 GB/s bidirectional
+_NVLINK4 = IntraLink(intra_link="nvlink4", intra_bw=450 * GBps, intra_lat=4e-6)  # H100/H200: 900 GB/s bidirectional
+# PCIe Gen4 x16: 32 GB/s per direction theoretical, ~25 achieved
+_PCIE4 = IntraLink(intra_link="pcie4", intra_bw=25 * GBps, intra_lat=10e-6)
+_HDR_IB = InterLink(nic_bw=8 * 25 * GBps, inter_lat=8e-6)  # DGX/HGX A100: 8 x 200 Gb/s HDR InfiniBand per node
+_NDR_IB = InterLink(nic_bw=8 * 50 * GBps, inter_lat=8e-6)  # DGX/HGX H100, H200: 8 x 400 Gb/s NDR InfiniBand per node
+_ETH100 = InterLink(nic_bw=12.5 * GBps, inter_lat=15e-6)  # PCIe servers: one 100 Gb/s Ethernet NIC per node
 
 BUILTIN: dict[str, GpuSpec] = {
     spec.name: spec

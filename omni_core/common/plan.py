@@ -156,7 +156,10 @@ class EncoderPlan:
                 )
             key = {v: k for k, v in ENCODER_KEYS.items()}[letter]
             specs[key] = EncoderSpec(**values)
-        layout = "disaggregated" if match["ranks"] else match["layout"]
+        # the pattern names disaggregated layouts disagg<ranks>, and admits only coupled or omni otherwise
+        layout: EncoderLayout = (
+            "disaggregated" if match["ranks"] else "omni" if match["layout"] == "omni" else "coupled"
+        )
         return cls(
             layout=layout, ranks=int(match["ranks"] or 0), schedule="joint" if match["joint"] else "phased", **specs
         )
@@ -264,7 +267,7 @@ class ParallelPlan:
         g = match.groupdict()
         replicate, shard = (int(g["dp_a"]), int(g["dp_b"])) if g["dp_b"] else (1, int(g["dp_a"]))
         virtual = int(g["v"] or 1)
-        schedule = "GPipe" if g["gpipe"] else ("Interleaved1F1B" if virtual > 1 else "1F1B")
+        schedule: PipelineSchedule = "GPipe" if g["gpipe"] else ("Interleaved1F1B" if virtual > 1 else "1F1B")
         return cls(
             dp_replicate=replicate,
             dp_shard=shard,
@@ -329,10 +332,10 @@ class ParallelPlan:
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
+            encoders = f" + encoders.ranks={self.encoders.ranks}" if self.encoders.ranks else ""
             raise PlanError(
                 f"plan {self.name} needs pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"x cp={self.cp} x tp={self.tp}{f' + encoders.ranks={self.encoders.ranks}' if self.encoders.ranks else ''} "
-                f"= {self.world_size} ranks, but the world size is {world_size}"
+                f"x cp={self.cp} x tp={self.tp}{encoders} = {self.world_size} ranks, but the world size is {world_size}"
             )
 
     def check_model(self, shape: ModelShape) -> None:

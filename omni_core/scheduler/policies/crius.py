@@ -75,8 +75,8 @@ def greedy(
 def _first_moves(
     values: Sequence[np.ndarray], n: np.ndarray, held: Sequence[Cell | None], types: int
 ) -> list[list[Move]]:
-    """Every job's moves from where it starts, one heap per GPU type, computed for all jobs at once (the
-    per-job loop was most of a large decision's cost): (-gain per extra GPU, job, version 0, count)."""
+    """Every job's moves from where it starts, one heap per GPU type, computed for all jobs at once (a loop
+    over jobs would dominate a large decision's cost): (-gain per extra GPU, job, version 0, count)."""
     heaps: list[list[Move]] = [[] for _ in range(types)]
     if not values:
         return heaps

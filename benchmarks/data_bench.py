@@ -137,7 +137,7 @@ def bench_generate(records: int) -> dict:
 
     from omni_core.data.dataset import ManifestDataset
     from omni_core.data.sample import measure
-    from omni_core.data.sources import View
+    from omni_core.data.source_base import View
     from omni_core.data.workload import MixSchedule, draw_at_steps, segments_of
     from omni_core.recipe import load_recipe
 
@@ -163,7 +163,7 @@ def bench_generate(records: int) -> dict:
 def decode_rates(location: str, cfg, per_modality: int) -> dict[str, float]:
     """Samples decoded per CPU second, by modality (the first `per_modality` of each in the stream)."""
     from omni_core.data.dataset import ManifestDataset
-    from omni_core.data.sources import View
+    from omni_core.data.source_base import View
 
     dataset = ManifestDataset(location, cfg)
     stream = dataset.source.stream(View(0, 1, "all", 0, one_pass=True, shuffle=False), None, print)

@@ -29,7 +29,7 @@ from omni_core.common.batch import PackedBatch
 from omni_core.data.balance import Balance, GroupPacker, make_packer
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
 from omni_core.data.packing import collate
-from omni_core.data.sources import Record, View
+from omni_core.data.source_base import Record, View
 from omni_core.recipe.data_sections import DataConfig
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
 from omni_core.data.sample import KIND_CODE, KINDS, SIZE_FIELDS
-from omni_core.data.sources import Record, ShardedSource, Sizes, View
+from omni_core.data.source_base import Record, Sizes, View
+from omni_core.data.sources import ShardedSource
 from omni_core.data.synthetic import DynamicSource
 from omni_core.recipe.data_sections import DataConfig
 from omni_core.recipe.schema import Recipe

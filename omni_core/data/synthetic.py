@@ -29,7 +29,7 @@ from PIL import Image, ImageDraw
 
 from omni_core.data.image import frame_indices
 from omni_core.data.sample import KINDS, SIZE_FIELDS, Measures, Sample, Segment, measure
-from omni_core.data.sources import Record, Source, Stream, View
+from omni_core.data.source_base import Record, Source, Stream, View
 from omni_core.data.storage import is_s3
 from omni_core.data.workload import (
     BACKGROUNDS,
@@ -264,8 +264,8 @@ class _DynamicStream(Stream):
             name,
             kind,
             *(c[i] for c in columns),
-            sizes.segment_tokens[i],
-            (spec, view.seed, self.stream),
+            segment_tokens=sizes.segment_tokens[i],
+            payload=(spec, view.seed, self.stream),
         )
         return record, sizes.problem[i]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from omni_core.data.dataset import ManifestDataset, open_dataset
-from omni_core.data.sources import Record, View
+from omni_core.data.source_base import Record, View
 from tests.helpers.recipes import build_recipe
 
 MIX = {"text": 0.3, "image": 0.3, "audio": 0.2, "video": 0.2}

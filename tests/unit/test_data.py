@@ -26,7 +26,7 @@ from omni_core.data.image import patch_grid, patchify
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.packing import OVERDUE, BatchPacker, collate
 from omni_core.data.profile import profile_dataset
-from omni_core.data.sources import CorruptSample, Record, View, in_heldout
+from omni_core.data.source_base import CorruptSample, Record, View, in_heldout
 from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
 from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
 from omni_core.recipe.data_sections import DataConfig

@@ -19,7 +19,7 @@ from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import DatasetProfile, Profiler, profile_dataset, profile_source
 from omni_core.data.sample import KINDS, Sample, Segments, measure
-from omni_core.data.sources import View
+from omni_core.data.source_base import View
 from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor

@@ -18,7 +18,7 @@ from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
-from omni_core.data.sources import View, in_heldout
+from omni_core.data.source_base import View, in_heldout
 from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.data_sources import MIX, SOURCES, both_formats, records, same_docs
 from tests.helpers.recipes import build_recipe

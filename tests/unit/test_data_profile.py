@@ -17,7 +17,9 @@ from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.dataset import ManifestDataset, open_dataset
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
-from omni_core.data.profile import DatasetProfile, Profiler, profile_dataset, profile_source
+from omni_core.data.profile import profile_dataset, profile_source
+from omni_core.data.profile_result import DatasetProfile
+from omni_core.data.profiler import Profiler
 from omni_core.data.sample import KINDS, Sample, Segments, measure
 from omni_core.data.source_base import View
 from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of

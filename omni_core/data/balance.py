@@ -149,7 +149,7 @@ def place(
     for i in order:
         if not heap:
             break
-        skipped = []
+        skipped: list[tuple[float, int]] = []
         while heap and most[heap[0][1]] < tokens[i] and len(skipped) < SEARCH:
             skipped.append(heapq.heappop(heap))
         if heap and most[heap[0][1]] >= tokens[i]:
@@ -190,8 +190,8 @@ def _polish(
         if not a or not b or gap <= 0:
             return
         ta, tb = np.array([tokens[i] for i in a]), np.array([tokens[i] for i in b])
-        ra = np.array([room[hi][out[i][1]] for i in a]) + ta  # room each item's sequence has without it
-        rb = np.array([room[lo][out[i][1]] for i in b]) + tb
+        ra = np.array([room[hi][_spot(out, i)[1]] for i in a]) + ta  # room each item's sequence has without it
+        rb = np.array([room[lo][_spot(out, i)[1]] for i in b]) + tb
         moved = total[a][:, None] - total[b][None, :]  # load that leaves hi per swap
         fits = (tb[None, :] <= ra[:, None]) & (ta[:, None] <= rb[None, :]) & (moved > 0) & (moved < gap)
         if not fits.any():
@@ -199,13 +199,20 @@ def _polish(
         after = np.where(fits, np.abs(gap - 2 * moved), np.inf)
         x, y = np.unravel_index(int(np.argmin(after)), after.shape)
         i, j = a[x], b[y]
-        (_, si), (_, sj) = out[i], out[j]
+        (_, si), (_, sj) = _spot(out, i), _spot(out, j)
         room[hi][si] += tokens[i] - tokens[j]
         room[lo][sj] += tokens[j] - tokens[i]
         loads[hi] -= float(moved[x, y])
         loads[lo] += float(moved[x, y])
         out[i], out[j] = (lo, sj), (hi, si)
         a[x], b[y] = j, i
+
+
+def _spot(out: list[tuple[int, int] | None], i: int) -> tuple[int, int]:
+    """Where item `i` sits, (rank, sequence): `_polish` only moves items that were placed."""
+    spot = out[i]
+    assert spot is not None
+    return spot
 
 
 class GroupPacker(BatchPacker[S]):

@@ -89,9 +89,9 @@ class ManifestDataset:
                     f"{frames[0].width}x{frames[0].height}, {total} frames",
                     f"{seg.width}x{seg.height}, {seg.num_frames} frames",
                 )
-                patches = [patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches) for frame in frames]
-                doc.video_patches.append(torch.cat([p for p, _ in patches]))
-                doc.video_grids.append((len(frames), *patches[0][1]))  # frames of one clip share their size
+                per_frame = [patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches) for frame in frames]
+                doc.video_patches.append(torch.cat([p for p, _ in per_frame]))
+                doc.video_grids.append((len(frames), *per_frame[0][1]))  # frames of one clip share their size
             else:
                 wave, rate = media
                 self._check(

@@ -53,7 +53,7 @@ class FlopModel:
             return train * model_flops.llm_forward_flops(args.llm, [int(tokens)])
 
         def vision(patches: float) -> float:
-            return train * model_flops.vision_forward_flops(args.vision, patches)
+            return train * model_flops.vision_forward_flops(args.vision, int(patches))
 
         rescale = (SPATIAL_MERGE / args.spatial_merge) ** 2
         projector = train * model_flops.projector_forward_flops(*dims["image"], 1) * rescale

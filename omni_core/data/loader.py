@@ -138,7 +138,9 @@ class _Workers(torch.utils.data.IterableDataset):
         self.loader, self.rotation = loader, rotation
 
     def __iter__(self) -> Iterator[tuple[int, PackedBatch, dict[str, Any]]]:
-        slot = (torch.utils.data.get_worker_info().id + self.rotation) % self.loader.slots
+        worker = torch.utils.data.get_worker_info()
+        assert worker is not None  # iterated only in the DataLoader's worker processes (num_workers = slots)
+        slot = (worker.id + self.rotation) % self.loader.slots
         stream = self.loader.consumer(slot)
         while (batch := stream.next_batch()) is not None:
             yield slot, batch, stream.state()

@@ -95,7 +95,8 @@ class BatchPacker(Generic[S]):
     def pack(self) -> list[list[S]]:
         """One batch: `bins` sequences (some possibly empty) of pool samples, removed from the pool."""
         sizes, waits, capacity = self.sizes, self.waits, self.capacity
-        loads, sequences = [0] * self.bins, [[] for _ in range(self.bins)]  # pool indices per sequence
+        loads = [0] * self.bins
+        sequences: list[list[int]] = [[] for _ in range(self.bins)]  # pool indices per sequence
         if max(waits, default=0) >= OVERDUE:
             overdue = sorted((i for i, w in enumerate(waits) if w >= OVERDUE), key=lambda i: -sizes[i])
             left = [i for i, w in enumerate(waits) if w < OVERDUE]  # in stream order: older ones are preferred
@@ -167,7 +168,7 @@ def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatc
         used = sum(len(d.input_ids) for d in seq)
         if used > cfg.seq_len:
             raise ValueError(f"sequence holds {used} tokens, more than seq_len={cfg.seq_len}")
-        filled = seq + [DecodedSample.padding(cfg.seq_len - used)] if used < cfg.seq_len else seq
+        filled = [*seq, DecodedSample.padding(cfg.seq_len - used)] if used < cfg.seq_len else seq
         for doc in filled:  # a sample that failed to decode is padding too
             docs.extend(_split_padding(len(doc.input_ids)) if doc.is_padding else [doc])
     ids = [torch.tensor(d.input_ids, dtype=torch.long) for d in docs]

@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -86,19 +87,20 @@ def segment_fields(obj: Any) -> SegmentFields:
         if type(path) is str and path and text is None:
             return ("text", "", path, 0, 0, 0, 0, 0)
         raise ValueError("text segment needs a string 'text' (or, in a WebDataset sample, a member 'path')")
-    sizes = _SIZES.get(kind) if type(kind) is str else None
-    if sizes is None:
+    if type(kind) is not str or kind not in _SIZES:
         raise ValueError(f"segment needs a 'type' in {KINDS}")
+    sizes = _SIZES[kind]
     path = obj.get("path", "")
     if type(path) is not str or not path:
         raise ValueError(f"{kind} segment needs a string 'path'")
-    fields = [kind, "", path, 0, 0, 0, 0, 0]
+    sized = [0, 0, 0, 0, 0]  # the fields from width on
     for at, key, least in sizes:
         value = obj.get(key)
         if type(value) is not int or value < least:
             raise ValueError(f"{kind} segment needs an integer '{key}' >= {least}")
-        fields[at] = value
-    return tuple(fields)
+        sized[at - 3] = value
+    width, height, num_samples, sample_rate, num_frames = sized
+    return (kind, "", path, width, height, num_samples, sample_rate, num_frames)
 
 
 def modality_of(kinds: Iterable[str]) -> str:
@@ -222,7 +224,7 @@ class Measures:
         """Per sample, LLM tokens of each segment: built on first use, as the metadata profile needs none."""
         bounds = np.searchsorted(self.segment_owner, np.arange(len(self.tokens) + 1)).tolist()
         flat = self.segment_llm.tolist()
-        return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [flat[a:b] for a, b in pairwise(bounds)]
 
     @property
     def encoder_tokens(self) -> np.ndarray:

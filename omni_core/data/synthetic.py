@@ -20,7 +20,7 @@ import shutil
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import soundfile as sf
@@ -50,7 +50,7 @@ from omni_core.data.workload import (
     segments_of,
     uniforms,
 )
-from omni_core.recipe.data_sections import DataConfig, SyntheticConfig
+from omni_core.recipe.data_sections import DataConfig, Modality, SyntheticConfig
 from omni_core.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
@@ -251,10 +251,10 @@ class _DynamicStream(Stream):
         i = ordinal - start
         modality = pick_modality(self.u[i], self._shares(step))
         if modality not in self.variants:
-            specs = draw_specs(syn, view.seed, self.stream, self.index, np.full(DRAW_CHUNK, modality))
-            sizes = measure(segments_of(specs, cfg.sample_rate), DRAW_CHUNK, cfg)
+            drawn = draw_specs(syn, view.seed, self.stream, self.index, np.full(DRAW_CHUNK, modality))
+            sizes = measure(segments_of(drawn, cfg.sample_rate), DRAW_CHUNK, cfg)
             columns = [getattr(sizes, name).tolist() for name in SIZE_FIELDS]
-            self.variants[modality] = (specs.rows(), columns, sizes)
+            self.variants[modality] = (drawn.rows(), columns, sizes)
         specs, columns, sizes = self.variants[modality]
         spec, kind = specs[i], KINDS[modality]
         name = f"{'heldout-' if self.stream == HELDOUT else ''}{kind}-{spec.index:09d}"
@@ -286,7 +286,7 @@ class _DynamicStream(Stream):
 # --- on disk ---------------------------------------------------------------------------------------------
 
 
-def exact_modalities(mix: dict[str, float], num: int, seed: int) -> np.ndarray:
+def exact_modalities(mix: dict[Modality, float], num: int, seed: int) -> np.ndarray:
     """Modality codes with exactly the mix's shares (largest remainder), in a seeded order."""
     total = sum(mix.values())
     quotas = {m: num * share / total for m, share in mix.items()}
@@ -326,7 +326,7 @@ def encode_media(kind: str, media: Any, sample_rate: int) -> tuple[str, bytes]:
 class _JsonlWriter:
     """manifest.jsonl beside images/, video/ and audio/ folders."""
 
-    FOLDERS = {"image": "images", "video": "video", "audio": "audio"}
+    FOLDERS: ClassVar[dict[str, str]] = {"image": "images", "video": "video", "audio": "audio"}
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -353,17 +353,24 @@ class _WdsWriter:
         self.tar: tarfile.TarFile | None = None
         self.count = 0
 
-    def _member(self, name: str, data: bytes) -> None:
+    @staticmethod
+    def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
         info.size, info.mode, info.mtime = len(data), 0o644, 0  # fixed metadata: byte-identical shards
-        self.tar.addfile(info, io.BytesIO(data))
+        tar.addfile(info, io.BytesIO(data))
 
-    def add(self, sample: Sample, media: tuple[str, bytes] | None) -> None:
-        if self.count % self.shard_size == 0:
+    def _shard(self) -> tarfile.TarFile:
+        """The shard the next sample goes into: a new one every shard_size samples."""
+        if self.tar is None or self.count % self.shard_size == 0:
             self.close()
-            self.tar = tarfile.open(
+            # open across add() calls, until the next shard's or close(): no `with` can span them
+            self.tar = tarfile.open(  # noqa: SIM115
                 self.root / f"shard-{self.count // self.shard_size:06d}.tar", "w", format=tarfile.USTAR_FORMAT
             )
+        return self.tar
+
+    def add(self, sample: Sample, media: tuple[str, bytes] | None) -> None:
+        tar = self._shard()
         self.count += 1
         text = sample.segments[-1]
         members = {"txt": text.text.encode("utf-8")}
@@ -371,9 +378,9 @@ class _WdsWriter:
         if media is not None:
             sample.segments[0].path = media[0]
             members[media[0]] = media[1]
-        self._member(f"{sample.id}.json", json.dumps(sample.to_json()).encode())
+        self._member(tar, f"{sample.id}.json", json.dumps(sample.to_json()).encode())
         for ext, data in members.items():
-            self._member(f"{sample.id}.{ext}", data)
+            self._member(tar, f"{sample.id}.{ext}", data)
 
     def close(self) -> None:
         if self.tar is not None:

@@ -12,13 +12,12 @@ same hash, only for samples that are decoded or written (`synthetic.py`).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from omni_core.data.sample import KIND_CODE, KINDS, Segments
-from omni_core.recipe.data_sections import LengthDist, SyntheticConfig
+from omni_core.recipe.data_sections import LengthDist, Modality, SyntheticConfig
 
 SHAPES = ("circle", "square", "triangle")
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30)}
@@ -83,8 +82,10 @@ class MixSchedule:
     the others to fill the rest."""
 
     def __init__(self, cfg: SyntheticConfig) -> None:
-        def vector(mix: dict[str, float]) -> np.ndarray:
-            shares = np.array([mix.get(m, 0.0) for m in KINDS])
+        def vector(mix: dict[Modality, float]) -> np.ndarray:
+            shares = np.zeros(len(KINDS))
+            for m, share in mix.items():
+                shares[KIND_CODE[m]] = share
             return shares / shares.sum()
 
         points = cfg.schedule or []
@@ -133,10 +134,12 @@ class Specs:
 
     def rows(self) -> list[Spec]:
         """Per sample, as plain ints: what a record carries and a renderer takes."""
-        return [Spec(*row) for row in zip(*(getattr(self, name).tolist() for name in Spec._fields))]
+        names = [field.name for field in fields(Spec)]
+        return [Spec(*row) for row in zip(*(getattr(self, name).tolist() for name in names))]
 
 
-class Spec(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Spec:
     """One sample's `Specs` entry."""
 
     index: int

@@ -307,8 +307,10 @@ def _step_into(container: Any, part: str, walked: str, locations: Locations, lab
 def _assign(container: Any, part: str, walked: str, value: Any) -> None:
     if isinstance(container, dict):
         path, old = _join(walked, part), container.get(part)
-        merge = isinstance(value, dict) and isinstance(old, dict) and _is_section(path)
-        container[part] = _deep_merge(old, value, path, []) if merge else value
+        if isinstance(value, dict) and isinstance(old, dict) and _is_section(path):
+            container[part] = _deep_merge(old, value, path, [])
+        else:
+            container[part] = value
     else:
         container[_list_index(container, part, walked)] = value
 

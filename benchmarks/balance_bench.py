@@ -50,7 +50,9 @@ from omni_core.recipe.loader import load_recipe, override_recipe
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import preimport, run_ranks
-from omni_core.runtime.step import Optimizers, build_replica, shards_per_node, train_step
+from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.replica import build_replica, shards_per_node
+from omni_core.runtime.step import train_step
 from omni_core.runtime.trainer import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))

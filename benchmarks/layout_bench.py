@@ -49,7 +49,9 @@ from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.ranks import preimport, run_ranks
-from omni_core.runtime.step import Optimizers, build_replica, shards_per_node, train_step
+from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.replica import build_replica, shards_per_node
+from omni_core.runtime.step import train_step
 from omni_core.runtime.trainer import resolve_dtype, resolve_plan
 
 FLAVOR = "debug-enc"

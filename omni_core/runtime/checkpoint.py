@@ -34,7 +34,7 @@ from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, CheckpointSt
 from omni_core.runtime.dist import DistInfo, barrier
 
 if TYPE_CHECKING:
-    from omni_core.runtime.step import Optimizers
+    from omni_core.runtime.optimizer import Optimizers
 
 # Evaluation and single-process tests use DCP without a process group on purpose; DCP warns about it each time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

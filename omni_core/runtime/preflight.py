@@ -34,8 +34,8 @@ from omni_core.recipe import Locations, Recipe, RecipeError, located_problem
 from omni_core.runtime.checkpoint import checkpoint_store
 from omni_core.runtime.ckpt_store import CheckpointError, S3Store
 from omni_core.runtime.dist import DistInfo, uses_cuda
+from omni_core.runtime.replica import check_buildable, shards_per_node
 from omni_core.runtime.slurm import unknown_nodes
-from omni_core.runtime.step import check_buildable, shards_per_node
 from omni_core.runtime.supervisor import LaunchError
 from omni_core.runtime.trainer import resolve_plan
 from omni_core.tracking import TrackingError, check_tracking_uri, resolve_tracking_uri

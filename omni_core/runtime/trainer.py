@@ -36,8 +36,10 @@ from omni_core.runtime.checkpoint import (
     save_checkpoint,
 )
 from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
+from omni_core.runtime.optimizer import Optimizers
 from omni_core.runtime.perf import device_peak, peak_memory_mb
-from omni_core.runtime.step import Optimizers, StepStats, build_replica, shards_per_node, train_step
+from omni_core.runtime.replica import build_replica, shards_per_node
+from omni_core.runtime.step import StepStats, train_step
 from omni_core.tracking import NullTracker, Tracker
 
 Log = Callable[[str], None]

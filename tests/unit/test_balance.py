@@ -18,7 +18,8 @@ from omni_core.estimator.recipe_cells import flavor_workload
 from omni_core.models.omni import build_model
 from omni_core.recipe.loader import override_recipe
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.step import ModelReplica, train_step
+from omni_core.runtime.replica import ModelReplica
+from omni_core.runtime.step import train_step
 from tests.helpers.plans import CapturingOptimizers
 from tests.helpers.recipes import build_recipe
 

@@ -12,10 +12,16 @@ from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.results import EvalReport, ModalityScore, TaskScore
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
-from omni_core.models.omni import build_model
+from omni_core.models.omni import OmniModel, build_model
 from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.checkpoint import checkpoint_cache, checkpoint_store, latest_checkpoint, load_checkpoint
+from omni_core.runtime.checkpoint import (
+    Manifest,
+    checkpoint_cache,
+    checkpoint_store,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from omni_core.runtime.ckpt_store import CheckpointError
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
@@ -26,6 +32,26 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     ckpt = checkpoint or latest_checkpoint(checkpoint_store(recipe))
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint in {recipe.checkpoint_dir()} (train first)")
+    model, manifest = load_model(recipe, ckpt)
+    dataset = open_dataset(recipe)
+    loader = PackedLoader(dataset, recipe.data, "heldout", 0, 1, recipe.experiment.seed)
+    stats, samples, captions = heldout_pass(recipe, model, loader)
+    if stats is None:
+        raise ValueError(f"held-out split of {dataset} is empty: raise data.heldout_fraction")
+    means = summarize(stats)
+    return EvalReport(
+        checkpoint=str(ckpt),
+        step=manifest.step,
+        samples=samples,
+        loss=means["loss"],
+        perplexity=math.exp(means["loss"]),
+        per_modality=modality_scores(stats, means),
+        task=task_scores(captions),
+    )
+
+
+def load_model(recipe: Recipe, ckpt: str) -> tuple[OmniModel, Manifest]:
+    """The recipe's whole model on this process's CPU, its weights restored from `ckpt`, in eval mode."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = build_model(
         recipe.model.flavor,
@@ -35,9 +61,15 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     )
     manifest, _ = load_checkpoint(ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info)
     model.eval()
+    return model, manifest
 
-    dataset = open_dataset(recipe)
-    loader = PackedLoader(dataset, recipe.data, "heldout", 0, 1, recipe.experiment.seed)
+
+Captions = dict[str, list[tuple[str, str]]]  # modality -> (decoded, reference) pairs
+
+
+def heldout_pass(recipe: Recipe, model: OmniModel, loader: PackedLoader) -> tuple[torch.Tensor | None, int, Captions]:
+    """One pass over up to `eval.max_batches` held-out batches: the summed loss statistics (None for no batch),
+    the samples seen, and up to `eval.generate_samples` greedy captions per modality with their references."""
 
     def tokens_per_image(rows: int, cols: int) -> int:
         return math.prod(merged_grid(rows, cols, model.args.spatial_merge))
@@ -47,7 +79,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
 
     stats = None
     samples = 0
-    captions: dict[str, list[tuple[str, str]]] = {}
+    captions: Captions = {}
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if index >= recipe.eval.max_batches:
@@ -61,19 +93,24 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
                     pair = greedy_caption(model, doc, recipe.eval.max_new_tokens, recipe.data.seq_len)
                     if pair is not None:
                         done.append(pair)
-    if stats is None:
-        raise ValueError(f"held-out split of {dataset} is empty: raise data.heldout_fraction")
+    return stats, samples, captions
 
+
+def modality_scores(stats: torch.Tensor, means: dict[str, float]) -> dict[str, ModalityScore]:
+    """Loss, perplexity and target tokens of each modality the held-out targets hold."""
     counts = stats[1 + len(MODALITY_IDS) :]
-    means = summarize(stats)
-    per_modality = {
+    return {
         name: ModalityScore(
             loss=means[f"loss/{name}"], perplexity=math.exp(means[f"loss/{name}"]), tokens=int(counts[idx])
         )
         for name, idx in MODALITY_IDS.items()
         if f"loss/{name}" in means
     }
-    task = {
+
+
+def task_scores(captions: Captions) -> dict[str, TaskScore]:
+    """Word accuracy and exact matches of each modality's greedy captions against their references."""
+    return {
         modality: TaskScore(
             samples=len(pairs),
             word_accuracy=sum(word_accuracy(*pair) for pair in pairs) / len(pairs),
@@ -83,12 +120,3 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
         for modality, pairs in captions.items()
         if pairs
     }
-    return EvalReport(
-        checkpoint=str(ckpt),
-        step=manifest.step,
-        samples=samples,
-        loss=means["loss"],
-        perplexity=math.exp(means["loss"]),
-        per_modality=per_modality,
-        task=task,
-    )

@@ -67,6 +67,8 @@ class RopeScaling:
 
 # The FFN's gate activation (SwiGLU is silu); names as torch's, transformers' `gelu_pytorch_tanh` is gelu_tanh.
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+# The encoders' MLP activation (SigLIP uses the tanh approximation).
+EncoderActivation = Literal["gelu", "gelu_tanh", "relu"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class VisionArgs:
     # absolute: one learned table for a max_grid x max_grid grid (SigLIP/CLIP), resampled to other grids.
     pos_embed: Literal["factorized", "absolute"] = "factorized"
     max_grid: int = 64
-    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"  # SigLIP uses the tanh approximation
+    activation: EncoderActivation = "gelu"
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
@@ -145,7 +147,7 @@ class AudioArgs:
     mlp_ratio: float = 4.0
     max_frames: int = 3000  # longest clip accepted (log-mel frames, before the 2x subsampling)
     norm_eps: float = 1e-5
-    activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu"
+    activation: EncoderActivation = "gelu"
 
     def __post_init__(self) -> None:
         _check_heads("AudioArgs", self.dim, self.n_heads)

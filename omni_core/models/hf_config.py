@@ -17,7 +17,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omni_core.models.args import AudioArgs, LLMArgs, MoEArgs, RopeScaling, VisionArgs
+from omni_core.models.args import (
+    Activation,
+    AudioArgs,
+    EncoderActivation,
+    LLMArgs,
+    MoEArgs,
+    RopeKind,
+    RopeScaling,
+    VisionArgs,
+)
 
 # model_type -> (our name table in hf_import, transformers' defaults for the keys a file may leave out)
 DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -62,7 +71,7 @@ _BOOKKEEPING = {
     "chunk_size_feed_forward",
     "is_encoder_decoder",
 }
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
     "swish": "silu",
     "gelu": "gelu",
@@ -70,6 +79,12 @@ _ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "relu": "relu",
 }  # gelu_new is the tanh formula written out
+_ENCODER_ACTIVATIONS: dict[str, EncoderActivation] = {
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 class ConfigRefused(ValueError):
@@ -205,7 +220,9 @@ def _rope(r: _Reader) -> dict[str, Any]:
     return {"rope_theta": float(theta), "rope_scaling": scaling}
 
 
-def _scaling(kind: str, params: dict[str, Any], r: _Reader, refuse) -> RopeScaling:
+def _scaling(
+    kind: RopeKind, params: dict[str, Any], r: _Reader, refuse: Callable[[str, str], ConfigRefused]
+) -> RopeScaling:
     original = params.pop("original_max_position_embeddings", None)
     factor = params.pop("factor", None)
     if factor is None and kind == "yarn" and original:  # transformers: the context's growth over pre-training
@@ -227,7 +244,7 @@ def _scaling(kind: str, params: dict[str, Any], r: _Reader, refuse) -> RopeScali
 
 def _window(r: _Reader, model_type: str) -> dict[str, Any]:
     """Mistral and Mixtral slide in every layer; Qwen2 from max_window_layers on, when use_sliding_window."""
-    n_layers = r.config.get("num_hidden_layers")
+    n_layers: int = r.need("num_hidden_layers")
     if model_type in ("mistral", "mixtral"):
         return {"sliding_window": r.get("sliding_window") or None}
     if model_type == "llama":
@@ -345,7 +362,7 @@ def vision_args_from_config(config: dict[str, Any], source: str) -> tuple[Vision
     r.ignore("vision_use_head")  # the pooling head's tensors are skipped on import (an MLLM uses the patches)
     dim, patch = r.get("hidden_size", 768), r.get("patch_size", 16)
     activation = r.get("hidden_act", "gelu_pytorch_tanh")
-    if activation not in ("gelu", "gelu_pytorch_tanh", "gelu_new", "relu"):
+    if activation not in _ENCODER_ACTIVATIONS:
         raise r.refuse("hidden_act", "omni's encoder MLPs use gelu, gelu_pytorch_tanh or relu")
     args = VisionArgs(
         patch_dim=3 * patch * patch,
@@ -355,7 +372,7 @@ def vision_args_from_config(config: dict[str, Any], source: str) -> tuple[Vision
         mlp_ratio=_mlp_ratio(dim, r.get("intermediate_size", 3072)),
         pos_embed="absolute",
         max_grid=r.get("image_size", 224) // patch,
-        activation=_ACTIVATIONS[activation],
+        activation=_ENCODER_ACTIVATIONS[activation],
         norm_eps=r.get("layer_norm_eps", 1e-6),
     )
     r.finish()
@@ -392,7 +409,7 @@ def audio_args_from_config(config: dict[str, Any], source: str) -> tuple[AudioAr
         r.only(key, lambda v: not v, "omni trains without dropout", 0.0)
     r.only("scale_embedding", lambda v: not v, "omni's encoder does not scale its inputs by sqrt(d_model)", False)
     activation = r.get("activation_function", "gelu")
-    if activation not in ("gelu", "gelu_pytorch_tanh", "gelu_new", "relu"):
+    if activation not in _ENCODER_ACTIVATIONS:
         raise r.refuse("activation_function", "omni's encoder MLPs use gelu, gelu_pytorch_tanh or relu")
     dim = r.get("d_model", 256)
     args = AudioArgs(
@@ -402,7 +419,7 @@ def audio_args_from_config(config: dict[str, Any], source: str) -> tuple[AudioAr
         n_heads=r.get("encoder_attention_heads", 4),
         mlp_ratio=_mlp_ratio(dim, r.get("encoder_ffn_dim", 1536)),
         max_frames=2 * r.get("max_source_positions", 1500),
-        activation=_ACTIVATIONS[activation],
+        activation=_ENCODER_ACTIVATIONS[activation],
     )
     r.finish()
     return args, "model.encoder."

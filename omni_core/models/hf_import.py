@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -111,7 +112,8 @@ class Layout:
         raise ValueError(f"parameter {name!r} of this {self.module_type.__name__} has no name in the layout")
 
 
-def _siglip_key_biases(vit: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+def _siglip_key_biases(module: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    vit = cast(VisionEncoder, module)  # the siglip layout's module type
     zeros = torch.zeros(vit.args.dim, dtype=vit.norm.weight.dtype)
     return {f"encoder.layers.{i}.self_attn.k_proj.bias": (zeros, False) for i in range(len(vit.layers))}
 
@@ -124,7 +126,8 @@ def _siglip_patch_conv(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(tensor.shape[0], 3, patch, patch)
 
 
-def _whisper_positions(encoder: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+def _whisper_positions(module: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    encoder = cast(AudioEncoder, module)  # the whisper layout's module type
     table = sinusoids(torch.arange(encoder.args.max_frames // 2), encoder.args.dim)
     return {"embed_positions.weight": (table.to(encoder.norm.weight.dtype), True)}
 
@@ -247,15 +250,16 @@ def load_pretrained(directory: str | Path, part: str) -> tuple[nn.Module, str]:
     config.json and filled from its safetensors; with the layout it was read in. Raises `ConfigRefused`
     naming the key for a setting omni cannot honour, ValueError naming the tensor for weights that do not fit."""
     config, source = hf_config.read_config(directory)
+    module: nn.Module
     if part == "llm":
-        args, layout = hf_config.llm_args_from_config(config, source)
-        module, prefix = LLM(args), ""
+        llm_args, layout = hf_config.llm_args_from_config(config, source)
+        module, prefix = LLM(llm_args), ""
     elif part == "vision":
-        args, prefix = hf_config.vision_args_from_config(config, source)
-        module, layout = VisionEncoder(args), "siglip"
+        vision_args, prefix = hf_config.vision_args_from_config(config, source)
+        module, layout = VisionEncoder(vision_args), "siglip"
     elif part == "audio":
-        args, prefix = hf_config.audio_args_from_config(config, source)
-        module, layout = AudioEncoder(args), "whisper"
+        audio_args, prefix = hf_config.audio_args_from_config(config, source)
+        module, layout = AudioEncoder(audio_args), "whisper"
     else:
         raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")
     load_safetensors(module, directory, layout, prefix)

@@ -4,6 +4,8 @@ a mixture of SwiGLU experts."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     if scaling.kind == "linear":
         return inv_freq / factor, 1.0
     original = scaling.original_max_positions
+    assert original is not None  # RopeScaling requires it for llama3 and yarn
     if scaling.kind == "llama3":
         # wavelengths longer than original / low_freq_factor are stretched by factor, shorter than
         # original / high_freq_factor kept, those between blended by where they fall
@@ -102,7 +105,7 @@ class Attention(nn.Module):
         return self.wo(out.flatten(1))
 
 
-GATE_ACTIVATIONS = {
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -198,7 +201,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, args.window(layer))
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.moe is not None
-        if self.moe_enabled:
+        if args.moe is not None:
             self.moe = MoE(args.dim, args.ffn_hidden, args.moe, args.activation)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation)
@@ -244,8 +247,19 @@ class LLM(nn.Module):
         h = inputs_embeds
         for layer in self.layers.values():
             h = layer(h, cos, sin, offsets)
-        aux = [layer.moe.aux_loss for layer in self.layers.values() if layer.moe_enabled]
-        self.aux_loss = self.args.moe.aux_loss_coef * torch.stack(aux).sum() if aux else h.new_zeros(())
+        aux = self.moe_aux_losses()
+        moe = self.args.moe
+        self.aux_loss = moe.aux_loss_coef * torch.stack(aux).sum() if moe is not None and aux else h.new_zeros(())
         if self.output is None:  # a pipeline stage before the last one hands on hidden states
             return h
         return self.output(self.norm(h))
+
+    def moe_aux_losses(self) -> list[torch.Tensor]:
+        """The unweighted load-balancing loss of each MoE layer this module holds, as the last forward set it."""
+        losses = []
+        for layer in self.layers.values():
+            block = cast(TransformerBlock, layer)
+            if block.moe_enabled:
+                assert block.moe.aux_loss is not None  # set by the forward that just ran
+                losses.append(block.moe.aux_loss)
+        return losses

@@ -155,12 +155,13 @@ class OmniModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+            else:
+                continue
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def num_params(self) -> int:
         """Counted from the modules; equals `flops.omni_params(args)["total"]` (a tested invariant)."""

@@ -113,8 +113,7 @@ class VisionEncoder(nn.Module):
         """Frame features of the videos in `video_grids`, every `temporal_merge` consecutive frames averaged
         position-wise (`forward_video`)."""
         videos = video_grids.tolist()
-        merged = []
+        merged: list[torch.Tensor] = []
         for (frames, rows, cols), clip in zip(videos, features.split([f * r * c for f, r, c in videos])):
-            for group in clip.view(frames, rows * cols, -1).split(temporal_merge):
-                merged.append(group.mean(dim=0))
+            merged.extend(group.mean(dim=0) for group in clip.view(frames, rows * cols, -1).split(temporal_merge))
         return torch.cat(merged) if merged else features

@@ -3,9 +3,9 @@
 A step holds the DCP shards (model + optimizer), one `rank<r>.pt` per rank with what is private to a rank
 (data-loader position, RNG), and `manifest.json`. Model and optimizer state are keyed by the whole model's
 parameter names (optimizer state flattened, one entry per parameter), whatever the plan that saved them:
-DCP reshards them on load, so a run saved under one plan resumes under another (e.g. dp4 -> dp2-tp2). The manifest is written only after every rank's files
-are durable in the store (ckpt_store: a local directory or S3), so a step without it is an interrupted save
-and is never taken for a checkpoint.
+DCP reshards them on load, so a run saved under one plan resumes under another (e.g. dp4 -> dp2-tp2). The
+manifest is written only after every rank's files are durable in the store (ckpt_store: a local directory or
+S3), so a step without it is an interrupted save and is never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,7 @@ def latest_checkpoint(store: CheckpointStore) -> str | None:
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state(parts: list[nn.Module], optimizers: Optimizers | None) -> dict[str, dict[str, Any]]:
+def _state(parts: Sequence[nn.Module], optimizers: Optimizers | None) -> dict[str, dict[str, Any]]:
     """{"model": ..., "optim": ...} over all model parts, keyed by the whole model's names."""
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
@@ -100,7 +101,7 @@ def save_checkpoint(
     store: CheckpointStore,
     *,
     step: int,
-    parts: list[nn.Module],
+    parts: Sequence[nn.Module],
     optimizers: Optimizers,
     rank_state: dict[str, Any],
     history: dict[str, Any],
@@ -141,7 +142,7 @@ def load_checkpoint(
     location: str,
     *,
     cache: Path,
-    parts: list[nn.Module],
+    parts: Sequence[nn.Module],
     optimizers: Optimizers | None,
     info: DistInfo,
     plan: str | None = None,

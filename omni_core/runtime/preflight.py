@@ -25,6 +25,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.data.balance import balance_group_size
 from omni_core.data.dataset import open_source
+from omni_core.data.sources import ShardedSource
 from omni_core.data.storage import endpoint_unreachable, is_s3, s3_endpoint
 from omni_core.data.synthetic import dataset_location
 from omni_core.models.args import OmniModelArgs
@@ -195,7 +196,9 @@ def _data(recipe: Recipe) -> list[Finding]:
                 else []
             )
         if location != "dynamic":
-            open_source(location, cfg).check_usable()
+            source = open_source(location, cfg)
+            assert isinstance(source, ShardedSource)  # every location but the dynamic generator's is sharded
+            source.check_usable()
     except (OSError, ValueError, BotoCoreError, ClientError) as error:  # the last two: S3 said no
         return [Finding(_data_field(recipe), str(error))]
     return []

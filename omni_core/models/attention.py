@@ -1,7 +1,7 @@
 """Attention over packed sequences, and the bidirectional transformer block the encoders share.
 
-Packed documents (LLM samples, images, audio clips) are attended one SDPA call each: on CPU that is ~6x
-faster than a dense block-diagonal mask (PLATFORM-NOTES.md), and attention can never cross a document.
+Packed documents (LLM samples, images, audio clips) are attended one SDPA call each: on CPU that is several
+times faster than a dense block-diagonal mask (PLATFORM-NOTES.md), and attention can never cross a document.
 On GPUs the LLM can use flex_attention with a block-sparse document mask instead (LLMArgs.attention).
 """
 

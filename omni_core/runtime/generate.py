@@ -11,6 +11,7 @@ images, clips and videos are found by counting its placeholders, so nothing here
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ def documents(
     """The batch's real documents, each with its own images, clips and videos (padding documents are skipped)."""
     bounds = batch.cu_seqlens.tolist()
     image, patch, clip, frame, video, video_patch = 0, 0, 0, 0, 0, 0
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in itertools.pairwise(bounds):
         ids = batch.input_ids[start:end]
         n_images, n_audio_tokens = int((ids == IMAGE_ID).sum()), int((ids == AUDIO_ID).sum())
         first_image, first_patch = image, patch

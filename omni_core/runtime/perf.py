@@ -7,6 +7,7 @@ once per process with a short matmul probe (the best of a few shapes), which is 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import resource
 import time
@@ -23,7 +24,8 @@ LONG_ENOUGH_S = 0.05
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
     """Best matmul FLOP/s over a few square shapes with this process's thread count (about a second). A shape
     whose matmul already takes LONG_ENOUGH_S is timed well enough: the larger ones are skipped (bf16 matmuls
-    on a CPU without bf16 units run ~100x slower than fp32, and the 1024 probe alone took 10 s)."""
+    on a CPU without bf16 units run orders of magnitude slower than fp32, where the largest probe alone would
+    take seconds)."""
     best = 0.0
     for n in PROBE_SHAPES:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -75,7 +77,7 @@ def catalog_gpu(device_name: str):
     from omni_core.common.catalog import GpuCatalog
 
     words = re.split(r"[\s_-]+", device_name.lower())
-    tokens = set(words) | {a + b for a, b in zip(words, words[1:])}
+    tokens = set(words) | {a + b for a, b in itertools.pairwise(words)}
     catalog = GpuCatalog()
     matches = [key for key in catalog if set(key.split("-")) <= tokens]
     return catalog[max(matches, key=lambda k: len(k.split("-")))] if matches else None

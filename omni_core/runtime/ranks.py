@@ -8,6 +8,7 @@ that the other ranks do not wait for it forever.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -96,15 +97,13 @@ def run_ranks(
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        try:
+        with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own traceback, written below, says more
             mp.start_processes(
                 _rank_main,
                 args=(world, free_port(), out_dir, timeout_s, fn, args, backend),
                 nprocs=world,
                 start_method="spawn" if backend == "nccl" else "fork",
             )
-        except mp.ProcessRaisedException:
-            pass  # the rank's own traceback, written below, says more
         results, failures = [], []
         for rank in range(world):
             path = Path(out_dir, f"rank{rank}.pkl")

@@ -11,6 +11,7 @@ says whether the cause was the infrastructure (a rank killed from outside) rathe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -83,10 +84,8 @@ def terminate_group(proc: subprocess.Popen[str], grace_s: float = GRACE_S) -> No
         if not _group_alive(pgid):
             return
         time.sleep(0.05)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -131,7 +130,7 @@ def run_process_group(
             except queue.Empty:
                 now = time.monotonic()
                 if now > deadline:
-                    raise timed_out()
+                    raise timed_out() from None  # the empty queue says nothing more
                 if proc.poll() is not None:
                     exited_at = exited_at or now
                     if now - exited_at > 1.0:

@@ -9,19 +9,15 @@ import torch
 
 from omni_core.common.batch import PackedBatch
 from omni_core.common.tokenizer import AUDIO_ID, VOCAB_SIZE
-from omni_core.models import (
-    FLAVORS,
-    OmniModel,
-    build_model,
-    get_flavor,
-    varlen_attention,
-)
 from omni_core.models.args import VisionArgs
 from omni_core.models.attention import (
     block_mask_attention,
     flex_document_attention,
     masked_matmul_attention,
+    varlen_attention,
 )
+from omni_core.models.flavors import FLAVORS, get_flavor
+from omni_core.models.omni import OmniModel, build_model
 from omni_core.models.llm import LLM
 from omni_core.models.projector import spatial_merge
 from omni_core.models.vision import VisionEncoder

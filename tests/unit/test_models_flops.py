@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from omni_core.models import FLAVORS, OmniModel, get_flavor
 from omni_core.models.args import LLMArgs, MoEArgs
+from omni_core.models.flavors import FLAVORS, get_flavor
 from omni_core.models.flops import (
     attention_pairs,
     llm_flops_per_token,
@@ -16,6 +16,7 @@ from omni_core.models.flops import (
     omni_params,
     vision_params,
 )
+from omni_core.models.omni import OmniModel
 from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
 
 

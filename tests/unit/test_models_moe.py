@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from omni_core.models import OmniModel, build_model
+from omni_core.models.omni import OmniModel, build_model
 from omni_core.models.args import MoEArgs
 from omni_core.models.llm import MoE, load_balancing_loss
 from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch

@@ -15,11 +15,12 @@ import torch
 
 from omni_core.common.tokenizer import PAD_ID
 from omni_core.data.audio import log_mel, resample
+from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.image import patchify
 from omni_core.data.jsonl_source import JsonlSource
 from omni_core.data.sample import Segment, token_ids
 from omni_core.data.source_base import CorruptSample, Record, Source
-from omni_core.data.synthetic import DynamicSource, ensure_dataset
+from omni_core.data.synthetic import ensure_dataset
 from omni_core.data.wds_source import WdsSource
 from omni_core.recipe.data_sections import DataConfig
 from omni_core.recipe.schema import Recipe

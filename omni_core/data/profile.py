@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
+from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.flops import FlopModel
 from omni_core.data.profile_figures import figures
 from omni_core.data.profile_result import DatasetProfile
@@ -31,7 +32,6 @@ from omni_core.data.profiler import Profiler
 from omni_core.data.sample import KINDS
 from omni_core.data.source_base import Sizes, View
 from omni_core.data.sources import ShardedSource
-from omni_core.data.synthetic import DynamicSource
 from omni_core.recipe.data_sections import DataConfig
 from omni_core.recipe.schema import Recipe
 

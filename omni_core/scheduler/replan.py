@@ -37,13 +37,15 @@ from omni_core.common.control import (
 from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import Result, TrainResult
 from omni_core.data.dataset import open_dataset
+from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.flops import FlopModel
-from omni_core.data.profile import DatasetProfile, data_ranks, profile_source
-from omni_core.data.synthetic import DynamicSource
+from omni_core.data.profile import data_ranks, profile_source
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.estimator.recipe_cells import estimate_recipe, plan_overrides, predicted_step_times, recipe_batch
 from omni_core.estimator.search import CellRow, PlanRow
 from omni_core.recipe.loader import dump_recipe, load_recipe, override_recipe
-from omni_core.recipe.schema import ClusterConfig, NodeGroup, Recipe
+from omni_core.recipe.schedule_sections import ClusterConfig, NodeGroup
+from omni_core.recipe.schema import Recipe
 
 
 class ReplanDecision(Result):

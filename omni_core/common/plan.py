@@ -39,10 +39,10 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
-from omni_core.recipe.schema import PLAN_DEGREES, encoder_layout_problems
+from omni_core.recipe.model_sections import PLAN_DEGREES, encoder_layout_problems
 
 if TYPE_CHECKING:
-    from omni_core.recipe.schema import ParallelConfig
+    from omni_core.recipe.model_sections import ParallelConfig
 
 CpKind = Literal["ulysses", "ring"]
 EncoderLayout = Literal["coupled", "omni", "disaggregated"]

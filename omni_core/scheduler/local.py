@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_core.common.results import Result, TrainResult
-from omni_core.recipe.schema import ParallelConfig, Recipe
+from omni_core.recipe.model_sections import ParallelConfig
+from omni_core.recipe.schema import Recipe
 from omni_core.scheduler.cluster import Cluster, GroupSpec, Placement
 from omni_core.scheduler.jobs import Job, ThroughputTable
 from omni_core.scheduler.policies import make_policy
@@ -45,7 +46,7 @@ from omni_core.scheduler.policies.base import View
 from omni_core.scheduler.simulator import JobRecord, Segment
 
 if TYPE_CHECKING:
-    from omni_core.data.profile import DatasetProfile
+    from omni_core.data.profile_result import DatasetProfile
     from omni_core.estimator.cost import Estimate
     from omni_core.estimator.oracle import CellOracle
     from omni_core.estimator.search import CellTable

@@ -50,9 +50,10 @@ from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.ranks import preimport, run_ranks
 from omni_core.runtime.optimizer import Optimizers
-from omni_core.runtime.replica import build_replica, shards_per_node
+from omni_core.runtime.plan_rules import resolve_plan, shards_per_node
+from omni_core.runtime.replica import build_replica
 from omni_core.runtime.step import train_step
-from omni_core.runtime.trainer import resolve_dtype, resolve_plan
+from omni_core.runtime.trainer import resolve_dtype
 
 FLAVOR = "debug-enc"
 SEQ_LEN = 1024
@@ -119,7 +120,7 @@ def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int]) -
         dtype = resolve_dtype(recipe.train.dtype, device)
         replica = build_replica(recipe, plan, info, dtype)
         optimizers = Optimizers(replica.parts, recipe)
-        balance = balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info))
+        balance = balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info.world_size))
         batches = iter(PackedLoader(open_dataset(recipe), recipe.data, "train", replica.data_rank, plan.dp,
                                     recipe.experiment.seed, balance)) if replica.loads_data else None
         records = []

@@ -41,9 +41,10 @@ from omni_core.runtime.dist import DistInfo, shutdown
 from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.ranks import preimport
 from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.plan_rules import resolve_plan
 from omni_core.runtime.replica import build_replica
 from omni_core.runtime.step import train_step
-from omni_core.runtime.trainer import resolve_dtype, resolve_plan
+from omni_core.runtime.trainer import resolve_dtype
 
 # (flavor, plan) in world order; each flavor's world-1 plan is the baseline of its ratios.
 PLANS = [

@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, CheckpointStore, open_store, split_location
+from omni_core.runtime.ckpt_store import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointStore,
+    checkpoint_cache,
+    open_store,
+    split_location,
+)
 from omni_core.runtime.dist import DistInfo, barrier
 
 if TYPE_CHECKING:
@@ -57,15 +64,6 @@ class Manifest:
         if not path.is_file():
             raise CheckpointError(f"{ckpt} has no {MANIFEST}: an incomplete save, refusing to load it")
         return cls(**json.loads(path.read_text()))
-
-
-def checkpoint_store(recipe: Recipe) -> CheckpointStore:
-    """The recipe's store; S3 checkpoints are staged and cached under the experiment's output directory."""
-    return open_store(recipe.checkpoint_dir(), checkpoint_cache(recipe))
-
-
-def checkpoint_cache(recipe: Recipe) -> Path:
-    return Path(recipe.experiment.output_dir) / recipe.experiment.name / f"ckpt-cache-{recipe.training_hash()}"
 
 
 def local_manifest(recipe: Recipe, location: str) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from omni_core.data.storage import s3_client
+from omni_core.recipe.schema import Recipe
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{6,})$")
@@ -163,6 +164,15 @@ def open_store(location: str, cache: Path) -> CheckpointStore:
     if "://" in location:
         raise CheckpointError(f"checkpoint location {location!r}: only local paths and s3:// are supported")
     return LocalStore(Path(location))
+
+
+def checkpoint_store(recipe: Recipe) -> CheckpointStore:
+    """The recipe's store; S3 checkpoints are staged and cached under the experiment's output directory."""
+    return open_store(recipe.checkpoint_dir(), checkpoint_cache(recipe))
+
+
+def checkpoint_cache(recipe: Recipe) -> Path:
+    return Path(recipe.experiment.output_dir) / recipe.experiment.name / f"ckpt-cache-{recipe.training_hash()}"
 
 
 def split_location(location: str) -> tuple[str, int]:

@@ -15,14 +15,8 @@ from omni_core.data.loader import PackedLoader
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.checkpoint import (
-    Manifest,
-    checkpoint_cache,
-    checkpoint_store,
-    latest_checkpoint,
-    load_checkpoint,
-)
-from omni_core.runtime.ckpt_store import CheckpointError
+from omni_core.runtime.checkpoint import Manifest, latest_checkpoint, load_checkpoint
+from omni_core.runtime.ckpt_store import CheckpointError, checkpoint_cache, checkpoint_store
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
 

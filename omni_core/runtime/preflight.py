@@ -2,7 +2,7 @@
 
 `omni recipe check` and every flow command (`omni run`, `train`, `profile`, ...) call `check_launch` before
 any stage starts. Each check asks the rule the launch itself applies: the flavor registry (`get_flavor`),
-the plan against the model and the world (`trainer.resolve_plan`, `step.check_buildable`), the balancing
+the plan against the model and the world (`plan_rules.resolve_plan`, `plan_rules.check_buildable`), the balancing
 groups (`balance_group_size`), where the data is (`synthetic.dataset_location`) and whether it holds a sample
 (`ShardedSource.check_usable`), the checkpoint store (`checkpoint_store`), the tracking URI
 (`check_tracking_uri`). So a check and a launch cannot disagree; this module only adds what no launch step
@@ -19,27 +19,24 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from botocore.exceptions import BotoCoreError, ClientError
 
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.data.balance import balance_group_size
-from omni_core.data.dataset import open_source
-from omni_core.data.sources import ShardedSource
 from omni_core.data.storage import endpoint_unreachable, is_s3, s3_endpoint
 from omni_core.data.synthetic import dataset_location
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_params
 from omni_core.recipe import Locations, Recipe, RecipeError, located_problem
-from omni_core.runtime.checkpoint import checkpoint_store
-from omni_core.runtime.ckpt_store import CheckpointError, S3Store
-from omni_core.runtime.dist import DistInfo, uses_cuda
-from omni_core.runtime.replica import check_buildable, shards_per_node
+from omni_core.runtime.ckpt_store import CheckpointError, S3Store, checkpoint_store
+from omni_core.runtime.plan_rules import check_buildable, resolve_plan, shards_per_node
 from omni_core.runtime.slurm import unknown_nodes
 from omni_core.runtime.supervisor import LaunchError
-from omni_core.runtime.trainer import resolve_plan
 from omni_core.tracking import TrackingError, check_tracking_uri, resolve_tracking_uri
+
+NO_GPUS = "nccl needs CUDA GPUs and this machine has none (gloo or auto run on CPUs)"
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvmap", "/dev/kfd", "/dev/dxg")
 
 # What DCP writes per parameter: the fp32 weight, and AdamW's two fp32 moments for a trained one.
 WEIGHT_BYTES, OPTIMIZER_BYTES = 4, 8
@@ -137,9 +134,8 @@ def _plan(recipe: Recipe) -> list[Finding]:
 def _balance(recipe: Recipe, plan: ParallelPlan) -> list[Finding]:
     """The balancing groups the loaders of a one-node launch would form must divide the plan's data ranks."""
     balance = recipe.data.balance
-    one_node = DistInfo(rank=0, world_size=recipe.parallel.nproc, local_rank=0, device=torch.device("cpu"))
     try:
-        balance_group_size(balance.policy, balance.group_size, plan.dp, shards_per_node(plan, one_node))
+        balance_group_size(balance.policy, balance.group_size, plan.dp, shards_per_node(plan, recipe.parallel.nproc))
     except ValueError as error:
         return [Finding("data.balance.group_size", f"{error} of plan {plan.name}")]
     return []
@@ -163,10 +159,14 @@ def _schedule(recipe: Recipe, written: Collection[str]) -> list[Finding]:
 def _devices(recipe: Recipe) -> list[Finding]:
     """A rank per GPU (`dist.init_distributed`): the backend needs GPUs, and there must be one per rank."""
     backend, nproc = recipe.parallel.backend, recipe.parallel.nproc
+    if not may_have_gpus():  # torch would find none: no need to load it
+        return [Finding("parallel.backend", NO_GPUS)] if backend == "nccl" else []
+    import torch
+
+    from omni_core.runtime.dist import uses_cuda
+
     if backend == "nccl" and not torch.cuda.is_available():
-        return [
-            Finding("parallel.backend", "nccl needs CUDA GPUs and this machine has none (gloo or auto run on CPUs)")
-        ]
+        return [Finding("parallel.backend", NO_GPUS)]
     if uses_cuda(backend) and nproc > torch.cuda.device_count():
         return [
             Finding(
@@ -174,6 +174,12 @@ def _devices(recipe: Recipe) -> list[Finding]:
             )
         ]
     return []
+
+
+def may_have_gpus() -> bool:
+    """Whether a GPU driver's device files are here: NVIDIA's, Tegra's (/dev/nvmap), ROCm's (/dev/kfd) or
+    WSL's (/dev/dxg). Without them torch finds no GPU, so the device check skips importing it (seconds)."""
+    return any(Path(device).exists() for device in GPU_DEVICE_FILES)
 
 
 # --- data ------------------------------------------------------------------------------------------------
@@ -196,12 +202,21 @@ def _data(recipe: Recipe) -> list[Finding]:
                 else []
             )
         if location != "dynamic":
-            source = open_source(location, cfg)
-            assert isinstance(source, ShardedSource)  # every location but the dynamic generator's is sharded
-            source.check_usable()
+            _check_usable(location, recipe)
     except (OSError, ValueError, BotoCoreError, ClientError) as error:  # the last two: S3 said no
         return [Finding(_data_field(recipe), str(error))]
     return []
+
+
+def _check_usable(location: str, recipe: Recipe) -> None:
+    """The launch's reader of the dataset at `location` meets a usable sample (ValueError otherwise). Imported
+    here: the readers bring the media decoders and torch, which a dataset still to be generated does not need."""
+    from omni_core.data.dataset import open_source
+    from omni_core.data.sources import ShardedSource
+
+    source = open_source(location, recipe.data)
+    assert isinstance(source, ShardedSource)  # every location but the dynamic generator's is sharded
+    source.check_usable()
 
 
 def _data_field(recipe: Recipe) -> str:

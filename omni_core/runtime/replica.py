@@ -4,7 +4,6 @@ parallelized, with the pipeline runner and encoder step that the training step d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,13 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_core.common.plan import ParallelPlan, PlanError
+from omni_core.common.plan import ParallelPlan
 from omni_core.data.balance import balance_group_size
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.plan_rules import check_buildable, shards_per_node
 
 if TYPE_CHECKING:
     from omni_core.parallel.encoders import EncoderStep
@@ -68,24 +68,6 @@ class ModelReplica:
             part.train(mode)
 
 
-def shards_per_node(plan: ParallelPlan, info: DistInfo) -> int:
-    """Data shards whose ranks share this node (torchrun's LOCAL_WORLD_SIZE; one node when it is unset): the
-    default balancing group."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    return max(1, min(plan.dp, local * plan.dp // plan.llm_world_size))
-
-
-def check_buildable(plan: ParallelPlan, compile: bool = False) -> None:
-    """Refuse what the estimator prices but the runtime does not build (PlanError), before any rank starts."""
-    sharded = plan.encoders.sharded
-    if sharded and compile:
-        raise PlanError(
-            f"plan {plan.name}: encoders.{sharded[0]}.fsdp with train.compile is not built (a step "
-            "installs the gathered weights in the encoder blocks, which compiled blocks were not tested "
-            "with); set train.compile=false or replicate the encoder"
-        )
-
-
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
@@ -118,7 +100,7 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
         from omni_core.parallel.encoders import EncoderStep
 
         balance = recipe.data.balance
-        group = balance_group_size(balance.policy, balance.group_size, plan.dp, shards_per_node(plan, info))
+        group = balance_group_size(balance.policy, balance.group_size, plan.dp, shards_per_node(plan, info.world_size))
         replica.encoders = EncoderStep(parts[0], plan, tokens, encoders_train, info.device, group)
     if plan.pp > 1 and replica.loads_data:
         from omni_core.parallel.pipeline import PipelineRunner

@@ -28,20 +28,14 @@ from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.source_base import SKIP_REASONS
 from omni_core.data.synthetic import ensure_dataset
-from omni_core.models.flavors import get_flavor
 from omni_core.recipe.schema import Recipe, recipe_hash
-from omni_core.runtime.checkpoint import (
-    checkpoint_cache,
-    checkpoint_store,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from omni_core.runtime.ckpt_store import CheckpointStore
+from omni_core.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from omni_core.runtime.ckpt_store import CheckpointStore, checkpoint_cache, checkpoint_store
 from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
 from omni_core.runtime.optimizer import Optimizers
 from omni_core.runtime.perf import Peak, device_peak, peak_memory_mb
-from omni_core.runtime.replica import ModelReplica, build_replica, shards_per_node
+from omni_core.runtime.plan_rules import resolve_plan, shards_per_node
+from omni_core.runtime.replica import ModelReplica, build_replica
 from omni_core.runtime.step import StepStats, train_step
 from omni_core.tracking import NullTracker, Tracker
 
@@ -62,15 +56,6 @@ def skipped_over_shards(loader: PackedLoader | None, plan: ParallelPlan, info: D
     )
     all_reduce_sum(counts)
     return {reason: int(n) for reason, n in zip(SKIP_REASONS, counts.tolist(), strict=True) if n}
-
-
-def resolve_plan(recipe: Recipe, world_size: int) -> ParallelPlan:
-    """The recipe's plan on this world, checked against the model and the packed sequence length."""
-    plan = ParallelPlan.from_config(recipe.parallel, world_size)
-    llm = get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels).llm
-    plan.check_model(llm.shape(seq_len=recipe.data.seq_len * recipe.data.micro_batch))
-    plan.check_microbatches(recipe.train.grad_accum)
-    return plan
 
 
 @dataclass
@@ -190,7 +175,7 @@ def set_up(recipe: Recipe, info: DistInfo, log: Log) -> TrainingRun:
             replica.data_rank,
             plan.dp,
             recipe.experiment.seed,
-            balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info)),
+            balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info.world_size)),
         )
         if replica.loads_data
         else None

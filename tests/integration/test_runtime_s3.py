@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_core.runtime.checkpoint import checkpoint_store
-from omni_core.runtime.ckpt_store import CheckpointError
+from omni_core.runtime.ckpt_store import CheckpointError, checkpoint_store
 from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.trainer import train
 from tests.helpers.recipes import build_recipe

@@ -2,8 +2,12 @@
 catalogue it prices is `omni_core.common.catalog`; calibration and validation, which run the runtime, are
 `omni_core.measure`.
 
-    workloads   Layer / Workload builders: dense and MoE transformers, ViT, Wide-ResNet, OmniModel flavors
-                (document lengths from a DatasetProfile), the Crius trace's models, MegaScale-Omni's A-D
+    workloads   Layer / Workload: what the cost model prices, per sample
+    transformer_layers  the layers of the transformer workloads: block (dense, MoE), embedding, head, ViT,
+                projector
+    lm_workloads, cnn_workloads, omni_workloads, trace_workloads, paper_workloads   the builders: dense and MoE
+                transformers, Wide-ResNet, OmniModel flavors (document lengths from a DatasetProfile), the
+                Crius trace's models, MegaScale-Omni's A-D
     cost        estimate_step(workload, gpu, plan, options) -> Estimate (step time, peak memory, or the reason),
                 the encoders where plan.encoders puts them; composed of terms (its inputs), memory, stage,
                 pipeline, encoders and communication
@@ -18,9 +22,13 @@ catalogue it prices is `omni_core.common.catalog`; calibration and validation, w
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
+from omni_core.estimator.lm_workloads import transformer
+from omni_core.estimator.omni_workloads import omni_workload
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
+from omni_core.estimator.paper_workloads import paper_workload
 from omni_core.estimator.search import CellTable, best_for_gpus, build_cell_table, search_cell
-from omni_core.estimator.workloads import Workload, omni_workload, paper_workload, trace_workload, transformer
+from omni_core.estimator.trace_workloads import trace_workload
+from omni_core.estimator.workloads import Workload
 
 __all__ = [
     "CellOracle",

@@ -1,8 +1,9 @@
 """The throughput oracle the scheduler asks: samples/s of a job on a Cell (GPU type x GPU count).
 
 `ThroughputOracle` is the protocol the scheduler codes against; `CellOracle` answers it from the estimator
-for trace model names (`bert__1.3B`, `moe__10B`, `wide_resnet__2B`, see `omni_core.estimator.workloads.trace_workload`),
-or for whatever names its `workload` function knows (real mode: model flavors at the recipe's sequence length).
+for trace model names (`bert__1.3B`, `moe__10B`, `wide_resnet__2B`, see
+`omni_core.estimator.trace_workloads.trace_workload`), or for whatever names its `workload` function knows
+(real mode: model flavors at the recipe's sequence length).
 The scheduler calls it thousands of times per simulated round, so answers are memoised per
 (model, batch, GPU type, GPU count): the first call searches the Cell's plans, later calls are a dict look-up.
 """
@@ -57,7 +58,7 @@ class CellOracle:
         except KeyError:
             pass
         from omni_core.estimator.search import best_for_gpus
-        from omni_core.estimator.workloads import trace_workload
+        from omni_core.estimator.trace_workloads import trace_workload
 
         gpu = self.catalog[gpu_type]
         per_node = self.gpus_per_node.get(gpu_type, gpu.gpus_per_node)

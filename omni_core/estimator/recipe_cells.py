@@ -17,15 +17,17 @@ from typing import TYPE_CHECKING
 from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.estimator.calibration import calibrated, runtime_efficiency
 from omni_core.estimator.cost import Estimate, Options, estimate_step
+from omni_core.estimator.omni_workloads import omni_workload
 from omni_core.estimator.search import CellTable, build_cell_table
-from omni_core.estimator.workloads import Workload, omni_workload, trace_workload
+from omni_core.estimator.trace_workloads import trace_workload
+from omni_core.estimator.workloads import Workload
 from omni_core.recipe.loader import RecipeError, override_recipe
-from omni_core.recipe.schema import ClusterConfig, NodeGroup
+from omni_core.recipe.schedule_sections import ClusterConfig, NodeGroup
 
 if TYPE_CHECKING:
     from omni_core.common.plan import ParallelPlan
     from omni_core.common.results import TrainResult
-    from omni_core.data.profile import DatasetProfile
+    from omni_core.data.profile_result import DatasetProfile
     from omni_core.recipe.schema import Recipe
 
 
@@ -223,14 +225,13 @@ def format_table(table: CellTable, top: int = 10) -> str:
             f"{'step s':>10}{'samples/s':>11}{'mem GB':>8}"
         )
         rows = sorted((c for c in table.cells if c.job == job), key=lambda c: -c.samples_per_s)[:top]
-        for c in rows:
-            lines.append(
-                f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<36}{c.micro_batch:>3}"
-                f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
-                f"{c.peak_mem_gb:>8.2f}"
-            )
-    for u in table.unfit:
-        lines.append(f"{u.job}: {u.reason}")
+        lines.extend(
+            f"  {c.gpu_type:<10}{c.num_gpus:>5}{c.nodes:>6}{c.pp:>4}  {c.plan:<36}{c.micro_batch:>3}"
+            f"{'yes' if c.checkpoint else 'no':>5}{c.step_time_s:>10.4g}{c.samples_per_s:>11.4g}"
+            f"{c.peak_mem_gb:>8.2f}"
+            for c in rows
+        )
+    lines.extend(f"{u.job}: {u.reason}" for u in table.unfit)
     return "\n".join(lines)
 
 

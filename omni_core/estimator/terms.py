@@ -93,7 +93,7 @@ class Options:
     checkpoint: bool = False  # activation checkpointing (recompute each layer in backward)
     # what checkpointing keeps, as torchtitan's selective checkpointing chooses: "" every block whole (the
     # runtime's), "layer" every second block, "op" the outputs of attention and of every other matmul
-    # (`workloads.selective_matmuls`). The runtime checkpoints whole blocks only, so the search never picks a
+    # (`transformer_layers.selective_matmuls`). The runtime checkpoints whole blocks only, so the search never picks a
     # selective one: they price measurements made with them (benchmarks/estimator_gpu_bench.py).
     selective: str = ""
 

@@ -48,7 +48,7 @@ from omni_core.common.catalog import GpuSpec
 from omni_core.estimator.calibration import calibration_path, store_calibration
 from omni_core.estimator.communication import collective_time, ring_volume
 from omni_core.estimator.cost import COLLECTIVES, Efficiency
-from omni_core.estimator.workloads import transformer_block
+from omni_core.estimator.transformer_layers import transformer_block
 from omni_core.runtime.ranks import run_ranks
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))

@@ -30,7 +30,7 @@ from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import runtime_efficiency
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
-from omni_core.estimator.workloads import omni_workload
+from omni_core.estimator.omni_workloads import omni_workload
 from omni_core.measure.calibrate import CPU_PROBES, ProbeDevice
 from omni_core.runtime.ranks import run_ranks
 from omni_core.tracking import NullTracker

@@ -17,7 +17,7 @@ from omni_core.estimator.encoders import handoff_seconds, long_tokens_threshold
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.recipe_cells import plan_overrides, predicted_step_times
 from omni_core.estimator.search import CellTable, cell_row, search_cell
-from omni_core.estimator.workloads import paper_workload
+from omni_core.estimator.paper_workloads import paper_workload
 from omni_core.recipe import override_recipe
 from tests.helpers.recipes import build_recipe
 
@@ -140,7 +140,7 @@ def test_disaggregated_encoder_ranks_pay_their_operators_and_their_optimizer():
 
 def test_text_only_workloads_lay_out_no_encoders():
     """Without items there is nothing to balance or split: plans keep the default (coupled) encoder half."""
-    from omni_core.estimator.workloads import omni_workload
+    from omni_core.estimator.omni_workloads import omni_workload
     from omni_core.models.flavors import get_flavor
 
     text = omni_workload(get_flavor("debug", patch_size=8, n_mels=32), seq_len=256, global_batch=8, precision="fp32")

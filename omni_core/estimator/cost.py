@@ -72,6 +72,7 @@ SYNC_COLLECTIVES = 2  # the step's all-reduces of its loss and token statistics
 # TP: the gradient norm's full tensors (row- and column-sharded groups) and the one reduction of the replicated
 # weights' partial gradients (`runtime.step.replicate_partial_grads`)
 TP_SYNC_COLLECTIVES = 3
+DEFAULT_EFFICIENCY = Efficiency()  # the catalogue's efficiencies (frozen: one instance serves every call)
 
 
 @dataclass
@@ -141,8 +142,9 @@ def shared_cores_seconds(
 def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes], per_step: float) -> float:
     """A GPipe or 1F1B pipeline whose node's ranks time-share fewer cores, simulated pass by pass
     (`pipeline.time_shared_pipeline`): a stage waiting for its input lends its core, and busy stages share
-    them; then the per-step work (`per_step` on a core of its own), every rank's at once. 0 where ranks have cores of their own, without a
-    pipeline or interleaved (the bound `shared_cores_seconds` stands alone there)."""
+    them; then the per-step work (`per_step` on a core of its own), every rank's at once. 0 where ranks have
+    cores of their own, without a pipeline or interleaved (the bound `shared_cores_seconds` stands alone
+    there)."""
     gpu, plan = terms.gpu, terms.plan
     ranks_per_node = min(plan.world_size, terms.gpus_per_node)
     if not gpu.cores or ranks_per_node <= gpu.cores or plan.pp == 1 or plan.pp_schedule == "Interleaved1F1B":
@@ -165,7 +167,7 @@ def estimate_step(
     options: Options,
     *,
     gpus_per_node: int,
-    eff: Efficiency = Efficiency(),
+    eff: Efficiency = DEFAULT_EFFICIENCY,
 ) -> Estimate:
     """Step time and peak memory of `plan` (its world = the Cell's GPUs), its encoders where `plan.encoders`
     puts them. Never raises for a plan that does not fit: the Estimate's `reason` says why (memory, batch

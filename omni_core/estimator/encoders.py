@@ -333,11 +333,14 @@ def disaggregated_encoders(
     in_flight = max(min(per_rank, 1.0), long_item_share(workload, group))  # samples' activations at once
     share = sharded_recompute_share(workload, plan.encoders)  # sharded blocks recompute in any case
     full = share * (enc.out_bytes + enc.max_act) + (1 - share) * enc.act_bytes
-    for act, passes in ((full, 3 + share), (enc.out_bytes + enc.max_act, 4)):  # checkpointing recomputes forward
-        peak = states + act * in_flight * (1 + eff.workspace_frac)
-        if peak <= gpu.usable_bytes:
-            break
-    else:
+    # (peak bytes, passes) without checkpointing, then with it (it recomputes forward): the first that fits
+    options = [
+        (states + act * in_flight * (1 + eff.workspace_frac), passes)
+        for act, passes in ((full, 3 + share), (enc.out_bytes + enc.max_act, 4))
+    ]
+    fitting = [(peak, passes) for peak, passes in options if peak <= gpu.usable_bytes]
+    if not fitting:
+        peak = options[-1][0]
         return EncoderRanks(
             math.inf,
             0.0,
@@ -345,6 +348,7 @@ def disaggregated_encoders(
             f"out of memory on the {ranks} encoder ranks: {peak / 1e9:.1f} GB "
             f"needed ({states / 1e9:.1f} GB encoder states) > {gpu.usable_bytes / 1e9:.1f} GB usable",
         )
+    peak, passes = fitting[0]
     net = Network(gpu, gpus_per_node, eff.link, eff.collectives)
     per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
     balanced = per_sample * per_rank * unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)

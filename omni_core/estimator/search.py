@@ -19,8 +19,18 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from pydantic import Field
+
 from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.common.plan import EncoderLayout, EncoderPlan, EncoderSchedule, EncoderSpec, ParallelPlan, PlanError
+from omni_core.common.plan import (
+    EncoderLayout,
+    EncoderPlan,
+    EncoderSchedule,
+    EncoderSpec,
+    ParallelPlan,
+    PipelineSchedule,
+    PlanError,
+)
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
@@ -59,7 +69,7 @@ def candidate_plans(
                 eps = [e for e in powers_of_two(shard * cp) if shape.num_experts % e == 0] if shape.num_experts else [1]
                 for ep in [1] if dp_only else eps:
                     for kind in ("ulysses", "ring") if cp > 1 else ("ulysses",):
-                        schedules = [("1F1B", 1)]
+                        schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]
                         if pp > 1 and shape.n_layers >= 2 * pp:
                             schedules.append(("Interleaved1F1B", 2))
                         for schedule, virtual in schedules:
@@ -175,46 +185,66 @@ def search_plans(
             )
             continue
         sizes = [mb for mb in powers_of_two(min(local, max_micro_batch)) if local % mb == 0]
-        # Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble:
-        # try them from 1 up until memory runs out or the step gets slower. Without, the largest that fits is
-        # fastest (per-op costs amortise): try from the top down. Checkpointing is searched like the rest (it
-        # costs a forward but can fit a larger micro-batch) unless the job fixes it (`Workload.recompute`): it
-        # is tried when memory refused a micro-batch without it (otherwise each of its options only adds time).
-        descending = plan.pp == 1
-        variants = [replace(plan, encoders=e) for e in encoders]
-        options: list[Estimate] = []
-        memory_bound = False
-        for checkpoint in (False, True) if workload.recompute is None else (workload.recompute,):
-            if checkpoint and workload.recompute is None and not memory_bound:
-                break
-            tried: list[Estimate] = []
-            for mb in sizes[::-1] if descending else sizes:
-                est = min(
-                    (
-                        estimate_step(
-                            workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node, eff=eff
-                        )
-                        for variant in variants
-                    ),
-                    key=lambda e: (not e.fits, e.step_time_s),
-                )
-                if not est.fits:
-                    memory_bound |= est.reason.startswith("out of memory")
-                    if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
-                        closest = est
-                    if descending:
-                        continue
-                    break
-                if tried and est.step_time_s > tried[-1].step_time_s:
-                    break  # past the best micro-batch: bubbles shrink no more than per-micro-batch costs grow
-                tried.append(est)
-                if descending:
-                    break
-            options += tried
+        options, refused = _micro_batch_options(
+            workload, gpu, plan, encoders, sizes, gpus_per_node=gpus_per_node, eff=eff
+        )
+        for est in refused:
+            if closest is None or est.peak_mem_bytes < closest.peak_mem_bytes:
+                closest = est
         if options:
             fits.append(min(options, key=lambda e: e.step_time_s))  # one entry per plan
     fits.sort(key=lambda e: e.step_time_s)
     return fits, ("" if fits else (closest.reason if closest else NO_PLAN))
+
+
+def _micro_batch_options(
+    workload: Workload,
+    gpu: GpuSpec,
+    plan: ParallelPlan,
+    encoders: Sequence[EncoderPlan],
+    sizes: list[int],
+    *,
+    gpus_per_node: int,
+    eff: Efficiency,
+) -> tuple[list[Estimate], list[Estimate]]:
+    """The fitting estimates of an LLM plan over micro-batch `sizes` and checkpointing, each with the fastest of
+    `encoders` as its encoder half; and the refused ones, in the order they were tried.
+
+    Memory grows with the micro-batch. With pipeline stages, smaller micro-batches shrink the bubble: try them
+    from 1 up until memory runs out or the step gets slower. Without, the largest that fits is fastest (per-op
+    costs amortise): try from the top down. Checkpointing is searched like the rest (it costs a forward but can
+    fit a larger micro-batch) unless the job fixes it (`Workload.recompute`): it is tried when memory refused a
+    micro-batch without it (otherwise each of its options only adds time)."""
+    descending = plan.pp == 1
+    variants = [replace(plan, encoders=e) for e in encoders]
+    options: list[Estimate] = []
+    refused: list[Estimate] = []
+    memory_bound = False
+    for checkpoint in (False, True) if workload.recompute is None else (workload.recompute,):
+        if checkpoint and workload.recompute is None and not memory_bound:
+            break
+        tried: list[Estimate] = []
+        for mb in sizes[::-1] if descending else sizes:
+            est = min(
+                (
+                    estimate_step(workload, gpu, variant, Options(mb, checkpoint), gpus_per_node=gpus_per_node, eff=eff)
+                    for variant in variants
+                ),
+                key=lambda e: (not e.fits, e.step_time_s),
+            )
+            if not est.fits:
+                memory_bound |= est.reason.startswith("out of memory")
+                refused.append(est)
+                if descending:
+                    continue
+                break
+            if tried and est.step_time_s > tried[-1].step_time_s:
+                break  # past the best micro-batch: bubbles shrink no more than per-micro-batch costs grow
+            tried.append(est)
+            if descending:
+                break
+        options += tried
+    return options, refused
 
 
 @dataclass
@@ -289,11 +319,11 @@ def best_for_gpus(
     """The fastest Cell over pipeline depths for this GPU count (pp=1 only when dp_only); None if none fits."""
     if eff is None:
         gpu, eff = calibrated(gpu)
-    best = None
+    best, best_time = None, math.inf
     for pp in [1] if dp_only else pipeline_depths(workload, num_gpus):
         cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout, dp_only=dp_only)
-        if cell.best and (best is None or cell.best.step_time_s < best.best.step_time_s):
-            best = cell
+        if cell.best and (best is None or cell.best.step_time_s < best_time):
+            best, best_time = cell, cell.best.step_time_s
     return best
 
 
@@ -356,7 +386,7 @@ class CellTable(Result):
     unfit: list[Unfit]
     seconds: float = 0.0  # time the search took
     # per GPU type of the cluster, the digest of the stored calibration the estimates used ("": the catalogue's)
-    calibrations: dict[str, str] = {}
+    calibrations: dict[str, str] = Field(default_factory=dict)
 
     def best(self, job: str) -> CellRow | None:
         rows = [c for c in self.cells if c.job == job]

@@ -9,7 +9,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import resolve, stage_dir
-from omni_core.measure.validate import ValidationReport, calibrate_and_validate, validation_figure
+from omni_core.measure.validate import calibrate_and_validate
+from omni_core.measure.validation_report import ValidationReport, validation_figure
 from omni_core.recipe import Recipe
 from omni_core.tracking import stage_run
 

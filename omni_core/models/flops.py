@@ -14,9 +14,14 @@ from collections.abc import Iterable, Sequence
 
 from omni_core.common.batch import video_tokens
 from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
-from omni_core.models.projector import merged_grid
 
 TRAIN_FACTOR = 3
+
+
+def merged_grid(rows: int, cols: int, merge: int) -> tuple[int, int]:
+    """Token grid of one image after the projector's `spatial_merge` (a partial window at the edge still makes
+    a token)."""
+    return -(-rows // merge), -(-cols // merge)
 
 
 def attention_pairs(doc_lengths: Iterable[int], causal: bool) -> int:

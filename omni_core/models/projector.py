@@ -6,10 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def merged_grid(rows: int, cols: int, merge: int) -> tuple[int, int]:
-    """Token grid of one image after `spatial_merge` (a partial window at the edge still makes a token)."""
-    return -(-rows // merge), -(-cols // merge)
+from omni_core.models.flops import merged_grid
 
 
 def spatial_merge(x: torch.Tensor, grids: torch.Tensor, merge: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from omni_core.common.batch import video_tokens
 from omni_core.common.plan import ParallelPlan
 from omni_core.models.args import OmniModelArgs
-from omni_core.models.projector import merged_grid
+from omni_core.models.flops import merged_grid
 from omni_core.parallel.encoder_items import ENCODER_OF, Item, Piece, is_long, item_cost, output_rows, split_units
 from omni_core.parallel.lssp import lssp_group_ranks, lssp_splits
 

@@ -13,8 +13,7 @@ from omni_core.common.batch import PackedBatch, audio_tokens, video_tokens
 from omni_core.common.plan import EncoderSpec
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
-from omni_core.models.flops import audio_forward_flops, vision_forward_flops
-from omni_core.models.projector import merged_grid
+from omni_core.models.flops import audio_forward_flops, merged_grid, vision_forward_flops
 
 ENCODER_OF = {"image": "vision", "video": "vision", "audio": "audio"}
 PLACEHOLDER_OF = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}

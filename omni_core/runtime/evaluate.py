@@ -12,8 +12,8 @@ from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.results import EvalReport, ModalityScore, TaskScore
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
+from omni_core.models.flops import merged_grid
 from omni_core.models.omni import OmniModel, build_model
-from omni_core.models.projector import merged_grid
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.checkpoint import Manifest, latest_checkpoint, load_checkpoint
 from omni_core.runtime.ckpt_store import CheckpointError, checkpoint_cache, checkpoint_store

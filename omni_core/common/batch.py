@@ -4,13 +4,18 @@ All token-level tensors are flat over the micro-batch (the packed sequences laid
 are delimited by `cu_seqlens`, so attention never crosses a document boundary. Placeholder tokens
 (IMAGE_ID / AUDIO_ID / VIDEO_ID) mark where encoder outputs are scattered, in the order images / audio clips /
 videos appear; each item's placeholders are contiguous, `video_tokens` of them for a video.
+
+The token counts (`audio_tokens`, `video_tokens`) are what the data's metadata and the FLOP counts ask of
+this module without any tensor, so torch is imported where a batch moves, not with the module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
 
@@ -33,6 +38,8 @@ class PackedBatch:
     balance_s: float = 0.0  # seconds the loader spent placing it (data.balance)
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        import torch
+
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for key, value in moved.items():
             if isinstance(value, torch.Tensor):

@@ -3,7 +3,8 @@
 Frames use a 25 ms window and a 10 ms hop (centred STFT), cropped down to a multiple of FRAME_MULTIPLE
 because the audio encoder subsamples by 2 (`batch.audio_tokens`); clips too short for MIN_FRAMES frames are
 zero-padded up to it. `mel_frames` is the token rule the packer applies to metadata (vectorized over chunks),
-so it must agree exactly with `log_mel`.
+so it must agree exactly with `log_mel`. The rules and headers need no tensor, so torch is imported by the
+functions that make one: a launch check reads a clip's token count without it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import functools
 import io
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile as sf
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FRAME_MULTIPLE = 2
 MIN_FRAMES = 4
@@ -51,6 +55,8 @@ def mel_frames(num_samples, sample_rate: int):
 
 def read_audio(data: bytes) -> tuple[torch.Tensor, int]:
     """(mono float32 waveform, its sample rate) of a WAV/FLAC file's bytes; channels are averaged."""
+    import torch
+
     if not data:
         raise EmptyAudio("zero-length file")
     wave, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
@@ -71,6 +77,8 @@ def resample(wave: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
     """Linear resampling: crude, but enough for log-mel features and exactly `resampled_length` long."""
     if from_rate == to_rate:
         return wave
+    import torch
+
     length = resampled_length(len(wave), from_rate, to_rate)
     return torch.nn.functional.interpolate(wave[None, None], size=length, mode="linear", align_corners=False)[0, 0]
 
@@ -78,6 +86,7 @@ def resample(wave: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=8)
 def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
     """[n_mels, n_fft // 2 + 1] triangular filters evenly spaced on the HTK mel scale from 0 Hz to Nyquist."""
+    import torch
 
     def to_mel(hz: torch.Tensor) -> torch.Tensor:
         return 2595.0 * torch.log10(1.0 + hz / 700.0)
@@ -96,6 +105,8 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
 def log_mel(wave: torch.Tensor, sample_rate: int, n_mels: int) -> torch.Tensor:
     """[mel_frames(len(wave)), n_mels] Whisper-style log-mel: log10 power, floored 8 decades below the clip's
     peak, scaled to roughly [-1, 1]."""
+    import torch
+
     hop, win = _hop(sample_rate), _window(sample_rate)
     n_fft = 1 << math.ceil(math.log2(win))
     frames = mel_frames(len(wave), sample_rate)

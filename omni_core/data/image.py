@@ -2,16 +2,20 @@
 the image's aspect ratio and is scaled (both sides by one factor) only to stay within [min, max] patches.
 
 `patch_grid` is the token rule the packer applies to metadata, vectorized over whole chunks of samples, so it
-must agree exactly with what `patchify` produces from the decoded pixels.
+must agree exactly with what `patchify` produces from the decoded pixels. The rules and headers need no
+tensor, so torch is imported by `patchify` alone: a launch check reads a sample's token count without it.
 """
 
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageSequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 class OversizedImage(ValueError):
@@ -64,6 +68,8 @@ def patchify(
 ) -> tuple[torch.Tensor, tuple[int, int]]:
     """[rows*cols, 3*p*p] patches in row-major grid order, each flattened as (channel, y, x) so that a
     Linear over it equals a Conv2d(kernel=stride=p) patch embedding; pixel values in [-1, 1]."""
+    import torch
+
     rows, cols = patch_grid(img.width, img.height, patch_size, max_patches, min_patches)
     size = (cols * patch_size, rows * patch_size)
     if img.size != size:

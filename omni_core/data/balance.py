@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from omni_core.data.balance_groups import balance_group_size
 from omni_core.data.flops import FlopModel
 from omni_core.data.packing import OVERDUE, BatchPacker
 from omni_core.recipe.schema import Recipe
@@ -112,19 +113,6 @@ def balance_for(recipe: Recipe, data_rank: int, dp: int, shards_per_node: int) -
     members = balance_group_size(cfg.balance.policy, cfg.balance.group_size, dp, shards_per_node)
     cost = SampleCost.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
     return Balance(cfg.balance.policy, members, data_rank % members, recipe.train.grad_accum, cost, cfg.micro_batch)
-
-
-def balance_group_size(policy: str, group_size: int, dp: int, shards_per_node: int) -> int:
-    """Data ranks per balancing group: 1 under `none`, all of them under `global`, else `group_size` (0: the
-    data shards of one node), which must divide the data ranks."""
-    if policy == "none":
-        return 1
-    if policy == "global":
-        return dp
-    size = group_size or max(1, min(dp, shards_per_node))
-    if dp % size:
-        raise ValueError(f"data.balance.group_size={size} must divide the {dp} data ranks")
-    return size
 
 
 def place(

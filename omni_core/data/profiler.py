@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from omni_core.data.balance import POLICIES, balance_group_size, simulate
+from omni_core.data.balance import POLICIES, simulate
+from omni_core.data.balance_groups import balance_group_size
 from omni_core.data.flops import FORMULA, FlopModel
 from omni_core.data.packing import BatchPacker
 from omni_core.data.profile_drift import TokenWindow, drift_window

@@ -22,7 +22,7 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 
 from omni_core.common.plan import ParallelPlan, PlanError
-from omni_core.data.balance import balance_group_size
+from omni_core.data.balance_groups import balance_group_size
 from omni_core.data.storage import endpoint_unreachable, is_s3, s3_endpoint
 from omni_core.data.synthetic import dataset_location
 from omni_core.models.args import OmniModelArgs

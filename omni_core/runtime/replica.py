@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.data.balance import balance_group_size
+from omni_core.data.balance_groups import balance_group_size
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.data.balance import Balance, SampleCost, balance_group_size, imbalance, place
+from omni_core.data.balance import Balance, SampleCost, imbalance, place
+from omni_core.data.balance_groups import balance_group_size
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.packing import collate

@@ -38,7 +38,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +49,8 @@ from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.search import build_cell_table, candidate_plans
 from omni_core.estimator.workloads import PAPER_WORKLOADS, paper_workload, trace_workload
-from omni_core.measure.validate import (
-    CaseResult,
-    ValidationReport,
-    calibrate_and_validate,
-    repredict,
-    validation_figure,
-)
+from omni_core.measure.stored_reports import ReportError, repredicted, validation_keys
+from omni_core.measure.validate import calibrate_and_validate, validation_figure
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "crius" / "simulate_trace_philly.csv"
 CRIUS_GPUS = {"a100": 320, "v100": 320, "a40": 320, "a10": 320}
@@ -119,34 +113,6 @@ def paper(quick: bool) -> dict:
     return out
 
 
-def validation_keys(report: ValidationReport) -> dict:
-    return {"mape_pct": report.mape_pct, "mape_pct_by_world": report.mape_pct_by_world,
-            "n_plans_validated": len(report.rows), "validation_rounds": report.rounds,
-            "measured_spread_pct": report.measured_spread_pct, "predicted_spread_pct": report.predicted_spread_pct}
-
-
-def repredicted(source: Path) -> dict:
-    """A stored report's validation predicted again by this checkout's cost model (`validate.repredict`)."""
-    started, load = time.perf_counter(), os.getloadavg()
-    try:
-        stored = json.loads(source.read_text())
-        rows = [CaseResult.model_validate(row) for row in stored["validation"]]
-        calibrations = stored["calibration"]
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{source}: not an estimator_bench report ({exc})") from exc
-    except KeyError as exc:
-        raise SystemExit(f"{source}: an estimator_bench report lacks the field {exc}") from exc
-    with tempfile.TemporaryDirectory(prefix="omni-repredict-") as tmp:
-        try:
-            report = repredict(rows, calibrations, Path(tmp), GpuCatalog()["cpu"])
-        except ValueError as exc:
-            raise SystemExit(f"{source}: {exc}") from exc
-    return {**validation_keys(report), "repredicted_from": str(source), "source_mape_pct": stored["mape_pct"],
-            "source_mape_pct_by_world": stored["mape_pct_by_world"],
-            "validation": [r.model_dump() for r in report.rows], "calibration": report.calibration,
-            "load_average": [load, os.getloadavg()], "seconds": time.perf_counter() - started}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -155,7 +121,12 @@ def main() -> None:
                         help="only predict REPORT's validation again, from its own calibrations (seconds)")
     args = parser.parse_args()
     if args.repredict:
-        result = repredicted(args.repredict)
+        started, load = time.perf_counter(), os.getloadavg()
+        try:
+            result = repredicted(args.repredict)
+        except ReportError as exc:
+            raise SystemExit(str(exc)) from exc
+        result.update(load_average=[load, os.getloadavg()], seconds=time.perf_counter() - started)
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(json.dumps({k: v for k, v in result.items() if k not in ("validation", "calibration")}, indent=2))
         return

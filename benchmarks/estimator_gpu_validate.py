@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/estimator_gpu_validate.py [--quick] --out est_gpu_validate.json [--device cpu]
 
+The path is `omni_core.measure.gpu_validation`; this script runs it and writes its report.
+
 1. Calibrate the GPU type (`omni_core.measure.calibrate` with `CUDA_PROBES`): matmuls, attention, operators,
    the optimizer and memory in bf16 on GPU 0, and NCCL's collectives among all visible GPUs when there are
    two or more; stored as that type's calibration, so every later estimate of the type uses it.
@@ -26,59 +28,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.measure.calibrate import CPU_PROBES, CUDA_PROBES, ProbeDevice, calibrate
-from omni_core.measure.validate import Case, gpu_validation_cases, validate, validation_cases
-
-
-def local_gpus() -> tuple[GpuSpec, int]:
-    """The catalogue entry of this machine's GPU type and how many there are; refused by name when the
-    catalogue does not know the device (add it through a recipe's `estimate.gpus`, or to the catalogue)."""
-    import torch
-
-    from omni_core.runtime.perf import catalog_gpu
-
-    name = torch.cuda.get_device_name(0)
-    spec = catalog_gpu(name)
-    if spec is None:
-        raise SystemExit(f"{name!r} is not in the GPU catalogue ({', '.join(GpuCatalog())}): "
-                         "omni_core/common/catalog.py needs its datasheet figures first")
-    return spec, torch.cuda.device_count()
-
-
-def plan(device: str, quick: bool) -> tuple[GpuSpec, int, ProbeDevice, list[Case]]:
-    """(catalogue entry, ranks, probes, cases) for `device`: cuda, or cpu to check the path without a GPU."""
-    if device == "cuda":
-        spec, gpus = local_gpus()
-        return spec, gpus, CUDA_PROBES, gpu_validation_cases(gpus, quick)
-    cases = [c for c in validation_cases(quick=True) if c.world <= 2 and not (quick and c.flavor == "small")]
-    return GpuCatalog()["cpu"], 2, CPU_PROBES, cases[:3 if quick else None]
-
-
-def run(device: str, quick: bool) -> dict:
-    spec, ranks, at, cases = plan(device, quick)
-    world = min(ranks, max(c.world for c in cases))
-    _, _, measured = calibrate(spec, world=world, repeat=1 if quick else 3, at=at)
-    if device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()  # the probes' buffers: GPU 0 is rank 0's next
-    with tempfile.TemporaryDirectory(prefix="omni-gpu-validate-") as root:
-        report = validate(cases, Path(root), spec, rounds=1 if quick else 3, repeat=1 if quick else 3, at=at)
-    return {"device": spec.name, "gpus": ranks if device == "cuda" else 0, "probes": at.device,
-            "mape_pct": report.mape_pct, "mape_pct_by_world": report.mape_pct_by_world,
-            "n_plans_validated": len(report.rows), "validation_rounds": report.rounds,
-            "measured_spread_pct": report.measured_spread_pct, "predicted_spread_pct": report.predicted_spread_pct,
-            "validation": [r.model_dump() for r in report.rows], "calibration": report.calibration,
-            "device_calibration": measured,
-            "seconds": report.seconds}
+from omni_core.measure.gpu_validation import UnknownGpu, gpu_validation
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,7 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
-    report = {"quick": args.quick, "loadavg": os.getloadavg(), **run(args.device, args.quick)}
+    try:
+        report = {"quick": args.quick, "loadavg": os.getloadavg(), **gpu_validation(args.device, args.quick)}
+    except UnknownGpu as exc:
+        raise SystemExit(str(exc)) from exc
     report["total_seconds"] = time.perf_counter() - started
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("validation", "calibration", "device_calibration")},

@@ -311,21 +311,17 @@ def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_pa
         assert resolve_plan(case_recipe(case, tmp_path), case.world) == case.parallel_plan
 
 
-def test_repredict_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+def test_repredict_refuses_what_it_cannot_read(tmp_path):
     """A report lacking its calibrations is named with the missing field, before anything is priced; a GPU
     validation's calibrations (NCCL links without the CPU ranks' wrappers) are refused by name; a row whose
     name is not a case's is named."""
-    from pathlib import Path
-
+    from omni_core.measure.stored_reports import ReportError, repredicted
     from omni_core.measure.validate import CaseResult, repredict
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import estimator_bench
 
     stored = tmp_path / "report.json"
     stored.write_text(json.dumps({"mape_pct": 9.0, "validation": []}))
-    with pytest.raises(SystemExit, match=r"report.json: an estimator_bench report lacks the field 'calibration'"):
-        estimator_bench.repredicted(stored)
+    with pytest.raises(ReportError, match=r"report.json: an estimator_bench report lacks the field 'calibration'"):
+        repredicted(stored)
     gpu = [{"kernels": {}, "ranks": {"collectives": {"all_reduce": {"alpha_s": 1e-5, "beta_bytes_s": 1e11}}}}]
     with pytest.raises(ValueError, match="reads CPU validation reports"):
         repredict([], gpu, tmp_path, CATALOG["cpu"])
@@ -336,8 +332,8 @@ def test_repredict_refuses_what_it_cannot_read(tmp_path, monkeypatch):
         repredict([row], [{"kernels": {}, "ranks": {}}], tmp_path, CATALOG["cpu"])
     stored.write_text(json.dumps({"mape_pct": 9.0, "validation": [row.model_dump()],
                                   "calibration": [{"kernels": {}, "ranks": {}}]}))
-    with pytest.raises(SystemExit, match=r"report.json: validation row 'debug-dp1-s256': not a case name"):
-        estimator_bench.repredicted(stored)
+    with pytest.raises(ReportError, match=r"report.json: validation row 'debug-dp1-s256': not a case name"):
+        repredicted(stored)
     named = row.model_copy(update={"case": "debug-dp1-s256-mb1-ga1-text"})
     with pytest.raises(ValueError, match="a round's calibration holds no kernels for it"):
         repredict([named], [{"kernels": {}, "ranks": {}}], tmp_path, CATALOG["cpu"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
+from omni_core.estimator import arena, published
 from omni_core.estimator.communication import Network, collective_time
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.pipeline import Sums
@@ -25,7 +25,7 @@ from omni_core.estimator.workloads import trace_workload, transformer
 
 CATALOG = GpuCatalog()
 A100, A40 = CATALOG["a100"], CATALOG["a40"]
-ROOT = Path(__file__).resolve().parents[2]
+TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_gpu_training.csv"
 
 
 def test_a_group_across_nodes_gets_its_share_of_each_nodes_nics():
@@ -110,18 +110,8 @@ def test_a_calibration_stored_with_per_gpu_links_loads_as_per_node(tmp_path, mon
         load_calibration("cpu")
 
 
-@pytest.fixture
-def gpu_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import estimator_gpu_bench
-        yield estimator_gpu_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
-def test_published_table_benchmark_writes_its_keys(gpu_bench):
-    report = gpu_bench.run()
+def test_published_table_benchmark_writes_its_keys():
+    report = published.score(TABLE)
     assert report["sources"] == ["automodel2025", "megatron2020", "narayanan2021", "smith2022", "torchtitan2024"]
     assert set(report["by_gpu"]) == {"a100-40gb", "a100-80gb", "h100", "v100"} and len(report["rows"]) >= 34
     assert {"by_gpu", "by_nodes", "by_recompute", "mape_pct", "within_1_5x_share", "median_abs_log2",
@@ -139,12 +129,12 @@ def test_published_table_benchmark_writes_its_keys(gpu_bench):
     assert report["targets"]["spearman_per_family_ge_0.9"] is None
 
 
-def test_the_rank_correlation_target_is_met_only_when_every_family_is_measured(gpu_bench):
+def test_the_rank_correlation_target_is_met_only_when_every_family_is_measured():
     met, low = {"spearman": 0.95}, {"spearman": 0.5}
     unmeasured = {"spearman": None}
-    assert gpu_bench._every_family({"gpt": met, "llama": met}) is True
-    assert gpu_bench._every_family({"gpt": met, "llama": unmeasured}) is None
-    assert gpu_bench._every_family({"gpt": low, "llama": unmeasured}) is False
+    assert published.every_family_target({"gpt": met, "llama": met}) is True
+    assert published.every_family_target({"gpt": met, "llama": unmeasured}) is None
+    assert published.every_family_target({"gpt": low, "llama": unmeasured}) is False
 
 
 def test_selective_checkpointing_keeps_and_recomputes_between_none_and_full():
@@ -170,30 +160,30 @@ def test_selective_checkpointing_is_refused_where_it_is_not_modelled():
         estimate_step(moe, A100, ParallelPlan(dp_shard=8), Options(1, True, "op"), gpus_per_node=8)
 
 
-def test_published_table_rows_are_checked_by_field(gpu_bench, tmp_path):
-    rows = gpu_bench.TABLE.read_text().splitlines()
+def test_published_table_rows_are_checked_by_field(tmp_path):
+    rows = TABLE.read_text().splitlines()
     bad = tmp_path / "table.csv"
     bad.write_text("\n".join([rows[0], rows[1].replace(",full,", ",sometimes,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: recompute='sometimes'"):
-        gpu_bench.read_table(bad)
+        published.read_table(bad)
     bad.write_text("\n".join([rows[0], rows[1].replace("tflops_per_gpu,137", "tflops_per_gpu,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: value is empty"):
-        gpu_bench.read_table(bad)
+        published.read_table(bad)
     bad.write_text("\n".join([rows[0], rows[1].replace(",512,16,", ",512,3,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: micro_batch='3' does not divide"):
-        gpu_bench.read_table(bad)
+        published.read_table(bad)
     bad.write_text("\n".join([rows[0], rows[1].replace(",overlapped,", ",eventually,")]) + "\n")
     with pytest.raises(ValueError, match=r"table\.csv:2: grad_sync='eventually'"):
-        gpu_bench.read_table(bad)
+        published.read_table(bad)
     bad.write_text("\n".join([rows[0], rows[1].replace(",1,1,1,32,", ",1,1,5,32,")]) + "\n")  # 24 layers
     with pytest.raises(ValueError, match=r"table\.csv:2: vp='5'"):
-        gpu_bench.read_table(bad)
+        published.read_table(bad)
 
 
-def test_a_step_time_from_tokens_per_second_is_the_step_tokens_per_gpu_over_the_rate(gpu_bench):
-    row = next(r for r in gpu_bench.read_table() if r["measure"] == "tokens_per_s_per_gpu")
+def test_a_step_time_from_tokens_per_second_is_the_step_tokens_per_gpu_over_the_rate():
+    row = next(r for r in published.read_table(TABLE) if r["measure"] == "tokens_per_s_per_gpu")
     tokens_per_gpu = int(row["global_batch"]) * int(row["seq_len"]) / int(row["gpus"])
-    assert gpu_bench.measured_step_s(row) == pytest.approx(tokens_per_gpu / float(row["value"]))
+    assert published.measured_step_s(row) == pytest.approx(tokens_per_gpu / float(row["value"]))
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -210,28 +200,28 @@ def test_tp_prices_every_collective_a_sequence_parallel_block_issues(recompute):
     assert tp_seconds(terms, block) == pytest.approx(2 * 8 * one * (1.5 if recompute else 1.0))
 
 
-def test_mt_nlg_iteration_times_are_the_tflops_the_paper_reports(gpu_bench):
+def test_mt_nlg_iteration_times_are_the_tflops_the_paper_reports():
     """Smith et al. report 126, 121 and 113 TFLOP/s per GPU for their 60.1, 50.2 and 44.4 s iterations: the
     rows' shapes and plans reproduce them with Narayanan et al.'s FLOP count (their convention)."""
-    rows = [r for r in gpu_bench.read_table() if r["source"] == "smith2022"]
+    rows = [r for r in published.read_table(TABLE) if r["source"] == "smith2022"]
     as_tflops = [{**r, "measure": "tflops_per_gpu", "value": "1"} for r in rows]
-    tflops = [gpu_bench.measured_step_s(t) / gpu_bench.measured_step_s(r) for t, r in zip(as_tflops, rows)]
+    tflops = [published.measured_step_s(t) / published.measured_step_s(r) for t, r in zip(as_tflops, rows)]
     assert tflops == pytest.approx([126, 121, 113], abs=0.6)
 
 
-def test_megatron_2020_iteration_times_are_the_tflops_its_readme_reports(gpu_bench):
+def test_megatron_2020_iteration_times_are_the_tflops_its_readme_reports():
     """The Megatron-LM README of September 2020 reports TFLOP/s per GPU beside each iteration time (DGX-2 V100,
     DGX A100, 128-way data parallel on DGX A100s): the rows reproduce them with Narayanan et al.'s count, whose
     factor 96 includes the full recomputation the rows say they ran with."""
-    rows = [r for r in gpu_bench.read_table() if r["source"] == "megatron2020"]
+    rows = [r for r in published.read_table(TABLE) if r["source"] == "megatron2020"]
     as_tflops = [{**r, "measure": "tflops_per_gpu", "value": "1"} for r in rows]
-    tflops = [gpu_bench.measured_step_s(t) / gpu_bench.measured_step_s(r) for t, r in zip(as_tflops, rows)]
+    tflops = [published.measured_step_s(t) / published.measured_step_s(r) for t, r in zip(as_tflops, rows)]
     assert [r["gpu"] for r in rows] == ["v100"] * 4 + ["a100-40gb"] * 8 and {r["recompute"] for r in rows} == {"full"}
     assert tflops == pytest.approx([71.9, 64.2, 58.5, 52.2, 149.8, 136.8, 124.7, 109.3, 139.8, 127.5, 116.7, 106.5],
                                    abs=0.15)
 
 
-def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, tmp_path):
+def test_independent_check_reads_the_artifacts_tables_as_plain_data(tmp_path):
     (tmp_path / "database").mkdir()
     comm = tmp_path / "runtime" / "jaxpr" / "comm_data"
     comm.mkdir(parents=True)
@@ -241,13 +231,13 @@ def test_independent_check_reads_the_artifacts_tables_as_plain_data(gpu_bench, t
     # of the node's one: the NIC's 4 GB/s
     (comm / "2_a40_2_n_1_d_ib.pkl").write_bytes(pickle.dumps(
         {"('all-reduce', [[0, 1]])": [[(1,), "float32", 1e-4, None], [(250_000_000,), "float32", 0.25, None]]}))
-    report = gpu_bench.independent(tmp_path, GpuCatalog())
+    report = arena.independent(tmp_path, GpuCatalog())
     assert report["testbed_links"]["a40"]["nic_bw"] == pytest.approx(4e9)
     assert len(report["entries"]) == 2 and report["failed_entries"] == 1
     assert set(report["by_gpu"]) == {"a100-40gb", "a40"} and "datasheet_links" in report
     (tmp_path / "database" / "prof_database.pkl").write_bytes(pickle.dumps({"optimal": {"x": Path("/")}}))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
-        gpu_bench.independent(tmp_path, GpuCatalog())
+        arena.independent(tmp_path, GpuCatalog())
 
 
 def test_plain_fp32_on_ga10x_and_ad10x_is_priced_on_the_dedicated_datapath():
@@ -272,8 +262,8 @@ def test_a_pipeline_across_nodes_sends_over_the_nics():
 
 
 def test_gpu_validation_cases_are_plans_the_runtime_accepts_at_bf16_on_nccl(tmp_path):
-    from omni_core.measure.calibrate import CUDA_PROBES
-    from omni_core.measure.validate import case_recipe, gpu_validation_cases
+    from omni_core.measure.probe_device import CUDA_PROBES
+    from omni_core.measure.cases import case_recipe, gpu_validation_cases
 
     for gpus, count in ((1, 12), (2, 17), (4, 22)):
         cases = gpu_validation_cases(gpus, quick=False)

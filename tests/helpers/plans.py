@@ -22,19 +22,16 @@ from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
 from omni_core.runtime.step import Optimizers, build_replica, train_step
+from tests.helpers.recipes import build_recipe
 
 STEPS = 3
 GRAD_ACCUM = 2
 
 
-def recipe_for(root: Path, flavor: str = "debug") -> Recipe:
-    return Recipe.model_validate({
-        "experiment": {"name": "par", "output_dir": str(root / "out"), "seed": 5},
-        "data": {"path": str(root / "data"), "synthetic": {"num_samples": 120}, "seq_len": 256},
-        "model": {"flavor": flavor},
-        "train": {"steps": 10, "lr": 3e-3, "warmup_steps": 1, "grad_accum": GRAD_ACCUM, "ckpt_every": 0,
-                  "dtype": "float32"},
-    })
+# the plans' recipe, as overrides of tests.helpers.recipes' base (model.flavor added per plan): every plan and its
+# one-process reference read one dataset, in float32 so that they agree to rounding
+PLANS = {"experiment.name": "par", "experiment.seed": 5, "data.synthetic.num_samples": 120, "train.steps": 10,
+         "train.warmup_steps": 1, "train.grad_accum": GRAD_ACCUM, "train.dtype": "float32"}
 
 
 class CapturingOptimizers(Optimizers):
@@ -92,21 +89,23 @@ def plans_worker(rank: int, world: int, root: str, flavors_and_plans: list[tuple
     results = {}
     for flavor, name in flavors_and_plans:
         plan = ParallelPlan.parse(name)
-        results[flavor, name] = run_plan(recipe_for(Path(root), flavor), plan, info, [plan.data_rank(rank)], balanced)
+        recipe = build_recipe(root, {**PLANS, "model.flavor": flavor})
+        results[flavor, name] = run_plan(recipe, plan, info, [plan.data_rank(rank)], balanced)
     return results
 
 
 def reference(root: Path, flavor: str, dp: int, balanced: bool = False) -> tuple[list[float], dict, list[dict]]:
     """One process, gradient accumulation over all `dp` data shards' micro-batches."""
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    return run_plan(recipe_for(root, flavor), ParallelPlan(), cpu, list(range(dp)), balanced)
+    recipe = build_recipe(root, {**PLANS, "model.flavor": flavor})
+    return run_plan(recipe, ParallelPlan(), cpu, list(range(dp)), balanced)
 
 
 def check_plans(root: Path, world: int, flavors_and_plans: list[tuple[str, str]], balanced: bool = False
                 ) -> dict[tuple, list[dict]]:
     """Asserts each plan trains like one process; returns rank 0's step metrics per (flavor, plan). `balanced`:
     the loaders balance as the recipe's `data.balance` says (its default, grouped), else each packs its own."""
-    ensure_dataset(recipe_for(root))
+    ensure_dataset(build_recipe(root, PLANS))
     per_rank = run_ranks(plans_worker, world, str(root), flavors_and_plans, balanced)
     references: dict[tuple[str, int], tuple] = {}  # plans of one flavor and data degree share their reference
     for flavor, name in flavors_and_plans:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
 from omni_core.runtime.step import build_replica, train_step
 from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch
 from tests.helpers.plans import CapturingOptimizers, check_plans
+from tests.helpers.recipes import build_recipe
 
 LSSP = "omni.v-sp2-t16.a-sp2-t16"  # the debug data's images and clips are mostly over 16 tokens
 
@@ -50,13 +50,10 @@ def test_disaggregated_layout_trains_like_one_process(tmp_path):
     assert all(m["bubble_pct"] == 0 for m in metrics["debug", "dp2+disagg1"])
 
 
-def _recipe() -> Recipe:
-    return Recipe.model_validate({
-        "experiment": {"name": "partial", "seed": 3},
-        "data": {"path": "unused", "seq_len": 128, "patch_size": PATCH_SIZE, "n_mels": N_MELS},
-        "model": {"flavor": "debug"},
-        "train": {"steps": 2, "lr": 1e-3, "warmup_steps": 1, "grad_accum": 1, "dtype": "float32"},
-    })
+# the recipe of the hand-made batches below (SHARDS): no dataset is read
+PARTIAL = {"experiment.name": "partial", "experiment.seed": 3, "data.path": "unused", "data.seq_len": 128,
+           "data.patch_size": PATCH_SIZE, "data.n_mels": N_MELS, "train.steps": 2, "train.lr": 1e-3,
+           "train.warmup_steps": 1, "train.grad_accum": 1, "train.dtype": "float32"}
 
 
 SHARDS = [  # shard 0 holds every image, video and clip of the step, shard 1 only text
@@ -69,9 +66,8 @@ SHARDS = [  # shard 0 holds every image, video and clip of the step, shard 1 onl
 def _partial_worker(rank: int, world: int, plan_name: str, freeze: tuple[str, ...] = ()) -> tuple[float, dict]:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     plan = ParallelPlan.parse(plan_name)
-    recipe = _recipe()
-    recipe.model.freeze = list(freeze)
-    recipe.train.grad_accum = len(SHARDS) // plan.dp
+    recipe = build_recipe(overrides={**PARTIAL, "model.freeze": list(freeze),
+                                     "train.grad_accum": len(SHARDS) // plan.dp})
     replica = build_replica(recipe, plan, info, torch.float32)
     optimizers = CapturingOptimizers(replica.parts, recipe)
     batches = SHARDS[plan.data_rank(rank)::plan.dp] if replica.loads_data else []
@@ -140,8 +136,7 @@ def _checkpointed_worker(rank: int, world: int) -> dict[str, bool]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    recipe = _recipe()
-    recipe.train.activation_checkpointing = True
+    recipe = build_recipe(overrides={**PARTIAL, "train.activation_checkpointing": True})
     model = build_replica(recipe, ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32).parts[0]
     return {name: all(isinstance(b, CheckpointWrapper) for b in getattr(model, name).layers)
             for name in ("vision", "audio")}
@@ -165,7 +160,8 @@ def test_sharded_encoder_weights_train_like_one_process(tmp_path):
 
 def _shard_sizes_worker(rank: int, world: int) -> dict[str, int]:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    replica = build_replica(_recipe(), ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32)
+    replica = build_replica(build_recipe(overrides=PARTIAL), ParallelPlan.parse("dp2+omni.v-fsdp"), info,
+                            torch.float32)
     held = {name: 0 for name in ("vision", "projectors.image", "audio")}
     for name, param in replica.parts[0].named_parameters():
         for prefix in held:
@@ -232,8 +228,7 @@ def _blocks_held_worker(rank: int, world: int) -> list[int]:
     from omni_core.parallel.encoder_shards import EncoderShards
 
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    recipe = _recipe()
-    recipe.train.grad_accum = 1
+    recipe = build_recipe(overrides=PARTIAL)  # one batch a step
     replica = build_replica(recipe, ParallelPlan.parse("dp2+omni.v-fsdp"), info, torch.float32)
     layers = replica.parts[0].vision.layers
     held, gather = [], EncoderShards.gather

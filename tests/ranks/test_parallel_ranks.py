@@ -22,7 +22,8 @@ from omni_core.runtime.ckpt_store import LocalStore
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
 from omni_core.runtime.step import Optimizers, build_replica
-from tests.helpers.plans import GRAD_ACCUM, check_plans, loaders_for, recipe_for, steps
+from tests.helpers.plans import GRAD_ACCUM, PLANS, check_plans, loaders_for, steps
+from tests.helpers.recipes import build_recipe
 
 def test_plans_on_two_ranks_train_like_one_process(tmp_path):
     check_plans(tmp_path, 2, [
@@ -65,7 +66,7 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
     and under `resumed` after loading the checkpoint. Both see the same global micro-batches: the data is
     split into world shards and each data rank of a plan takes world / dp of them."""
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    recipe = recipe_for(Path(root))
+    recipe = build_recipe(root, PLANS)
     store = LocalStore(Path(root) / "ckpt")
     losses = {}
     for name in (saved, resumed):
@@ -98,7 +99,7 @@ def _resume_worker(rank: int, world: int, root: str, saved: str, resumed: str) -
                                           ("dp4+omni.v-fsdp.a-fsdp", "dp1-tp2+disagg2.v-fsdp"),
                                           ("dp1-tp2+disagg2.v-fsdp", "dp2-tp2+omni")])
 def test_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path, saved, resumed):
-    ensure_dataset(recipe_for(tmp_path))
+    ensure_dataset(build_recipe(tmp_path, PLANS))
     for continued, after_resume in run_ranks(_resume_worker, 4, str(tmp_path), saved, resumed):
         assert after_resume == pytest.approx(continued, rel=1e-5)
 
@@ -157,8 +158,7 @@ def _runs_worker(rank: int, world: int, root: str) -> dict:
 
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     before = _gloo_threads()
-    recipe = recipe_for(Path(root), "debug-moe")
-    recipe.train.steps, recipe.train.grad_accum = 2, 1
+    recipe = build_recipe(root, {**PLANS, "model.flavor": "debug-moe", "train.steps": 2, "train.grad_accum": 1})
     losses = []
     # dp1-tp2 twice: the second run's meshes compare equal to the first's, whose groups are gone by then
     for name in ("dp2-ep2", "dp1-tp2", "dp1-tp2"):
@@ -174,7 +174,7 @@ def _runs_worker(rank: int, world: int, root: str) -> dict:
 def test_training_runs_one_after_another_leave_no_process_group_or_model_behind(tmp_path):
     """A process that trains plan after plan (the estimator's validation) must not pile up gloo groups, whose
     threads poll while idle (70 per rank slowed steps by 30-40%), nor MoE models held by their aux loss."""
-    ensure_dataset(recipe_for(tmp_path, "debug-moe"))
+    ensure_dataset(build_recipe(tmp_path, {**PLANS, "model.flavor": "debug-moe"}))
     for out in run_ranks(_runs_worker, 2, str(tmp_path)):
         assert out["groups"] == 1, "only the default group is left"
         assert out["gloo_threads"][1] == out["gloo_threads"][0]

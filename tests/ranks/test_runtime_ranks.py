@@ -12,19 +12,15 @@ import pytest
 
 from omni_core.common.results import TrainResult
 from omni_core.runtime.ckpt_store import MANIFEST
+from tests.helpers.recipes import write_recipe
 from tests.helpers.runtime import worker_pid
 
 
 def test_torchrun_launch_two_ranks_writes_result_and_exits_cleanly(tmp_path):
-    recipe_path = tmp_path / "recipe.yaml"
-    recipe_path.write_text(
-        f"""
-experiment: {{name: launch, output_dir: {tmp_path / 'out'}}}
-data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 60}}, seq_len: 256}}
-parallel: {{nproc: 2}}
-train: {{steps: 4, log_every: 2, ckpt_every: 2, dist_timeout_s: 60}}
-"""
-    )
+    recipe_path = write_recipe(tmp_path / "recipe.yaml", {
+        "experiment.name": "launch", "data.path": tmp_path / "data", "data.synthetic.num_samples": 60,
+        "parallel.nproc": 2, "train.steps": 4, "train.log_every": 2, "train.ckpt_every": 2, "train.dist_timeout_s": 60,
+    }, tmp_path / "out")
     result_path = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_RUN_ID", None)
@@ -69,15 +65,12 @@ def test_a_rank_killed_mid_training_is_restarted_and_resumes_to_the_uninterrupte
 
     from omni_core.runtime.targets import RunSpec, local_command
 
-    def recipe(name: str) -> Path:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(f"""
-experiment: {{name: {name}, output_dir: {tmp_path / 'out'}}}
-data: {{path: {tmp_path / 'data'}, synthetic: {{num_samples: 400}}, seq_len: 256}}
-parallel: {{nproc: 2}}
-train: {{steps: 30, log_every: 10, ckpt_every: 10, dist_timeout_s: 60}}
-""")
-        return path
+    def recipe(name: str) -> Path:  # both runs read one dataset
+        return write_recipe(tmp_path / f"{name}.yaml", {
+            "experiment.name": name, "data.path": tmp_path / "data", "data.synthetic.num_samples": 400,
+            "parallel.nproc": 2, "train.steps": 30, "train.log_every": 10, "train.ckpt_every": 10,
+            "train.dist_timeout_s": 60,
+        }, tmp_path / "out")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_RUN_ID", None)
@@ -109,13 +102,10 @@ def test_a_failed_launch_ends_with_the_failing_rank_s_own_error(tmp_path):
     """The launch checks would refuse this recipe; launched anyway, the ranks' error is the last line."""
     from omni_core.runtime.supervisor import LaunchError, launch_torchrun
 
-    recipe_path = tmp_path / "recipe.yaml"
-    recipe_path.write_text(f"""
-experiment: {{name: fails, output_dir: {tmp_path / 'out'}}}
-model: {{flavor: nope}}
-parallel: {{nproc: 2}}
-train: {{steps: 2, warmup_steps: 1, dist_timeout_s: 30}}
-""")
+    recipe_path = write_recipe(tmp_path / "recipe.yaml", {
+        "experiment.name": "fails", "model.flavor": "nope", "parallel.nproc": 2, "train.steps": 2,
+        "train.warmup_steps": 1, "train.dist_timeout_s": 30,
+    }, tmp_path / "out")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with pytest.raises(LaunchError) as failed:
         launch_torchrun(str(recipe_path), 2, str(tmp_path / "result.json"), timeout_s=120, env=env,

@@ -11,7 +11,7 @@ export DO_NOT_TRACK := true
 export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install run test test-fast clean
+.PHONY: install run test test-fast lint clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: install
 # The unit tier only (tests/unit: pure CPU, seconds), for the edit loop; `make test` runs every tier.
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# ruff's lint and format and mypy over omni_core/ and flows/ (make test runs them too, in tests/unit/test_hygiene.py).
+lint: install
+	$(BIN)/ruff check omni_core flows
+	$(BIN)/ruff format --check omni_core flows
+	$(BIN)/mypy
 
 clean:
 	rm -rf runs mlflow.db mlartifacts .pytest_cache

@@ -18,7 +18,7 @@ from flows.schedule import schedule_flow
 from flows.train import train_flow
 from omni_core.recipe import load_recipe, recipe_hash
 from omni_core.scheduler.local import check_recipe
-from omni_core.tracking import parent_run
+from omni_core.tracking import parent_run, runs_page_url
 
 
 @flow(name="experiment")
@@ -42,6 +42,7 @@ def experiment_flow(recipe: str, overrides: list[str] | None = None) -> dict[str
         "run_name": name,
         "tracking_uri": run.uri,
         "experiment_name": r.mlflow_experiment(),
+        "runs_page": runs_page_url(run.uri, run.experiment_id) if run.experiment_id else None,
         "recipe_hash": recipe_hash(r),
         "profile": profile.model_dump(mode="json"),
         "estimate": cells.model_dump(mode="json"),

@@ -256,12 +256,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"            checkpoint {train['checkpoint']}\n"
             f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}"
         )
-    print(f"  tracking  {summary['tracking_uri']}\n  browse    {_browse_hint(summary['tracking_uri'])}")
+    print(f"  tracking  {summary['tracking_uri']}\n  browse    {_browse_hint(summary)}")
 
 
-def _browse_hint(uri: str) -> str:
+def _browse_hint(summary: dict[str, Any]) -> str:
+    """How to see the runs: the tracking server's page, or `mlflow ui` on the local store, opened at the
+    experiment's training runs (tracking.ui.runs_page_url)."""
+    uri = summary["tracking_uri"]
+    page = summary.get("runs_page") or "http://127.0.0.1:5000"
     if uri.startswith(("http://", "https://")):
-        return f"open {uri}"
+        return f"open {page}"
     if uri == f"sqlite:///{Path.cwd() / 'mlflow.db'}":
-        return "mlflow ui   then open http://127.0.0.1:5000"
-    return f"mlflow ui --backend-store-uri {uri}   then open http://127.0.0.1:5000"
+        return f"mlflow ui   then open {page}"
+    return f"mlflow ui --backend-store-uri {uri}   then open {page}"

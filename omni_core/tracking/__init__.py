@@ -23,6 +23,7 @@ from omni_core.tracking.tracker import (
     system_metrics,
     tracker_for_rank,
 )
+from omni_core.tracking.ui import runs_page_url
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -45,6 +46,7 @@ __all__ = [
     "replay_spool",
     "replay_when_reachable",
     "resolve_tracking_uri",
+    "runs_page_url",
     "sanitize_metric_name",
     "settle",
     "stage_run",

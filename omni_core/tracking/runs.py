@@ -103,7 +103,7 @@ def _run(recipe: Recipe, name: str, flow_run_id: str, parent_id: str | None) -> 
     if parent_id:
         tags[PARENT_TAG] = parent_id
     run = client.create_run(_experiment_id(client, recipe.mlflow_experiment(), uri), run_name=name, tags=tags)
-    tracker = MlflowTracker(run.info.run_id, uri, recipe.tracking.flush_every_s)
+    tracker = MlflowTracker(run.info.run_id, uri, recipe.tracking.flush_every_s, experiment_id=run.info.experiment_id)
     error: BaseException | None = None
     try:
         if parent_id is None:

@@ -144,8 +144,10 @@ class MlflowTracker:
         *,
         close_timeout_s: float = 60.0,
         spool: Path | None = None,
+        experiment_id: str | None = None,
     ):
         self.run_id = run_id
+        self.experiment_id = experiment_id  # where the run is browsed (tracking.ui), when its creator knows it
         self.uri = uri or resolve_tracking_uri()
         self.flush_every_s = flush_every_s
         self.close_timeout_s = close_timeout_s

@@ -98,7 +98,8 @@ def _squared_norms(groups: dict[tuple, list[torch.Tensor]]) -> dict[str, torch.T
     """The squared gradient norm of each kind over this rank's groups (a sharded group's over its mesh)."""
     from torch.distributed.tensor import DTensor
 
-    squares = dict.fromkeys(("dense", "expert", "encoder"), torch.zeros((), dtype=torch.float64))
+    # One tensor per kind: the all-reduces below write in place, and a kind without gradients here keeps its zero.
+    squares = {kind: torch.zeros((), dtype=torch.float64) for kind in ("dense", "expert", "encoder")}
     for (kind, mesh, _), grads in groups.items():
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if mesh is not None:

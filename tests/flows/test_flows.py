@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-RECIPE = """\
-experiment: {{name: flow-test, output_dir: {out}, seed: 0}}
-data:
-  synthetic: {{num_samples: 60}}
-  seq_len: 256
-model: {{flavor: debug}}
-parallel: {{nproc: 1}}
-train: {{steps: 30, warmup_steps: 2, log_every: 2, ckpt_every: 0, timeout_s: 300}}
-eval: {{max_batches: 2}}
-tracking: {{flush_every_s: 0.5}}
-"""
+from tests.helpers.recipes import write_recipe
+
+FLOW = {"experiment.name": "flow-test", "experiment.seed": 0, "data.synthetic.num_samples": 60, "data.seq_len": 256,
+        "model.flavor": "debug", "parallel.nproc": 1, "train.steps": 30, "train.warmup_steps": 2, "train.log_every": 2,
+        "train.ckpt_every": 0, "train.timeout_s": 300, "eval.max_batches": 2, "tracking.flush_every_s": 0.5}
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
@@ -36,8 +30,7 @@ def test_experiment_flow_logs_a_parent_run_with_a_child_run_per_stage(tmp_path, 
     monkeypatch.setenv("OMNI_CALIBRATION_DIR", str(tmp_path / "calibration"))
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # the training lasts seconds
     store_calibration(GpuCatalog()["cpu"], Efficiency(), {"note": "a stored calibration the estimate must log"})
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+    recipe = write_recipe(tmp_path / "recipe.yaml", FLOW, tmp_path / "out")
 
     summary = experiment_flow(str(recipe), ["train.steps=20", "parallel.plan=auto"])
 
@@ -114,8 +107,7 @@ def test_validate_flow_logs_predicted_against_measured(tmp_path, monkeypatch, ml
     cases = [validate.Case("debug", "dp1", 128, mix="text", steps=4), validate.Case("debug", "dp2", 128, steps=4)]
     monkeypatch.setattr(validate, "validation_cases", lambda quick: cases)
     monkeypatch.chdir(tmp_path)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+    recipe = write_recipe(tmp_path / "recipe.yaml", FLOW, tmp_path / "out")
 
     report = validate_flow(str(recipe), ["estimate.validation=quick"])
 
@@ -144,14 +136,11 @@ def test_a_launch_broken_from_outside_is_retried_and_resumes(tmp_path, mlflow_ur
     from tests.helpers.runtime import worker_pid
 
     out = tmp_path / "out"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"""
-experiment: {{name: retried, output_dir: {out}}}
-data: {{synthetic: {{num_samples: 200}}, seq_len: 256}}
-parallel: {{nproc: 2}}
-train: {{steps: 30, log_every: 10, ckpt_every: 10, dist_timeout_s: 60, timeout_s: 300, launch_retries: 1}}
-tracking: {{flush_every_s: 0.5}}
-""")
+    recipe = write_recipe(tmp_path / "recipe.yaml", {
+        "experiment.name": "retried", "data.synthetic.num_samples": 200, "data.seq_len": 256, "parallel.nproc": 2,
+        "train.steps": 30, "train.log_every": 10, "train.ckpt_every": 10, "train.dist_timeout_s": 60,
+        "train.timeout_s": 300, "train.launch_retries": 1, "tracking.flush_every_s": 0.5,
+    }, out)
     killed: list[int] = []
 
     def kill_rank_1_after_the_first_checkpoint() -> None:

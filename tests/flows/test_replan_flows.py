@@ -6,33 +6,29 @@ from __future__ import annotations
 
 import pytest
 
-RECIPE = """\
-experiment: {{name: replan-flow, output_dir: {out}, seed: 0}}
-data:
-  source: dynamic
-  seq_len: 384
-  max_image_patches: 256
-  synthetic:
-    num_samples: 200
-    mix: {{text: 0.5, image: 0.5}}
-    schedule:
-      - {{step: 0, mix: {{text: 1.0}}}}
-      - {{step: 4, mix: {{text: 1.0}}}}
-      - {{step: 5, mix: {{text: 0.05, image: 0.95}}}}
-    image_side_px: {{min: 160, max: 224}}
-model: {{flavor: debug-enc}}
-parallel: {{nproc: 2, dp_replicate: 2, dp_shard: 1}}
-train: {{steps: 12, grad_accum: 2, warmup_steps: 1, log_every: 1, ckpt_every: 4, timeout_s: 300}}
-replan: {{enabled: {replan}, window: 10, every_steps: 5, cost_s: 0.01}}
-tracking: {{flush_every_s: 0.5}}
-"""
+from tests.helpers.recipes import write_recipe
+
+# text alone for five steps, then mostly images: the look at step 5 sees the drift
+REPLAN_FLOW = {
+    "experiment.name": "replan-flow", "experiment.seed": 0,
+    "data.source": "dynamic", "data.seq_len": 384, "data.max_image_patches": 256,
+    "data.synthetic.num_samples": 200, "data.synthetic.mix": {"text": 0.5, "image": 0.5},
+    "data.synthetic.schedule": [{"step": 0, "mix": {"text": 1.0}}, {"step": 4, "mix": {"text": 1.0}},
+                                {"step": 5, "mix": {"text": 0.05, "image": 0.95}}],
+    "data.synthetic.image_side_px": {"min": 160, "max": 224},
+    "model.flavor": "debug-enc",
+    "parallel.nproc": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1,
+    "train.steps": 12, "train.grad_accum": 2, "train.warmup_steps": 1, "train.log_every": 1, "train.ckpt_every": 4,
+    "train.timeout_s": 300,
+    "replan.window": 10, "replan.every_steps": 5, "replan.cost_s": 0.01,
+    "tracking.flush_every_s": 0.5,
+}  # fmt: skip
 
 
 def train(tmp_path, name: str, replan: bool):
     from flows.train import train_flow
 
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(RECIPE.format(out=tmp_path / name, replan=str(replan).lower()))
+    path = write_recipe(tmp_path / f"{name}.yaml", {**REPLAN_FLOW, "replan.enabled": replan}, tmp_path / name)
     return train_flow(str(path))
 
 

@@ -17,15 +17,12 @@ from pathlib import Path
 
 from omni_core.runtime.ranks import free_port
 from omni_core.runtime.supervisor import terminate_group
+from tests.helpers.recipes import write_recipe
 from tests.servers import server_process
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = """\
-experiment: {{name: served, output_dir: {out}}}
-data: {{synthetic: {{num_samples: 40}}, seq_len: 256}}
-parallel: {{nproc: 1}}
-"""
+SERVED = {"experiment.name": "served", "data.synthetic.num_samples": 40, "data.seq_len": 256, "parallel.nproc": 1}
 DEPLOYMENTS = """\
 deployments:
   - name: profile-often
@@ -109,7 +106,7 @@ def test_served_and_deployed_flows_run_on_a_prefect_server(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
+    write_recipe(tmp_path / "recipe.yaml", SERVED, tmp_path / "out")
     (tmp_path / "prefect.yaml").write_text(DEPLOYMENTS)
     server = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with server_process(server, f"{url}/health", log=tmp_path / "server.log",

@@ -13,17 +13,13 @@ import sys
 from pathlib import Path
 
 from omni_core.runtime.ranks import free_port
+from tests.helpers.recipes import write_recipe
 from tests.servers import postgres_server, server_process
 
 BIN = Path(sys.executable).parent
-RECIPE = """\
-experiment: {{name: servers, output_dir: {out}}}
-data: {{synthetic: {{num_samples: 60}}, seq_len: 256}}
-parallel: {{nproc: 1}}
-train: {{steps: 6, log_every: 2, ckpt_every: 0, timeout_s: 300, ckpt_dir: "s3://ckpt/servers"}}
-eval: {{max_batches: 2}}
-tracking: {{flush_every_s: 0.5}}
-"""
+SERVERS = {"experiment.name": "servers", "data.synthetic.num_samples": 60, "data.seq_len": 256, "parallel.nproc": 1,
+           "train.steps": 6, "train.log_every": 2, "train.ckpt_every": 0, "train.timeout_s": 300,
+           "train.ckpt_dir": "s3://ckpt/servers", "eval.max_batches": 2, "tracking.flush_every_s": 0.5}
 
 
 def test_omni_run_tracks_to_mlflow_on_postgres_with_s3_artifacts_and_a_prefect_server(tmp_path, prefect_api_url):
@@ -49,8 +45,7 @@ def test_omni_run_tracks_to_mlflow_on_postgres_with_s3_artifacts_and_a_prefect_s
                       "--workers", "1", "--backend-store-uri", store_uri,
                       "--artifacts-destination", "s3://mlflow/artifacts"]
         with server_process(mlflow_cmd, f"{mlflow_url}/health", log=tmp_path / "mlflow.log", env=server_env):
-            recipe = tmp_path / "recipe.yaml"
-            recipe.write_text(RECIPE.format(out=tmp_path / "out"))
+            recipe = write_recipe(tmp_path / "recipe.yaml", SERVERS, tmp_path / "out")
             client_env = {**base_env, "MLFLOW_TRACKING_URI": mlflow_url, "PREFECT_API_URL": prefect_url,
                           "PREFECT_HOME": str(tmp_path / "prefect-client"), "OMP_NUM_THREADS": "1",
                           "AWS_ENDPOINT_URL": s3_url, **creds}

@@ -13,16 +13,13 @@ from pathlib import Path
 
 from omni_core.runtime.ranks import free_port
 from omni_core.runtime.supervisor import terminate_group
+from tests.helpers.recipes import write_recipe
 from tests.servers import server_process
 
 BIN = Path(sys.executable).parent
-RECIPE = """\
-experiment: {{name: outage, output_dir: {out}}}
-data: {{synthetic: {{num_samples: 200}}, seq_len: 256}}
-parallel: {{nproc: 1}}
-train: {{steps: 120, log_every: 4, ckpt_every: 0, timeout_s: 600}}
-tracking: {{flush_every_s: 0.5}}
-"""
+OUTAGE = {"experiment.name": "outage", "data.synthetic.num_samples": 200, "data.seq_len": 256, "parallel.nproc": 1,
+          "train.steps": 120, "train.log_every": 4, "train.ckpt_every": 0, "train.timeout_s": 600,
+          "tracking.flush_every_s": 0.5}
 
 
 def train_steps_logged(url: str) -> list[int]:
@@ -47,7 +44,7 @@ def mlflow_server(tmp_path: Path) -> tuple[str, list[str], dict[str, str], dict[
 
 def test_training_outlives_the_tracking_server_and_loses_no_metric(tmp_path, prefect_api_url):
     url, server, server_env, base = mlflow_server(tmp_path)
-    (tmp_path / "recipe.yaml").write_text(RECIPE.format(out=tmp_path / "out"))
+    write_recipe(tmp_path / "recipe.yaml", OUTAGE, tmp_path / "out")
     env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "omni.log"
     with server_process(server, f"{url}/health", log=tmp_path / "mlflow-1.log", env=server_env):
@@ -86,9 +83,8 @@ def test_a_server_still_away_when_training_ends_gets_its_statuses_and_metrics_la
     from omni_core.tracking import pending
 
     url, server, server_env, base = mlflow_server(tmp_path)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(out=tmp_path / "out").replace("steps: 120", "steps: 60")
-                      .replace("flush_every_s: 0.5", "flush_every_s: 0.5, reconnect_timeout_s: 2"))
+    recipe = write_recipe(tmp_path / "recipe.yaml", {**OUTAGE, "train.steps": 60, "tracking.reconnect_timeout_s": 2},
+                          tmp_path / "out")
     env = {**base, "MLFLOW_TRACKING_URI": url, "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1",
            "OMNI_HOME": str(tmp_path / "omni-home")}
     log = tmp_path / "omni.log"

@@ -3,7 +3,7 @@
 `omni recipe check` and every flow command (`omni run`, `train`, `profile`, ...) call `check_launch` before
 any stage starts. Each check asks the rule the launch itself applies: the flavor registry (`get_flavor`),
 the plan against the model and the world (`plan_rules.resolve_plan`, `plan_rules.check_buildable`), the balancing
-groups (`balance_group_size`), where the data is (`synthetic.dataset_location`) and whether it holds a sample
+groups (`balance_group_size`), where the data is (`dataset_location`) and whether it holds a sample
 (`ShardedSource.check_usable`), the checkpoint store (`checkpoint_store`), the tracking URI
 (`check_tracking_uri`). So a check and a launch cannot disagree; this module only adds what no launch step
 asks before it is too late (a writable checkpoint folder with room for a checkpoint, reachable S3 endpoints)
@@ -23,8 +23,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from omni_core.common.plan import ParallelPlan, PlanError
 from omni_core.data.balance_groups import balance_group_size
+from omni_core.data.dataset_location import dataset_location
 from omni_core.data.storage import endpoint_unreachable, is_s3, s3_endpoint
-from omni_core.data.synthetic import dataset_location
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_params

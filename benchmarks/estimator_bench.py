@@ -48,9 +48,11 @@ from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.layouts import compare_layouts
 from omni_core.estimator.search import build_cell_table, candidate_plans
-from omni_core.estimator.workloads import PAPER_WORKLOADS, paper_workload, trace_workload
+from omni_core.estimator.paper_workloads import PAPER_WORKLOADS, paper_workload
+from omni_core.estimator.trace_workloads import trace_workload
 from omni_core.measure.stored_reports import ReportError, repredicted, validation_keys
-from omni_core.measure.validate import calibrate_and_validate, validation_figure
+from omni_core.measure.validate import calibrate_and_validate
+from omni_core.measure.validation_report import validation_figure
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "crius" / "simulate_trace_philly.csv"
 CRIUS_GPUS = {"a100": 320, "v100": 320, "a40": 320, "a10": 320}

@@ -21,7 +21,9 @@ from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
-from omni_core.runtime.step import Optimizers, build_replica, train_step
+from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.replica import build_replica
+from omni_core.runtime.step import train_step
 from tests.helpers.recipes import build_recipe
 
 STEPS = 3

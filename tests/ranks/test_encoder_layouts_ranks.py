@@ -13,7 +13,8 @@ import torch
 from omni_core.common.plan import ParallelPlan
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
-from omni_core.runtime.step import build_replica, train_step
+from omni_core.runtime.replica import build_replica
+from omni_core.runtime.step import train_step
 from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch
 from tests.helpers.plans import CapturingOptimizers, check_plans
 from tests.helpers.recipes import build_recipe

@@ -21,7 +21,8 @@ from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
 from omni_core.runtime.ckpt_store import LocalStore
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.ranks import run_ranks
-from omni_core.runtime.step import Optimizers, build_replica
+from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.replica import build_replica
 from tests.helpers.plans import GRAD_ACCUM, PLANS, check_plans, loaders_for, steps
 from tests.helpers.recipes import build_recipe
 
@@ -109,7 +110,7 @@ def _partial_grads_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, distribute_tensor
 
-    from omni_core.runtime.step import replicate_partial_grads
+    from omni_core.runtime.gradients import replicate_partial_grads
 
     mesh = init_device_mesh("cpu", (world,))
     norms = [torch.nn.Parameter(distribute_tensor(torch.zeros(n), mesh, [Replicate()])) for n in (3, 5)]

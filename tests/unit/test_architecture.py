@@ -53,7 +53,8 @@ def test_a_wrong_import_breaks_a_contract(tmp_path, module, line, broken):
 
 def test_the_cost_model_imports_without_torch():
     modules = ["cost", "terms", "communication", "memory", "stage", "pipeline", "encoders", "search", "layouts",
-               "oracle", "calibration", "workloads", "recipe_cells"]
+               "oracle", "calibration", "workloads", "transformer_layers", "lm_workloads", "cnn_workloads",
+               "omni_workloads", "trace_workloads", "paper_workloads", "recipe_cells"]
     modules += ["accuracy", "published", "arena"]  # the estimator's checks against published measurements
     code = "; ".join(f"import omni_core.estimator.{m}" for m in modules)
     result = subprocess.run([sys.executable, "-c", f"{code}; import sys; print('torch' in sys.modules)"],

@@ -22,12 +22,13 @@ from omni_core.common.batch import MODALITY_IDS, PackedBatch, audio_tokens, vide
 from omni_core.common.tokenizer import AUDIO_ID, BOS_ID, EOS_ID, IMAGE_ID, PAD_ID, VIDEO_ID
 from omni_core.data.audio import log_mel, mel_frames
 from omni_core.data.dataset import DecodedSample, ManifestDataset, open_dataset
+from omni_core.data.dataset_location import MANIFEST
 from omni_core.data.image import patch_grid, patchify
 from omni_core.data.loader import ConsumerStream, PackedLoader
 from omni_core.data.packing import OVERDUE, BatchPacker, collate
 from omni_core.data.profile import profile_dataset
 from omni_core.data.source_base import CorruptSample, Record, View, in_heldout
-from omni_core.data.synthetic import MANIFEST, ensure_dataset, generate_dataset, text_document
+from omni_core.data.synthetic import ensure_dataset, generate_dataset, text_document
 from omni_core.data.workload import BACKGROUNDS, COLORS, DIRECTIONS, TONES
 from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.recipes import build_recipe

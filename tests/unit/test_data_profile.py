@@ -15,6 +15,7 @@ import pytest
 from flows.cli import main
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
 from omni_core.data.dataset import ManifestDataset, open_dataset
+from omni_core.data.dataset_location import MANIFEST
 from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import profile_dataset, profile_source
@@ -22,7 +23,7 @@ from omni_core.data.profile_result import DatasetProfile
 from omni_core.data.profiler import Profiler
 from omni_core.data.sample import KINDS, Sample, Segments, measure
 from omni_core.data.source_base import View
-from omni_core.data.synthetic import MANIFEST, TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of
+from omni_core.data.synthetic import TRAIN, dataset_specs, ensure_dataset, generate_dataset, sample_of
 from omni_core.data.workload import MixSchedule, draw_at_steps, draw_lengths, segments_of, uniforms
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe import load_recipe

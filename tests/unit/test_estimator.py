@@ -13,13 +13,11 @@ from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.oracle import CellOracle, ThroughputOracle
 from omni_core.estimator.search import build_cell_table, candidate_plans, search_cell
-from omni_core.estimator.workloads import (
-    omni_workload,
-    paper_workload,
-    trace_workload,
-    transformer,
-    transformer_block,
-)
+from omni_core.estimator.lm_workloads import transformer
+from omni_core.estimator.omni_workloads import omni_workload
+from omni_core.estimator.paper_workloads import paper_workload
+from omni_core.estimator.trace_workloads import trace_workload
+from omni_core.estimator.transformer_layers import transformer_block
 
 CATALOG = GpuCatalog()
 A100 = CATALOG["a100"]
@@ -253,7 +251,7 @@ def test_a_pipeline_schedule_that_would_refuse_the_micro_batches_is_not_ranked()
 def test_cell_table_plans_of_a_flavor_pass_the_runtimes_resolve_plan(tmp_path):
     """Every plan a CellTable ranks for a model flavor is one `trainer.resolve_plan` accepts for that model at
     its micro-batch and gradient accumulation (the model's degrees, the pipeline schedule's micro-batches)."""
-    from omni_core.runtime.trainer import resolve_plan
+    from omni_core.runtime.plan_rules import resolve_plan
     from tests.helpers.recipes import build_recipe
 
     w = _flavor_workload("debug-moe", 256, 16)
@@ -297,8 +295,8 @@ def test_runtime_wrappers_and_shared_cores_are_priced():
 
 
 def test_validation_cases_cover_every_degree_and_the_runtime_accepts_them(tmp_path):
-    from omni_core.measure.validate import case_recipe, validation_cases
-    from omni_core.runtime.trainer import resolve_plan
+    from omni_core.measure.cases import case_recipe, validation_cases
+    from omni_core.runtime.plan_rules import resolve_plan
 
     full, quick = validation_cases(False), validation_cases(True)
     assert len({c.plan for c in full}) >= 20 and len(full) >= 25 and {c.world for c in full} == {1, 2, 3, 4}
@@ -316,7 +314,8 @@ def test_repredict_refuses_what_it_cannot_read(tmp_path):
     validation's calibrations (NCCL links without the CPU ranks' wrappers) are refused by name; a row whose
     name is not a case's is named."""
     from omni_core.measure.stored_reports import ReportError, repredicted
-    from omni_core.measure.validate import CaseResult, repredict
+    from omni_core.measure.validate import repredict
+    from omni_core.measure.validation_report import CaseResult
 
     stored = tmp_path / "report.json"
     stored.write_text(json.dumps({"mape_pct": 9.0, "validation": []}))

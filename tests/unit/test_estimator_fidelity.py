@@ -21,7 +21,8 @@ from omni_core.estimator.pipeline import Sums
 from omni_core.estimator.search import search_cell
 from omni_core.estimator.stage import tp_seconds
 from omni_core.estimator.terms import PlanTerms
-from omni_core.estimator.workloads import trace_workload, transformer
+from omni_core.estimator.lm_workloads import transformer
+from omni_core.estimator.trace_workloads import trace_workload
 
 CATALOG = GpuCatalog()
 A100, A40 = CATALOG["a100"], CATALOG["a40"]

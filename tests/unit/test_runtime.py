@@ -16,12 +16,13 @@ from omni_core.common.batch import MODALITY_IDS, audio_tokens, video_tokens
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.plan import PlanError
 from omni_core.common.results import TrainResult
-from omni_core.recipe.schema import ParallelConfig
-from omni_core.runtime.checkpoint import checkpoint_store, latest_checkpoint
-from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, step_name
+from omni_core.recipe.model_sections import ParallelConfig
+from omni_core.runtime.checkpoint import latest_checkpoint
+from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, checkpoint_store, step_name
 from omni_core.runtime.evaluate import evaluate_checkpoint
-from omni_core.runtime.step import lr_lambda
-from omni_core.runtime.trainer import resolve_plan, train
+from omni_core.runtime.lr_schedule import lr_lambda
+from omni_core.runtime.plan_rules import resolve_plan
+from omni_core.runtime.trainer import train
 from tests.helpers.models import MERGES
 from tests.helpers.recipes import build_recipe
 from tests.helpers.runtime import CPU, RecordingTracker

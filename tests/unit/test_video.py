@@ -14,13 +14,14 @@ from PIL import Image
 from omni_core.common.batch import MODALITY_IDS, video_tokens
 from omni_core.common.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, VIDEO_ID
 from omni_core.data.dataset import ManifestDataset, open_dataset
+from omni_core.data.dataset_location import MANIFEST
 from omni_core.data.image import frame_indices, patchify
 from omni_core.data.loader import PackedLoader
-from omni_core.data.profile import DatasetProfile, profile_dataset
+from omni_core.data.profile import profile_dataset
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.data.sample import SPATIAL_MERGE, TEMPORAL_MERGE
-from omni_core.data.synthetic import MANIFEST
-from omni_core.models import build_model
-from omni_core.recipe.schema import DataConfig
+from omni_core.models.omni import build_model
+from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.data_sources import records
 from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
 from tests.helpers.recipes import build_recipe

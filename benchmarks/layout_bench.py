@@ -17,7 +17,7 @@ warm-up then timed steps each; rounds interleave the launches, and each figure i
 (`spread_pct` = (max - min) / median of samples/s). A step lasts as long as its slowest rank. `encoder_s` /
 `llm_s` are the median over timed steps of the busiest rank's encoder compute (forward and backward; coupled:
 0, its encoders run inside the LLM's stage 0) and of its LLM phase. `bubble_pct` is the idle share of a rank's
-span of encoder and LLM work (`runtime.step.layout_values`), mean over the LLM's ranks: for pipelined plans
+span of encoder and LLM work (`runtime.layout_metrics.layout_values`), mean over the LLM's ranks: for pipelined plans
 the bubble the joint schedule fills. On CPU `peak_mem_mb` is the peak resident set of
 the launch (all its mixes so far).
 

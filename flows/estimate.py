@@ -6,7 +6,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import resolve, stage_dir
-from omni_core.data.profile import DatasetProfile
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.estimator.calibration import calibration_path
 from omni_core.estimator.recipe_cells import cell_figure, estimate_recipe
 from omni_core.estimator.search import CellTable

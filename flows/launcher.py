@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from omni_core.common.results import TrainResult
-from omni_core.recipe.schema import LaunchConfig
+from omni_core.recipe.train_sections import LaunchConfig
 from omni_core.runtime.slurm import run_slurm_job
 from omni_core.runtime.supervisor import LaunchError, launch_torchrun
 from omni_core.runtime.targets import RunSpec, run_name

@@ -6,7 +6,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows import resolve, stage_dir
-from omni_core.data.profile import DatasetProfile, profile_dataset
+from omni_core.data.profile import profile_dataset
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.recipe import Recipe
 from omni_core.tracking import stage_run
 

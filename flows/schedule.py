@@ -9,7 +9,7 @@ from prefect.runtime import flow_run
 from flows import resolve, stage_dir
 from flows.train import train_flow
 from omni_core.common.results import TrainResult
-from omni_core.data.profile import DatasetProfile
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.estimator.search import CellTable
 from omni_core.recipe import Recipe
 from omni_core.scheduler.local import JobRun, ScheduleRun, run_schedule

@@ -16,7 +16,7 @@ from flows.launcher import run_torchrun
 from omni_core.common.control import CONTROL_ENV, LAUNCHED_ENV, read_progress
 from omni_core.common.plan import ParallelPlan
 from omni_core.common.results import TrainResult
-from omni_core.data.profile import DatasetProfile  # a flow parameter's type: Prefect validates it at run time
+from omni_core.data.profile_result import DatasetProfile  # a flow parameter's type: Prefect validates it at run time
 from omni_core.estimator.recipe_cells import prediction_error
 from omni_core.estimator.search import CellTable
 from omni_core.recipe import Recipe, dump_recipe

@@ -70,7 +70,7 @@ __all__ = ["COLLECTIVES", "Efficiency", "Estimate", "Options", "estimate_step"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the kinds `Efficiency.collectives` scales
 SYNC_COLLECTIVES = 2  # the step's all-reduces of its loss and token statistics
 # TP: the gradient norm's full tensors (row- and column-sharded groups) and the one reduction of the replicated
-# weights' partial gradients (`runtime.step.replicate_partial_grads`)
+# weights' partial gradients (`runtime.gradients.replicate_partial_grads`)
 TP_SYNC_COLLECTIVES = 3
 DEFAULT_EFFICIENCY = Efficiency()  # the catalogue's efficiencies (frozen: one instance serves every call)
 
@@ -233,7 +233,7 @@ def llm_only(workload: Workload) -> Workload:
 def world_sync_seconds(gpu: GpuSpec, plan: ParallelPlan, gpus_per_node: int, eff: Efficiency) -> float:
     """What a `disaggregated` step's small all-reduces cost beyond the LLM-only estimate's: the loss and token
     statistics span the whole world (the encoder ranks too), not the LLM's ranks, and the gradient norm adds
-    one all-reduce joining the two sides' halves (`runtime.step.clip_grad_norm`)."""
+    one all-reduce joining the two sides' halves (`runtime.gradients.clip_grad_norm`)."""
     net, world, llm = Network(gpu, gpus_per_node, eff.link, eff.collectives), plan.world_size, plan.llm_world_size
     return net.time("all_reduce", SMALL_MESSAGE_BYTES, world, world, SYNC_COLLECTIVES + 1) - net.time(
         "all_reduce", SMALL_MESSAGE_BYTES, llm, llm, SYNC_COLLECTIVES

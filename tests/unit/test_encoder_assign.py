@@ -1,4 +1,4 @@
-"""The `omni` layout's placement (`parallel.encoders.assign`): computed identically on every rank from the
+"""The `omni` layout's placement (`parallel.encoder_assign.assign`): computed identically on every rank from the
 items' metadata alone, so it must be deterministic, balanced by cost, and split only what is long."""
 
 from __future__ import annotations

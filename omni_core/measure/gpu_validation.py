@@ -18,6 +18,7 @@ from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.measure.calibrate import calibrate
 from omni_core.measure.cases import Case, gpu_validation_cases, validation_cases
 from omni_core.measure.probe_device import CPU_PROBES, CUDA_PROBES, ProbeDevice
+from omni_core.measure.stored_reports import validation_keys
 from omni_core.measure.validate import validate
 
 Device = Literal["cuda", "cpu"]
@@ -72,12 +73,7 @@ def gpu_validation(device: Device, quick: bool) -> dict[str, Any]:
         "device": spec.name,
         "gpus": ranks if device == "cuda" else 0,
         "probes": at.device,
-        "mape_pct": report.mape_pct,
-        "mape_pct_by_world": report.mape_pct_by_world,
-        "n_plans_validated": len(report.rows),
-        "validation_rounds": report.rounds,
-        "measured_spread_pct": report.measured_spread_pct,
-        "predicted_spread_pct": report.predicted_spread_pct,
+        **validation_keys(report),
         "validation": [r.model_dump() for r in report.rows],
         "calibration": report.calibration,
         "device_calibration": measured,

@@ -6,11 +6,15 @@ for trace model names (`bert__1.3B`, `moe__10B`, `wide_resnet__2B`, see
 (real mode: model flavors at the recipe's sequence length).
 The scheduler calls it thousands of times per simulated round, so answers are memoised per
 (model, batch, GPU type, GPU count): the first call searches the Cell's plans, later calls are a dict look-up.
+`replicated` prices one fixed kind of plan instead of searching: data-parallel replicas of a model-parallel
+unit, the plans the scheduler's baselines decide with (they do not search plans as Crius does).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -33,6 +37,35 @@ class ThroughputOracle(Protocol):
         """The plan behind `throughput(...)`, or None when no plan fits memory."""
         ...
 
+    def replicated(
+        self,
+        model: str,
+        global_batch: int,
+        gpu_type: str,
+        num_gpus: int,
+        *,
+        unit: tuple[int, int] = (1, 1),
+        micro_batching: bool = False,
+    ) -> ReplicaEstimate | None:
+        """`num_gpus / (tp x pp)` replicas of a `unit` = (tp, pp) model-parallel unit, the replicas plain data
+        parallel (weights, gradients and optimizer states replicated, never sharded), recomputation only where
+        the job fixes it; each replica's local batch in one micro-batch, or with `micro_batching` in the
+        fastest micro-batches that fit (gradient accumulation). None when the plan cannot be formed."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplicaEstimate:
+    """What `ThroughputOracle.replicated` answers: throughput and memory of one fixed plan."""
+
+    samples_per_s: float  # 0.0 when it does not fit the GPU's memory (the estimator's own rule)
+    peak_mem_bytes: float  # the fitting plan's, else the least any micro-batch needed
+    mem_bytes: float  # the GPU's memory (`GpuSpec.mem_gb`), for a policy's own memory rule
+
+    @property
+    def mem_share(self) -> float:
+        return self.peak_mem_bytes / self.mem_bytes
+
 
 class CellOracle:
     """`ThroughputOracle` over the estimator's Cell search, memoised.
@@ -49,6 +82,7 @@ class CellOracle:
         self.gpus_per_node = dict(gpus_per_node)
         self.workload = workload
         self._cells: dict[tuple[str, int, str, int, bool], CellResult | None] = {}
+        self._replicas: dict[tuple[str, int, str, int, tuple[int, int], bool], ReplicaEstimate | None] = {}
 
     def cell(self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False):
         """The memoised `CellResult` (best plan, step time, memory) or None when nothing fits."""
@@ -58,12 +92,10 @@ class CellOracle:
         except KeyError:
             pass
         from omni_core.estimator.search import best_for_gpus
-        from omni_core.estimator.trace_workloads import trace_workload
 
         gpu = self.catalog[gpu_type]
         per_node = self.gpus_per_node.get(gpu_type, gpu.gpus_per_node)
-        workload = (self.workload or trace_workload)(model, global_batch)
-        result = best_for_gpus(workload, gpu, num_gpus, per_node, dp_only=dp_only)
+        result = best_for_gpus(self._workload(model, global_batch), gpu, num_gpus, per_node, dp_only=dp_only)
         self._cells[key] = result
         return result
 
@@ -80,3 +112,57 @@ class CellOracle:
     def best_plan(self, model: str, global_batch: int, gpu_type: str, num_gpus: int) -> ParallelPlan | None:
         result = self.cell(model, global_batch, gpu_type, num_gpus)
         return None if result is None else result.plan
+
+    def replicated(
+        self,
+        model: str,
+        global_batch: int,
+        gpu_type: str,
+        num_gpus: int,
+        *,
+        unit: tuple[int, int] = (1, 1),
+        micro_batching: bool = False,
+    ) -> ReplicaEstimate | None:
+        key = (model, global_batch, gpu_type, num_gpus, unit, micro_batching)
+        if key not in self._replicas:
+            self._replicas[key] = self._replica_estimate(model, global_batch, gpu_type, num_gpus, unit, micro_batching)
+        return self._replicas[key]
+
+    def _replica_estimate(
+        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, unit: tuple[int, int], micro_batching: bool
+    ) -> ReplicaEstimate | None:
+        from omni_core.common.catalog import GB
+        from omni_core.common.plan import ParallelPlan, PlanError
+        from omni_core.estimator.calibration import calibrated
+        from omni_core.estimator.cost import Options, estimate_step
+        from omni_core.estimator.search import powers_of_two
+
+        tp, pp = unit
+        replicas, rest = divmod(num_gpus, tp * pp)
+        gpu, eff = calibrated(self.catalog[gpu_type])
+        per_node = self.gpus_per_node.get(gpu_type, gpu.gpus_per_node)
+        if rest or tp > per_node or global_batch % max(replicas, 1) or not replicas:
+            return None
+        workload = self._workload(model, global_batch)
+        try:
+            plan = ParallelPlan(dp_replicate=replicas, tp=tp, pp=pp)
+            plan.check_model(workload.shape)
+        except PlanError:
+            return None
+        local = global_batch // replicas
+        sizes = [mb for mb in powers_of_two(local) if local % mb == 0] if micro_batching else [local]
+        checkpoint = bool(workload.recompute)
+        tried = [
+            estimate_step(workload, gpu, plan, Options(mb, checkpoint), gpus_per_node=per_node, eff=eff) for mb in sizes
+        ]
+        fitting = [e for e in tried if e.fits]
+        mem = gpu.mem_gb * GB
+        if fitting:
+            best = min(fitting, key=lambda e: e.step_time_s)
+            return ReplicaEstimate(best.samples_per_s, best.peak_mem_bytes, mem)
+        return ReplicaEstimate(0.0, min((e.peak_mem_bytes for e in tried), default=math.inf), mem)
+
+    def _workload(self, model: str, global_batch: int) -> Workload:
+        from omni_core.estimator.trace_workloads import trace_workload
+
+        return (self.workload or trace_workload)(model, global_batch)

@@ -8,9 +8,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from flows.commands.common import OVERRIDES_EPILOG, RAW, USAGE_ERROR, add_recipe_args, loaded_recipe
+from omni_core.recipe.schedule_sections import PolicyName
 
 if TYPE_CHECKING:
     from flows.commands.common import Subparsers
@@ -52,7 +53,7 @@ def add_simulate(sub: Subparsers) -> None:
         dest="policies",
         action="append",
         metavar="NAME",
-        choices=["crius", "fcfs", "gavel", "sia"],
+        choices=get_args(PolicyName),
         help="policy to run (repeatable); default: schedule.policies, else schedule.policy",
     )
     simulate.add_argument("--rounds", type=int, metavar="N", help="rounds to simulate (default schedule.max_rounds)")
@@ -94,10 +95,10 @@ def _simulate_command(args: argparse.Namespace) -> int:
         check_tracking_uri(resolve_tracking_uri(recipe))
     try:
         study = load_study(args.recipe, args.overrides, trace=args.trace)
-    except ValueError as e:
+        plans = compare(study, args.policies or recipe.schedule.policies or [recipe.schedule.policy], args.rounds)
+    except ValueError as e:  # a trace that cannot be read, a round no policy can keep
         print(f"omni: simulate: {e}", file=sys.stderr)
         return USAGE_ERROR
-    plans = compare(study, args.policies or recipe.schedule.policies or [recipe.schedule.policy], args.rounds)
     out = args.out or f"{recipe.experiment.output_dir}/{recipe.experiment.name}/simulate"
     if args.no_track:
         report.save_study(plans, out)

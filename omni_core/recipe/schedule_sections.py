@@ -76,11 +76,18 @@ class EstimateConfig(Strict):
     )
 
 
+# the scheduling policies (omni_core/scheduler/policies): `sia` is Sia as its paper defines it, `sia-artifact`
+# Sia as the Crius artifact runs it
+PolicyName = Literal["crius", "fcfs", "gavel", "sia", "sia-artifact"]
+
+
 class ScheduleConfig(Strict):
-    policy: Literal["crius", "fcfs", "gavel", "sia"] = "crius"
-    round_s: StrictFloat = Field(300.0, gt=0)
+    policy: PolicyName = "crius"
+    round_s: StrictFloat = Field(
+        300.0, gt=0, description="Seconds between decisions (Sia decides every minute inside: a multiple of 60)"
+    )
     max_rounds: StrictInt = Field(2000, ge=1)
-    policies: list[Literal["crius", "fcfs", "gavel", "sia"]] = Field(
+    policies: list[PolicyName] = Field(
         default_factory=list, description="Policies `omni simulate` compares side by side; empty: [policy]"
     )
     trace: str = Field("", description="Job trace CSV replayed by `omni simulate`; empty: the recipe's jobs")
@@ -90,7 +97,18 @@ class ScheduleConfig(Strict):
     trace_start_s: StrictFloat = Field(
         0.0, ge=0, description="Replay from this many seconds after the trace's first arrival"
     )
-    restart_s: StrictFloat = Field(60.0, ge=0, description="Seconds a job loses at each (re)start: re-plan, restore")
+    restart_s: StrictFloat = Field(
+        60.0,
+        ge=0,
+        description="Seconds a job loses restoring its checkpoint at each (re)start, under every policy (the "
+        "Crius artifact charges 0: macro_def.py CKPT_RESUME_OVERHEAD)",
+    )
+    search_charge: Literal["new_config", "every_start"] = Field(
+        "new_config",
+        description="When a (re)start also pays its policy's plan search: the first time the job runs on a "
+        "config (a found plan is kept), or at every (re)start, as the Crius artifact's simulator charges it "
+        "(Gavel and Sia, whose papers resume a preempted job with its plan, pay it once per config either way)",
+    )
     iteration_scale: StrictFloat = Field(
         1.0,
         ge=1,
@@ -116,7 +134,12 @@ class ScheduleConfig(Strict):
         description="The busy-round throughput average counts only rounds above this many samples/s "
         "(the Crius artifact: 100)",
     )
-    max_gpus_per_job: StrictInt = Field(32, ge=1)
+    max_gpus_per_job: StrictInt = Field(
+        32,
+        ge=1,
+        description="Largest GPU count any policy may give a job (counts are powers of two up to it; the Crius "
+        "artifact allows 16: macro_def.py SUPPORTED_GPU_NUM_LIST)",
+    )
     segment_steps: StrictInt = Field(
         50,
         ge=1,

@@ -1,9 +1,10 @@
 """Cluster scheduling (Crius and baselines) and a trace-driven simulator.
 
 cluster.py    Cluster: node groups per GPU type, free GPUs per node, packing placement, migration
-jobs.py       Job, ThroughputTable (the oracle's answers over every (GPU type, power-of-two count))
+jobs.py       Job, ThroughputTable (the oracle's answers over every (GPU type, power-of-two count): the best
+              plan's, and the baselines' data-parallel replicas of a fixed model-parallel unit)
 traces.py     Crius / ITP / Philly readers (malformed rows -> TraceIssue with file:line), seeded mapping
-policies.py   crius, fcfs, gavel, sia (`make_policy`)
+policies/     crius, fcfs, gavel, sia (the paper's), sia-artifact (the Crius artifact's) (`make_policy`)
 simulator.py  simulate() -> SchedulePlan (per-job records, config segments, series, Metrics)
 study.py      prepare(recipe) -> Study; compare(study, policies) (the estimator's CellOracle by default)
 report.py     side-by-side table, figures, MLflow logging

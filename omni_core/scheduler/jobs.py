@@ -9,7 +9,7 @@ numpy arrays over every configuration, so a policy's inner loop never calls the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -56,10 +56,18 @@ def power_of_two_counts(max_gpus: int) -> tuple[int, ...]:
     return tuple(1 << k for k in range(max_gpus.bit_length()) if 1 << k <= max_gpus)
 
 
-class ThroughputTable:
-    """Samples/s of every (model, batch) on every config, best plan and data-parallel only, NaN = no fit.
+class Replicas(NamedTuple):
+    """A job as replicas of one model-parallel unit on every config (`ThroughputTable.replicated`)."""
 
-    `best[key][t, c]` is the throughput on `counts[c]` GPUs of `gpu_types[t]`; configs larger than a GPU
+    rates: np.ndarray  # samples/s; NaN where the plan cannot be formed or does not fit the estimator's memory rule
+    mem_share: np.ndarray  # peak memory over the GPU's memory; NaN where the plan cannot be formed
+
+
+class ThroughputTable:
+    """Samples/s of every (model, batch) on every config, NaN = no fit: with the best plan (`rates`, what jobs
+    run with) and as replicas of a fixed model-parallel unit (`replicated`, what the baselines decide with).
+
+    `rates(job)[t, c]` is the throughput on `counts[c]` GPUs of `gpu_types[t]`; configs larger than a GPU
     type's capacity are NaN. Keys are (model, global_batch), so jobs of the same kind share one row set.
     """
 
@@ -68,42 +76,55 @@ class ThroughputTable:
         self.gpu_types = tuple(sorted(capacity))
         self.capacity = np.array([capacity[t] for t in self.gpu_types])
         self.counts = power_of_two_counts(max(1, min(max_gpus, int(self.capacity.max()))))
-        self._rows: dict[tuple[str, int, bool], np.ndarray] = {}
-        self._normalised: dict[tuple[str, int, bool], np.ndarray] = {}
+        self._rows: dict[tuple[str, int], np.ndarray] = {}
+        self._replicas: dict[tuple[str, int, tuple[int, int], bool], Replicas] = {}
 
-    def rates(self, job: Job, *, dp_only: bool = False) -> np.ndarray:
-        key = (job.model, job.global_batch, dp_only)
+    def _configs(self) -> list[tuple[int, int, str, int]]:
+        """(row, column, GPU type, count) of every config no larger than its type's capacity."""
+        return [
+            (t, c, gpu_type, n)
+            for t, gpu_type in enumerate(self.gpu_types)
+            for c, n in enumerate(self.counts)
+            if n <= self.capacity[t]
+        ]
+
+    def rates(self, job: Job) -> np.ndarray:
+        key = (job.model, job.global_batch)
         row = self._rows.get(key)
         if row is None:
             row = np.full((len(self.gpu_types), len(self.counts)), np.nan)
-            for t, gpu_type in enumerate(self.gpu_types):
-                for c, n in enumerate(self.counts):
-                    if n <= self.capacity[t]:
-                        value = self.oracle.throughput(job.model, job.global_batch, gpu_type, n, dp_only=dp_only)
-                        if value is not None and value > 0:
-                            row[t, c] = value
+            for t, c, gpu_type, n in self._configs():
+                value = self.oracle.throughput(job.model, job.global_batch, gpu_type, n)
+                if value is not None and value > 0:
+                    row[t, c] = value
             row.flags.writeable = False
             self._rows[key] = row
         return row
 
-    def normalised(self, job: Job, *, dp_only: bool = False) -> np.ndarray:
-        """Throughput in "effective GPUs": divided by the job's best samples/s per GPU over all configs, so
-        that one GPU's worth of any job weighs the same when policies add jobs up."""
-        key = (job.model, job.global_batch, dp_only)
-        row = self._normalised.get(key)
-        if row is None:
-            rates = self.rates(job, dp_only=dp_only)
-            row = rates / np.nanmax(rates / np.asarray(self.counts)) if np.isfinite(rates).any() else rates
-            row.flags.writeable = False
-            self._normalised[key] = row
-        return row
+    def replicated(self, job: Job, unit: tuple[int, int] = (1, 1), *, micro_batching: bool = False) -> Replicas:
+        """The job as `counts[c] / (tp x pp)` plain data-parallel replicas of a `unit` = (tp, pp) on every config
+        (`ThroughputOracle.replicated`)."""
+        key = (job.model, job.global_batch, unit, micro_batching)
+        found = self._replicas.get(key)
+        if found is None:
+            rates, share = (np.full((len(self.gpu_types), len(self.counts)), np.nan) for _ in range(2))
+            for t, c, gpu_type, n in self._configs():
+                est = self.oracle.replicated(
+                    job.model, job.global_batch, gpu_type, n, unit=unit, micro_batching=micro_batching
+                )
+                if est is not None:
+                    share[t, c] = est.mem_share
+                    rates[t, c] = est.samples_per_s if est.samples_per_s > 0 else np.nan
+            rates.flags.writeable = share.flags.writeable = False
+            found = self._replicas[key] = Replicas(rates, share)
+        return found
 
-    def rate(self, job: Job, config: Config, *, dp_only: bool = False) -> float:
+    def rate(self, job: Job, config: Config) -> float:
         """Samples/s of `job` on `config`; NaN when it does not fit (or is not a modelled config)."""
         gpu_type, n = config
         if gpu_type not in self.gpu_types or n not in self.counts:
             return float("nan")
-        return float(self.rates(job, dp_only=dp_only)[self.gpu_types.index(gpu_type), self.counts.index(n)])
+        return float(self.rates(job)[self.gpu_types.index(gpu_type), self.counts.index(n)])
 
     def modelled(self, job: Job) -> bool:
         """False when no config of the cluster runs the job (unknown model, or it fits nowhere)."""

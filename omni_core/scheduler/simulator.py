@@ -4,10 +4,13 @@ Every `round_s` seconds, if a job arrived or finished since the last decision (e
 round-based policy: Gavel, Sia), the policy decides, timed in CPU seconds (`time.process_time`, so a loaded
 machine does not inflate it), and the cluster is re-placed; a job whose config or nodes changed, or that
 starts, loses what the policy's system pays for that (`Policy.start_s`: the `restart_s` restore, plus plan
-search or profiling on a config new to the job) from the next round(s). Between decisions jobs progress at
+search on a config new to the job) from the next round(s). A policy whose source decides more often
+(`Policy.round_s`: Sia's minute) decides that often inside each round. Between decisions jobs progress at
 the best plan's samples/s of the config they hold (vectorised over jobs); a job finishes inside a round
 and its GPUs are reused from the next decision. Jobs the oracle cannot model (no config fits, unknown
-model) never run and are counted as `unmodelled`.
+model) never run and are counted as `unmodelled`; jobs the policy can never give a config (`Policy.admits`:
+its memory rule, its user's request) never queue and are counted as `never_admitted`, the unmodelled ones
+included.
 
 Two averages of cluster throughput: `mean_throughput` over every simulated round, and `busy_throughput`
 over the rounds above `busy_min_throughput` samples/s, the Crius artifact's figure (its plot script averages
@@ -57,9 +60,11 @@ class Metrics(Result):
     arrived: int  # jobs that arrived before the horizon
     jobs_finished: int
     unmodelled: int
+    never_admitted: int  # arrived jobs the policy can never give a config (the unmodelled included)
     trace_issues: int
     mean_jct_s: float | None
     p50_jct_s: float | None
+    p95_jct_s: float | None
     p99_jct_s: float | None
     makespan_s: float | None  # first arrival to last completion; None when not every job finished
     mean_queueing_s: float | None
@@ -119,6 +124,7 @@ def simulate(
     order = sorted(jobs, key=lambda j: (j.arrival_s, j.id))
     if len({j.id for j in order}) != len(order):
         raise ValueError("job ids must be unique")
+    steps = decisions_per_round(policy, round_s)
     replay = _Replay(order, cluster, policy, table, restart_s)
     simulated = 0
     for k in range(rounds):
@@ -127,11 +133,7 @@ def simulate(
         if replay.drained() and not fixed_horizon:
             break
         simulated += 1
-        if replay.changed or (policy.every_round and replay.active):
-            replay.decide(now)
-        idx, served, done_at = replay.progress(round_s)
-        replay.record(now, idx, served, round_s)
-        replay.complete(now, idx, done_at, round_s)
+        replay.round(now, round_s, steps)
     replay.close_all(replay.t0 + simulated * round_s)
     cluster.check()
     return SchedulePlan(
@@ -150,6 +152,18 @@ def simulate(
     )
 
 
+def decisions_per_round(policy: Policy, round_s: float) -> int:
+    """How many times `policy` decides in a round: once, or as often as its own source's round asks."""
+    if policy.round_s is None:
+        return 1
+    steps = round_s / policy.round_s
+    if steps < 1 or steps != round(steps):
+        raise ValueError(
+            f"schedule.round_s={round_s:g} is not a multiple of {policy.name}'s own {policy.round_s:g} s round"
+        )
+    return int(steps)
+
+
 class _Replay:
     """One simulation's state, per job in arrival order (the index into every array), and the steps of a
     round that change it; `simulate` runs the rounds. Arrays, so that progress is vectorised over jobs."""
@@ -160,6 +174,7 @@ class _Replay:
         self.order, self.cluster, self.policy, self.table, self.restart_s = order, cluster, policy, table, restart_s
         self.index = {j.id: i for i, j in enumerate(order)}
         self.modelled = np.array([table.modelled(j) for j in order], dtype=bool)
+        self.admissible = np.array([m and policy.admits(j, table) for j, m in zip(order, self.modelled)], dtype=bool)
         self.arrival = np.array([j.arrival_s for j in order])
         self.remaining = np.array([float(j.samples) for j in order])
         self.rate = np.zeros(len(order))  # samples/s of the config held now
@@ -179,9 +194,9 @@ class _Replay:
         self.changed = True  # a job arrived or ended since the last decision
 
     def admit_arrivals(self, now: float) -> None:
-        """Jobs that arrived by `now` join the active ones (those the oracle cannot model never do)."""
+        """Jobs that arrived by `now` join the active ones (those the policy can never admit never do)."""
         while self.admitted < len(self.order) and self.arrival[self.admitted] <= now:
-            if self.modelled[self.admitted]:
+            if self.admissible[self.admitted]:
                 self.active.append(self.admitted)
                 self.changed = True
             self.admitted += 1
@@ -189,6 +204,31 @@ class _Replay:
     def drained(self) -> bool:
         """Every job has arrived and none is left to run."""
         return self.admitted == len(self.order) and not self.active
+
+    def round(self, now: float, round_s: float, steps: int) -> None:
+        """One round in `steps` equal steps, each with the policy's decision where due, then training; the
+        round's point of every series, measured over its steps."""
+        step_s = round_s / steps
+        served = gpu_s = running = queued = 0.0
+        for s in range(steps):
+            at = now + s * step_s
+            if s:
+                self.admit_arrivals(at)
+            if self.changed or (self.policy.every_round and self.active):
+                self.decide(at)
+            idx, got, done_at = self.progress(step_s)
+            served += float(got.sum())
+            gpu_s += float(self.gpus[idx].sum()) * step_s
+            if not s:  # counts and fragmentation as the round's decision left them
+                running = float(np.count_nonzero(self.rate[idx]))
+                queued = float(len(idx)) - running
+                self.fragmentation.append(self.cluster.fragmentation())
+            self.complete(at, idx, done_at, step_s)
+        self.series["t_s"].append(now - self.t0)
+        self.series["throughput"].append(served / round_s)
+        self.series["utilisation"].append(gpu_s / round_s / self.cluster.total_gpus)
+        self.series["running"].append(running)
+        self.series["queued"].append(queued)
 
     def decide(self, now: float) -> None:
         """The policy's decision on what it sees now, timed in CPU seconds, then placed."""
@@ -242,15 +282,6 @@ class _Replay:
         self.remaining[idx] -= served
         self.stall[idx] = np.clip(stall - round_s, 0.0, None)
         return idx, served, done_at
-
-    def record(self, now: float, idx: np.ndarray, served: np.ndarray, round_s: float) -> None:
-        """The round's point of every time series, before its finished jobs give their GPUs back."""
-        self.series["t_s"].append(now - self.t0)
-        self.series["throughput"].append(float(served.sum()) / round_s)
-        self.series["utilisation"].append(float(self.gpus[idx].sum()) / self.cluster.total_gpus)
-        self.series["running"].append(float(np.count_nonzero(self.rate[idx])))
-        self.series["queued"].append(float(np.count_nonzero(self.rate[idx] == 0)))
-        self.fragmentation.append(self.cluster.fragmentation())
 
     def complete(self, now: float, idx: np.ndarray, done_at: np.ndarray, round_s: float) -> None:
         """Jobs that finished inside the round: their finish time, segment closed, GPUs released."""
@@ -316,9 +347,11 @@ class _Replay:
             arrived=self.admitted,
             jobs_finished=int(done.sum()),
             unmodelled=int((~modelled).sum()),
+            never_admitted=int((~self.admissible[: self.admitted]).sum()),
             trace_issues=n_issues,
             mean_jct_s=stat(np.mean),
             p50_jct_s=stat(lambda x: np.percentile(x, 50)),
+            p95_jct_s=stat(lambda x: np.percentile(x, 95)),
             p99_jct_s=stat(lambda x: np.percentile(x, 99)),
             makespan_s=float(finish[done].max() - arrival.min()) if all_done else None,
             mean_queueing_s=float(np.mean((start - arrival)[started])) if started.any() else None,

@@ -7,8 +7,9 @@ hand-made ones). Every policy replays the same jobs on a fresh copy of the clust
 A relative `schedule.trace` resolves against the folder of the recipe file that wrote it (`load_study`), so
 a study and its trace copied elsewhere together still run from any working directory; a path given on the
 command line (`--trace`, `--set`) resolves against the working directory, as the user typed it. The study's
-conventions (`schedule.iteration_scale`, `arrival_compression`, `fixed_horizon`, `busy_min_throughput`)
-are applied here and in the simulator, so a study matches the Crius artifact's by setting them.
+conventions (`schedule.iteration_scale`, `arrival_compression`, `fixed_horizon`, `busy_min_throughput`,
+`max_gpus_per_job`, `restart_s`, `search_charge`) are applied here, in the policies and in the simulator, so
+a study matches the Crius artifact's by setting them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Study:
         return simulate(
             self.jobs,
             Cluster.from_config(self.recipe.cluster),
-            make_policy(policy),
+            make_policy(policy, search_every_start=s.search_charge == "every_start"),
             self.table,
             round_s=s.round_s,
             rounds=rounds or s.max_rounds,

@@ -58,19 +58,37 @@ class View:
 
 class Policy:
     """A policy decides configs (`decide`) and says what a (re)start costs under its system (`start_s`);
-    the simulator charges that, so each policy pays for its own design, on the same oracle."""
+    the simulator charges that, so each policy pays for its own design, on the same oracle.
+
+    `search_every_start`: the plan search is paid at every (re)start, as the Crius artifact's simulator charges
+    it (scheduler.py `_get_cluster_perf`, e3c8535), not only the first time a job runs on a config; except
+    for a policy whose source resumes a preempted job from its checkpoint with the plan it had (`keeps_plans`):
+    the artifact's charge would add a search its source never pays."""
 
     name = ""
     migrates = True  # may the placement repack a fragmented group (moving jobs)?
     every_round = False  # decide every round (round-based policies), not only when a job arrives or ends
+    round_s: float | None = None  # its own source's round, when it decides more often than the study's round
+    keeps_plans = False  # its source resumes a job on a config it ran with that config's plan
 
-    def __init__(self, search_s_per_gpu: float = UNPRUNED_SEARCH_S[0], search_max_s: float = UNPRUNED_SEARCH_S[1]):
+    def __init__(
+        self,
+        search_s_per_gpu: float = UNPRUNED_SEARCH_S[0],
+        search_max_s: float = UNPRUNED_SEARCH_S[1],
+        *,
+        search_every_start: bool = False,
+    ):
         self.search_s_per_gpu = search_s_per_gpu
         self.search_max_s = search_max_s
+        self.search_every_start = search_every_start and not self.keeps_plans
         self._ran: set[tuple[str, Config]] = set()
 
     def decide(self, view: View) -> dict[str, Config]:
         raise NotImplementedError
+
+    def admits(self, job: Job, table: ThroughputTable) -> bool:
+        """Whether the policy can ever give `job` a config; one it never can is counted, never queued."""
+        return table.modelled(job)
 
     def without_search_costs(self) -> Policy:
         """The policy as real mode runs it: omni's estimator answers a plan search (or a profile) at once, and
@@ -84,8 +102,8 @@ class Policy:
 
     def start_s(self, job: Job, config: Config, restart_s: float) -> float:
         """Seconds `job` loses starting on `config`: the checkpoint restore every policy pays, and the plan
-        search the first time the job runs on that config (a found plan is kept)."""
-        new = (job.id, config) not in self._ran
+        search the first time the job runs on that config (a found plan is kept), or every time."""
+        new = (job.id, config) not in self._ran or self.search_every_start
         self._ran.add((job.id, config))
         return restart_s + (float(self.search_s(config[1])) if new else 0.0)
 

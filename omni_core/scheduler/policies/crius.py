@@ -1,6 +1,6 @@
 """Crius (the Crius paper's scheduler) with a response-ratio admission term for waiting jobs, and the two
-allocation passes it is built from: greedy growth by marginal gain per GPU (`greedy`) and halving running
-jobs so a waiting one can start (`shrink_to_start`).
+allocation passes it is built from: greedy growth by marginal gain in cluster throughput (samples/s) per GPU
+(`greedy`) and halving running jobs so a waiting one can start (`shrink_to_start`).
 
 Crius starts from what runs now: opportunistic starts of queued jobs, growing a running job or changing its
 GPU type, then shrinking running jobs where that lets a waiting job start for a net gain; placement migrates
@@ -178,8 +178,10 @@ class Crius(Policy):
         search_max_s: float = CRIUS_SEARCH_S[1],
         queue_window_per_gpu: float = 0.2,
         queue_window_min: int = 256,
+        *,
+        search_every_start: bool = False,
     ):
-        super().__init__(search_s_per_gpu, search_max_s)
+        super().__init__(search_s_per_gpu, search_max_s, search_every_start=search_every_start)
         self.queue_window_per_gpu, self.queue_window_min = queue_window_per_gpu, queue_window_min
 
     def decide(self, view: View) -> dict[str, Config]:
@@ -198,13 +200,14 @@ class Crius(Policy):
         return configs_of(view.table, held, jobs)
 
     def value(self, view: View, job: Job) -> np.ndarray:
-        """Normalised throughput per config. A running job's other configs lose the share of their
-        amortisation window a restart (restore and plan search) takes; a waiting job's configs gain its
-        response ratio, 1 + waited / remaining run on its most GPU-efficient config: no extra while it has
-        not waited, growing with the wait and larger for short jobs (highest-response-ratio-next), so every
-        waiting job is admitted eventually, short ones first. One factor for all its configs, so which count
-        it gets is still a question of throughput."""
-        values = view.table.normalised(job)
+        """Throughput per config, samples/s: what Crius maximises over the cluster, as the Crius artifact's
+        marginal gains are deltas of samples/s (scheduler.py `_get_delta_thr`, e3c8535). A running job's other
+        configs lose the share of their amortisation window a restart (restore and plan search) takes; a
+        waiting job's configs gain its response ratio, 1 + waited / remaining run on its most GPU-efficient
+        config: no extra while it has not waited, growing with the wait and larger for short jobs
+        (highest-response-ratio-next), so every waiting job is admitted eventually, short ones first. One
+        factor for all its configs, so which count it gets is still a question of throughput."""
+        values = view.table.rates(job)
         run_s = view.run_s(job)
         cell = view.cell(job)
         if cell is None:

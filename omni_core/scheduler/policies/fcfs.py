@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from omni_core.scheduler.cluster import find_nodes
-from omni_core.scheduler.jobs import Config
+from omni_core.scheduler.jobs import Config, Job, ThroughputTable
 from omni_core.scheduler.policies.base import Policy, View, requested_count
 
 
@@ -17,20 +17,30 @@ class Fcfs(Policy):
     name = "fcfs"
     migrates = False
 
+    def admits(self, job: Job, table: ThroughputTable) -> bool:
+        return _request(job, table) is not None
+
     def decide(self, view: View) -> dict[str, Config]:
         alloc = dict(view.current)
         free = {t: view.cluster.free[t].copy() for t in view.table.gpu_types}
         for job in view.jobs:
-            if job.id in alloc or job.gpu_type not in free:
-                continue
-            rates = view.table.rates(job)
-            c = requested_count(job, view.table, rates)
-            if c is None or not np.isfinite(rates[view.table.gpu_types.index(job.gpu_type), c]):
-                continue  # the user's request cannot run this model: it waits (reported unfinished)
-            nodes = find_nodes(
-                free[job.gpu_type], view.cluster.groups[job.gpu_type].gpus_per_node, view.table.counts[c]
-            )
+            request = None if job.id in alloc else _request(job, view.table)
+            if request is None:
+                continue  # running, or a request that cannot run this model (it never starts)
+            gpu_type, n = request
+            nodes = find_nodes(free[gpu_type], view.cluster.groups[gpu_type].gpus_per_node, n)
             if nodes is not None:
-                np.subtract.at(free[job.gpu_type], list(nodes), 1)
-                alloc[job.id] = (job.gpu_type, view.table.counts[c])
+                np.subtract.at(free[gpu_type], list(nodes), 1)
+                alloc[job.id] = request
         return alloc
+
+
+def _request(job: Job, table: ThroughputTable) -> Config | None:
+    """The user's GPU type and count (rounded up to a power of two), where they run the model; else None."""
+    if job.gpu_type not in table.gpu_types:
+        return None
+    rates = table.rates(job)
+    c = requested_count(job, table, rates)
+    if c is None or not np.isfinite(rates[table.gpu_types.index(job.gpu_type), c]):
+        return None
+    return job.gpu_type, table.counts[c]

@@ -1,12 +1,17 @@
 """Gavel (Narayanan et al., OSDI 2020): heterogeneity-aware max-min fairness over effective throughput, an LP
 over each job's time share of every GPU type at the user's GPU count, realised by round-based time slicing
-(each round, the jobs furthest behind their share get GPUs first). A baseline for Crius."""
+(each round, the jobs furthest behind their share get GPUs first). A baseline for Crius.
+
+Its throughput matrix is the job as its user submitted it: plain data parallelism, every worker a replica
+(the paper's jobs are PyTorch data-parallel, their throughputs measured per accelerator type; the Crius
+artifact's gavel_sched.py `_gen_thr_matrix` at e3c8535 queries data-parallel profiles, `only_dp=True`). So
+its rates are `ThroughputTable.replicated`: no sharded or model-parallel plan, no gradient accumulation."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from omni_core.scheduler.jobs import Config, Job
+from omni_core.scheduler.jobs import Config, Job, ThroughputTable
 from omni_core.scheduler.policies.base import UNPRUNED_SEARCH_S, Policy, View, requested_count
 
 
@@ -21,23 +26,32 @@ class Gavel(Policy):
     no GPU idle. Each round (Gavel's round-based mechanism, section 5: its paper uses 6-minute rounds, here
     the simulator's round) jobs get GPU types in order of priority X[j, t] / share of its time so far spent
     on t, highest first, while the GPUs are free; a job placed where it ran keeps running (Gavel's lease
-    renewal), any other pays a restart. Jobs with no share fill what is left, oldest first."""
+    renewal), any other pays a restart: the study's restore, and the plan search the first time the job runs
+    on that config (a resumed job keeps its plan: `keeps_plans`). Jobs with no share fill what is left,
+    oldest first."""
 
     name = "gavel"
     every_round = True
+    keeps_plans = True  # section 5: leases end and renew each round; a preempted job resumes from its checkpoint
 
     def __init__(
         self,
         search_s_per_gpu: float = UNPRUNED_SEARCH_S[0],
         search_max_s: float = UNPRUNED_SEARCH_S[1],
         tie_weight: float = 1e-3,
+        *,
+        search_every_start: bool = False,
     ):
-        super().__init__(search_s_per_gpu, search_max_s)
+        super().__init__(search_s_per_gpu, search_max_s, search_every_start=search_every_start)
         self.tie_weight = tie_weight
         self._jobs: tuple[str, ...] = ()
         self._share: dict[str, np.ndarray] = {}  # job -> time share per GPU type
         self._received: dict[str, np.ndarray] = {}  # job -> seconds held per GPU type
         self._last: float | None = None
+
+    def admits(self, job: Job, table: ThroughputTable) -> bool:
+        c, rates = self._rates(table, job)
+        return c is not None and bool(np.isfinite(rates).any())
 
     def decide(self, view: View) -> dict[str, Config]:
         self._account(view)
@@ -55,11 +69,12 @@ class Gavel(Policy):
             received = self._received.setdefault(job_id, np.zeros(len(view.table.gpu_types)))
             received[view.table.gpu_types.index(gpu_type)] += dt
 
-    def _rates(self, view: View, job: Job) -> tuple[int | None, np.ndarray]:
+    @staticmethod
+    def _rates(table: ThroughputTable, job: Job) -> tuple[int | None, np.ndarray]:
         """The requested count's column and the job's data-parallel samples/s on it, per GPU type."""
-        dp = view.table.rates(job, dp_only=True)
-        c = requested_count(job, view.table, dp)
-        return c, (np.full(len(view.table.gpu_types), np.nan) if c is None else dp[:, c])
+        dp = table.replicated(job).rates
+        c = requested_count(job, table, dp)
+        return c, (np.full(len(table.gpu_types), np.nan) if c is None else dp[:, c])
 
     def _max_min(self, view: View) -> dict[str, np.ndarray]:
         from scipy.optimize import linprog
@@ -70,7 +85,7 @@ class Gavel(Policy):
         gpus: list[float] = []  # GPUs per slot
         norm: list[float] = []  # normalised rate
         for j, job in enumerate(view.jobs):
-            c, r = self._rates(view, job)
+            c, r = self._rates(view.table, job)
             if c is None:
                 continue  # no requested count: no share
             ok = np.flatnonzero(np.isfinite(r) & (np.nan_to_num(r) > 0))
@@ -101,7 +116,7 @@ class Gavel(Policy):
         free = view.table.capacity.astype(float).copy()
         order = []
         for rank, job in enumerate(view.jobs):
-            c, r = self._rates(view, job)
+            c, r = self._rates(view.table, job)
             if c is None:
                 continue
             share = self._share.get(job.id, np.zeros(len(free)))

@@ -59,8 +59,9 @@ def test_a_slurm_job_past_its_limit_is_cancelled_and_leaves_no_process(slurm, tm
     recipe = write_recipe(tmp_path / "recipe.yaml", {**SLURM, "train.steps": 100_000}, tmp_path / "out")
     spec = RunSpec(name="too-long", recipe=str(recipe), result=str(tmp_path / "r.json"), ranks_per_node=2, memory_gb=2)
     lines: list[str] = []
-    with pytest.raises(LaunchError, match="exceeded its 18s limit and was cancelled") as failure:
-        run_slurm_job(spec, tmp_path / "job", timeout_s=18, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    # The limit leaves the job time to print its first steps while the other test stream keeps both cores busy.
+    with pytest.raises(LaunchError, match="exceeded its 40s limit and was cancelled") as failure:
+        run_slurm_job(spec, tmp_path / "job", timeout_s=40, env={**os.environ, "OMP_NUM_THREADS": "1"},
                       on_line=lines.append, poll_s=0.5)
     assert not failure.value.infrastructure
     job = lines[0].split()[2]

@@ -11,13 +11,52 @@ this module without any tensor, so torch is imported where a batch moves, not wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
+
+from omni_core.common.tokenizer import PAD_ID
 
 if TYPE_CHECKING:
     import torch
 
 MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The batch's shape as host integers, read once from the CPU tensors before the batch moves to a device.
+
+    Reading a device tensor on the host waits for the GPU (a sync), and the step, the attention of every layer
+    and the encoders' splits all need these numbers: they take them from here, never from the device tensors."""
+
+    doc_offsets: tuple[int, ...]  # cu_seqlens
+    image_grids: tuple[tuple[int, int], ...]
+    audio_frames: tuple[int, ...]
+    video_grids: tuple[tuple[int, int, int], ...]
+    loss_tokens: int  # targets that are not -100
+    real_tokens: int  # tokens that are not padding
+
+    @property
+    def doc_lengths(self) -> tuple[int, ...]:
+        return tuple(end - start for start, end in zip(self.doc_offsets, self.doc_offsets[1:]))
+
+    @property
+    def max_doc_length(self) -> int:
+        return max(self.doc_lengths, default=0)
+
+    @classmethod
+    def of(cls, batch: PackedBatch) -> BatchLayout:
+        def rows(t: torch.Tensor) -> tuple:
+            return tuple(tuple(int(v) for v in row) for row in t.tolist())
+
+        return cls(
+            doc_offsets=tuple(int(v) for v in batch.cu_seqlens.tolist()),
+            image_grids=rows(batch.image_grids),
+            audio_frames=tuple(int(v) for v in batch.audio_frames.tolist()),
+            video_grids=rows(batch.video_grids),
+            loss_tokens=int((batch.labels != -100).sum()),
+            real_tokens=int((batch.input_ids != PAD_ID).sum()),
+        )
 
 
 @dataclass
@@ -36,6 +75,13 @@ class PackedBatch:
     num_samples: int  # real samples (documents that are not padding)
     predicted_flops: tuple[float, float] = (0.0, 0.0)  # (encoder, LLM) training FLOPs the loader's cost model predicts
     balance_s: float = 0.0  # seconds the loader spent placing it (data.balance)
+    # Read from the tensors where the batch is built (on the CPU) and carried unchanged by `to` and `replace`:
+    # it describes the whole batch, also where a rank keeps a slice of its targets (`loss.local_targets`).
+    layout: BatchLayout = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = BatchLayout.of(self)
 
     def to(self, device: torch.device | str) -> PackedBatch:
         import torch
@@ -48,7 +94,7 @@ class PackedBatch:
 
     @property
     def num_loss_tokens(self) -> int:
-        return int((self.labels != -100).sum())
+        return self.layout.loss_tokens
 
 
 def audio_tokens(frames: int) -> int:

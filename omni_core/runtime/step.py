@@ -20,7 +20,6 @@ from torch import nn
 
 from omni_core.common.batch import PackedBatch
 from omni_core.common.loss import STATS_SIZE, local_targets, summarize, token_loss_sums
-from omni_core.common.tokenizer import PAD_ID
 from omni_core.runtime.dist import all_reduce_sum
 from omni_core.runtime.gradients import clip_grad_norm, fill_missing_grads, replicate_partial_grads
 from omni_core.runtime.layout_metrics import LAYOUT_VALUES, layout_metrics, layout_values
@@ -86,7 +85,7 @@ def global_counts(replica: ModelReplica, batches: list[PackedBatch]) -> tuple[fl
         [
             sum(b.num_loss_tokens for b in batches),
             sum(b.num_samples for b in batches),
-            sum(int((b.input_ids != PAD_ID).sum()) for b in batches),
+            sum(b.layout.real_tokens for b in batches),
             sum(model.train_flops(b) for b in batches),
         ],
         dtype=torch.float64,

@@ -10,9 +10,10 @@ from omni_core.common.batch import PackedBatch
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
+from omni_core.models.feed_forward import MoE
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_train_flops, projector_dims
-from omni_core.models.llm import LLM, MoE
+from omni_core.models.llm import LLM
 from omni_core.models.projector import Projector, spatial_merge
 from omni_core.models.vision import VisionEncoder
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_core.models.llm import MoE, load_balancing_loss
+from omni_core.models.feed_forward import MoE, load_balancing_loss
 from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omni_core.models.args import MoEArgs
-from omni_core.models.llm import MoE
+from omni_core.models.feed_forward import MoE
 from omni_core.parallel.expert import (
     apply_expert_parallel,
     apply_expert_parallel_to_model,

@@ -9,7 +9,7 @@ import torch
 
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.models.args import MoEArgs
-from omni_core.models.llm import MoE, load_balancing_loss
+from omni_core.models.feed_forward import MoE, load_balancing_loss
 from tests.helpers.models import N_MELS, PATCH_SIZE, make_batch
 
 

@@ -13,8 +13,7 @@ from omni_core.estimator.transformer_layers import (
     ATTENTION_CALL_OPS,
     CLIP_OPS,
     CONV_OPS,
-    embedding,
-    lm_head,
+    llm_layers,
     projector,
     transformer_block,
     vit,
@@ -23,7 +22,7 @@ from omni_core.estimator.workloads import BYTES, EncoderItems, Layer, Workload, 
 
 if TYPE_CHECKING:
     from omni_core.data.profile_result import DatasetProfile, ModalityProfile
-    from omni_core.models.args import LLMArgs, OmniModelArgs
+    from omni_core.models.args import OmniModelArgs
 
 
 def _second_moment(hist_edges: list[float], hist_counts: list[int], mean: float) -> float:
@@ -96,7 +95,7 @@ def omni_workload(
     llm = args.llm
     return Workload(
         name,
-        _llm_layers(llm, seq_len, mix, b),
+        llm_layers(llm, seq_len, mix.sum_sq, mix.docs, b),
         global_batch,
         llm.shape(seq_len),
         encoder=tuple(encoder),
@@ -107,33 +106,6 @@ def omni_workload(
         items=described,
         head_dim=llm.dim // llm.n_heads,
         doc_span=mix.sum_sq / seq_len,
-    )
-
-
-def _llm_layers(llm: LLMArgs, seq_len: int, mix: _SequenceMix, b: int) -> tuple[Layer, ...]:
-    """The LLM's embedding, blocks (dense or MoE, causal over the sequence's documents) and head."""
-    moe = getattr(llm, "moe", None)
-    block = transformer_block(
-        "llm.block",
-        dim=llm.dim,
-        heads=llm.n_heads,
-        kv_heads=llm.n_kv_heads,
-        ffn=llm.ffn_hidden,
-        tokens=seq_len,
-        sum_sq=mix.sum_sq,
-        docs=mix.docs,
-        causal=True,
-        gated=True,
-        bias=False,
-        dtype_bytes=b,
-        experts=moe.num_experts if moe else 0,
-        top_k=moe.top_k if moe else 1,
-        shared_expert=bool(moe and moe.shared_expert),
-    )
-    return (
-        embedding("llm.embed", llm.vocab_size, llm.dim, seq_len, b),
-        *([block] * llm.n_layers),
-        lm_head("llm.head", llm.vocab_size, llm.dim, seq_len, dtype_bytes=b),
     )
 
 

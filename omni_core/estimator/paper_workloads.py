@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_core.estimator.transformer_layers import embedding, lm_head, projector, transformer_block, vit
+from omni_core.estimator.transformer_layers import llm_layers, projector, vit
 from omni_core.estimator.workloads import EncoderItems, Layer, Workload, quadratic_share
 
 if TYPE_CHECKING:
-    from omni_core.models.args import LLMArgs, VisionArgs
+    from omni_core.models.args import VisionArgs
 
 PAPER_WORKLOADS = {  # name: (model flavor, GPUs, seq_len, global batch)
     "A": ("vit-1b+llama-12b", 64, 16384, 32),
@@ -39,7 +39,7 @@ def paper_workload(key: str, image_share: float) -> Workload:
     encoder = _vision_encoder(v, llm.dim, images, patches)
     return Workload(
         f"{key}@{image_share:.1f}",
-        _llm_layers(llm, seq_len, sum_sq, docs),
+        llm_layers(llm, seq_len, sum_sq, docs),
         batch,
         llm.shape(seq_len),
         encoder=encoder,
@@ -49,28 +49,6 @@ def paper_workload(key: str, image_share: float) -> Workload:
         items=_image_items(encoder, v, images, patches),
         head_dim=llm.dim // llm.n_heads,
         doc_span=sum_sq / seq_len,
-    )
-
-
-def _llm_layers(llm: LLMArgs, seq_len: int, sum_sq: float, docs: float) -> tuple[Layer, ...]:
-    """The LLM's embedding, causal blocks over the sequence's `docs` documents, and head."""
-    block = transformer_block(
-        "llm.block",
-        dim=llm.dim,
-        heads=llm.n_heads,
-        kv_heads=llm.n_kv_heads,
-        ffn=llm.ffn_hidden,
-        tokens=seq_len,
-        sum_sq=sum_sq,
-        docs=docs,
-        causal=True,
-        gated=True,
-        bias=False,
-    )
-    return (
-        embedding("llm.embed", llm.vocab_size, llm.dim, seq_len),
-        *([block] * llm.n_layers),
-        lm_head("llm.head", llm.vocab_size, llm.dim, seq_len),
     )
 
 

@@ -8,8 +8,12 @@ block is priced the same way wherever it appears. Host costs are the runtime's o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omni_core.estimator.workloads import Layer
+
+if TYPE_CHECKING:
+    from omni_core.models.args import LLMArgs
 
 # Aten operators (forward + backward) of the runtime's eager modules, counted once with a TorchDispatchMode
 # around forward and backward of each module of the debug flavors (omni_core.models): fixed per micro-batch,
@@ -303,4 +307,32 @@ def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, 
         ops=PROJECTOR_OPS,
         tensors=4,
         units=1,
+    )
+
+
+def llm_layers(llm: LLMArgs, seq_len: int, sum_sq: float, docs: float, dtype_bytes: int = 2) -> tuple[Layer, ...]:
+    """The LLM's embedding, its blocks (dense or MoE, causal over the sequence's `docs` documents whose squared
+    lengths sum to `sum_sq`) and its head."""
+    moe = llm.moe
+    block = transformer_block(
+        "llm.block",
+        dim=llm.dim,
+        heads=llm.n_heads,
+        kv_heads=llm.n_kv_heads,
+        ffn=llm.ffn_hidden,
+        tokens=seq_len,
+        sum_sq=sum_sq,
+        docs=docs,
+        causal=True,
+        gated=True,
+        bias=False,
+        dtype_bytes=dtype_bytes,
+        experts=moe.num_experts if moe else 0,
+        top_k=moe.top_k if moe else 1,
+        shared_expert=bool(moe and moe.shared_expert),
+    )
+    return (
+        embedding("llm.embed", llm.vocab_size, llm.dim, seq_len, dtype_bytes),
+        *([block] * llm.n_layers),
+        lm_head("llm.head", llm.vocab_size, llm.dim, seq_len, dtype_bytes=dtype_bytes),
     )

@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from omni_core.common.tokenizer import PAD_ID
+from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, PAD_ID, VIDEO_ID
 
 if TYPE_CHECKING:
     import torch
 
 MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
+PLACEHOLDER_IDS = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class BatchLayout:
     video_grids: tuple[tuple[int, int, int], ...]
     loss_tokens: int  # targets that are not -100
     real_tokens: int  # tokens that are not padding
+    # Packed positions of each modality's placeholders ("image", "video", "audio"), in order: where the
+    # encoders' rows go, counted and located without reading input_ids on the device.
+    placeholder_positions: dict[str, tuple[int, ...]]
 
     @property
     def doc_lengths(self) -> tuple[int, ...]:
@@ -56,6 +60,10 @@ class BatchLayout:
             video_grids=rows(batch.video_grids),
             loss_tokens=int((batch.labels != -100).sum()),
             real_tokens=int((batch.input_ids != PAD_ID).sum()),
+            placeholder_positions={
+                modality: tuple(int(v) for v in (batch.input_ids == token).nonzero().flatten().tolist())
+                for modality, token in PLACEHOLDER_IDS.items()
+            },
         )
 
 

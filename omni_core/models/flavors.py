@@ -32,6 +32,22 @@ _LLMS = {
 # Whisper large-v3's encoder (0.63B; n_mels comes from the recipe), so every paper flavor also takes audio.
 _WHISPER_LARGE_ENCODER = AudioArgs(dim=1280, n_layers=32, n_heads=20)
 
+# The one-GPU flavors (benchmarks/gpu_check.py). omni-1b's LLM has TinyLlama-1.1B's widths (dim 2048, ffn 5632:
+# Llama's rule, 8/3 * dim rounded up to 256) with 24 layers and 16 / 8 heads: 1.26B parameters. Its vocabulary is
+# Llama-2's 32,000 (the byte tokenizer's 264 ids fit inside): Qwen2's 151,936 would make the embeddings 0.62B of a
+# 1.75B LLM, the head a fifth of its matmul FLOPs, and the fp32 logits of one 8,192-token sequence 5 GB.
+_LLM_1B = LLMArgs(vocab_size=32000, dim=2048, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=5632)
+# Llama-3-8B exactly (8.03B parameters).
+_LLM_8B = LLMArgs(
+    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=500000.0
+)
+# CLIP ViT-L/14's and SigLIP-L's shape (0.30B), and Qwen2-VL's ViT (0.63B), factorised positions up to 64 x 64.
+_VIT_L = VisionArgs(dim=1024, n_layers=24, n_heads=16)
+_VIT_600M = VisionArgs(dim=1280, n_layers=32, n_heads=16)
+# Whisper small's encoder (88M with 80 mel bins) and medium's (0.31B).
+_WHISPER_SMALL_ENCODER = AudioArgs(dim=768, n_layers=12, n_heads=12)
+_WHISPER_MEDIUM_ENCODER = AudioArgs(dim=1024, n_layers=24, n_heads=16)
+
 FLAVORS: dict[str, OmniModelArgs] = {
     # ~1.1M parameters: trains a few hundred steps per minute on one CPU core at seq 512.
     "debug": OmniModelArgs(
@@ -66,6 +82,11 @@ FLAVORS: dict[str, OmniModelArgs] = {
         vision=VisionArgs(dim=64, n_layers=2, n_heads=4, max_grid=64),
         audio=AudioArgs(dim=64, n_layers=2, n_heads=4),
     ),
+    # One GPU: omni-1b (1.67B with its encoders) is sized to train at seq_len 8,192 on one 80 GB GPU; omni-8b
+    # (9.0B) is for a node's FSDP shards. Both merge 2 x 2 patches before the projector (Qwen2-VL), as the
+    # paper flavors.
+    "omni-1b": OmniModelArgs(llm=_LLM_1B, vision=_VIT_L, audio=_WHISPER_SMALL_ENCODER, spatial_merge=2),
+    "omni-8b": OmniModelArgs(llm=_LLM_8B, vision=_VIT_600M, audio=_WHISPER_MEDIUM_ENCODER, spatial_merge=2),
     # Paper scale (MegaScale-Omni's workloads A-D, plus one MoE), named <vision>+<llm>, for the estimator and
     # GPUs. Shapes match omni_core.estimator.workloads (VIT_SHAPES / LLM_SHAPES, 2x2 merge before the projector).
     **{

@@ -10,17 +10,19 @@ from omni_core.models.args import LLMArgs, MoEArgs
 from omni_core.models.flavors import FLAVORS, get_flavor
 from omni_core.models.flops import (
     attention_pairs,
+    audio_params,
     llm_flops_per_token,
     llm_forward_flops,
     llm_params,
     omni_params,
+    omni_train_flops,
     vision_params,
 )
 from omni_core.models.omni import OmniModel
 from tests.helpers.models import MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small"])
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe", "small", "omni-1b", "omni-8b"])
 def test_param_counts_equal_the_built_modules(flavor: str) -> None:
     args = get_flavor(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS)
     with torch.device("meta"):
@@ -45,6 +47,41 @@ def test_paper_flavor_param_counts_by_hand() -> None:
     assert 13e9 < omni_params(flavor["vit-1b+llama-12b"])["total"] < 14e9
 
 
+def encoder_block_by_hand(d: int, h: int) -> int:
+    """Two LayerNorms, q/v/o with biases and k without, and the MLP's two biased linears."""
+    return 2 * 2 * d + (4 * d * d + 3 * d) + (d * h + h + h * d + d)
+
+
+def test_gpu_flavor_param_counts_by_hand() -> None:
+    one, eight = (get_flavor(name, patch_size=14, n_mels=80) for name in ("omni-1b", "omni-8b"))
+    assert llm_params(eight.llm) == 8_030_261_248  # Llama-3-8B's published count
+    d, kv, f, v = 2048, 8 * 128, 5632, 32000  # omni-1b: 16 query heads of 128, 8 KV heads
+    assert llm_params(one.llm) == 24 * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d) + 2 * v * d + d == 1_263_634_432
+    d = 1024  # ViT-L/14: patch embed (14 x 14 x 3), 2 x 64 position rows, 24 blocks, final LayerNorm
+    assert vision_params(one.vision) == 588 * d + d + 2 * 64 * d + 24 * encoder_block_by_hand(d, 4 * d) + 2 * d
+    d = 768  # Whisper small's encoder: two width-3 convolutions from 80 mel bins, 12 blocks, final LayerNorm
+    convs = 3 * 80 * d + d + 3 * d * d + d
+    assert audio_params(one.audio) == convs + 12 * encoder_block_by_hand(d, 4 * d) + 2 * d
+    # the image projector sees 2 x 2 merged ViT patches; both project into the LLM's width through one hidden layer
+    d, w = 2048, 4 * 1024
+    assert omni_params(one)["projectors"] == (w * d + d + d * d + d) + (768 * d + d + d * d + d)
+    assert 1.6e9 < omni_params(one)["total"] < 1.7e9 and 0.29e9 < vision_params(one.vision) < 0.31e9
+    assert 9.0e9 < omni_params(eight)["total"] < 9.1e9
+
+
+def test_gpu_flavor_train_flops_by_hand() -> None:
+    """omni-1b at the GPU check's shapes: one 8,192-token text document; then the same document holding one
+    448 x 448 image (32 x 32 patches of 14, 16 x 16 placeholders after the 2 x 2 merge) among its tokens."""
+    args = get_flavor("omni-1b", patch_size=14, n_mels=80)
+    d, kv, f, v, n = 2048, 1024, 5632, 32000, 8192
+    llm = 2 * n * (24 * (2 * d * d + 2 * d * kv + 3 * d * f) + d * v) + 24 * 4 * d * (n * (n + 1) // 2)
+    assert omni_train_flops(args, [n]) == 3 * llm
+    p, e = 32 * 32, 1024  # patches of the image, ViT width (MLP 4 x e)
+    vit = 2 * p * 588 * e + 24 * (2 * p * (4 * e * e + 2 * e * 4 * e) + 4 * e * p * p)
+    projector = 2 * 256 * (4 * e * d + d * d)
+    assert omni_train_flops(args, [n], image_grids=[(32, 32)]) == 3 * (llm + vit + projector)
+
+
 def test_llm_flops_by_hand() -> None:
     args = LLMArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16)
     # matmul weights a token goes through: q, o 8x8 each; k, v 8x4 each; SwiGLU 3 x 8x16; head 8x10
@@ -55,8 +92,15 @@ def test_llm_flops_by_hand() -> None:
     assert llm_flops_per_token(args, [3, 2]) == 3 * (5 * per_token + 4 * 8 * 9) / 5
     # The quadratic term follows the documents, not the packed length: one document of 5 costs more.
     assert llm_forward_flops(args, [5]) - llm_forward_flops(args, [3, 2]) == 4 * 8 * (15 - 9)
-    moe = LLMArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16,
-                  moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True))
+    moe = LLMArgs(
+        vocab_size=10,
+        dim=8,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_hidden=16,
+        moe=MoEArgs(num_experts=4, top_k=2, shared_expert=True),
+    )
     # router 8x4, and 2 routed + 1 shared SwiGLU experts per token
     assert llm_forward_flops(moe, [5]) - llm_forward_flops(args, [5]) == 2 * 5 * (32 + 2 * 3 * 128)
 

@@ -11,6 +11,7 @@ this module without any tensor, so torch is imported where a batch moves, not wi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,9 @@ class BatchLayout:
     # Packed positions of each modality's placeholders ("image", "video", "audio"), in order: where the
     # encoders' rows go, counted and located without reading input_ids on the device.
     placeholder_positions: dict[str, tuple[int, ...]]
+    # Indices of the documents made of padding alone: attention skips them (their outputs are unused, their
+    # labels -100), so no kernel spends work on them. Empty by default for layouts built by hand.
+    padding_docs: tuple[int, ...] = ()
 
     @property
     def doc_lengths(self) -> tuple[int, ...]:
@@ -53,17 +57,27 @@ class BatchLayout:
         def rows(t: torch.Tensor) -> tuple:
             return tuple(tuple(int(v) for v in row) for row in t.tolist())
 
+        offsets = tuple(int(v) for v in batch.cu_seqlens.tolist())
+        padding = batch.input_ids == PAD_ID
+        # padding tokens before each offset: a document is padding when all of its tokens are
+        pads_before = padding.long().cumsum(0).tolist()
+        pads_before.insert(0, 0)
         return cls(
-            doc_offsets=tuple(int(v) for v in batch.cu_seqlens.tolist()),
+            doc_offsets=offsets,
             image_grids=rows(batch.image_grids),
             audio_frames=tuple(int(v) for v in batch.audio_frames.tolist()),
             video_grids=rows(batch.video_grids),
             loss_tokens=int((batch.labels != -100).sum()),
-            real_tokens=int((batch.input_ids != PAD_ID).sum()),
+            real_tokens=int((~padding).sum()),
             placeholder_positions={
                 modality: tuple(int(v) for v in (batch.input_ids == token).nonzero().flatten().tolist())
                 for modality, token in PLACEHOLDER_IDS.items()
             },
+            padding_docs=tuple(
+                doc
+                for doc, (start, end) in enumerate(itertools.pairwise(offsets))
+                if end > start and pads_before[end] - pads_before[start] == end - start
+            ),
         )
 
 

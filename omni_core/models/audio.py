@@ -11,6 +11,7 @@ from torch import nn
 from omni_core.common.batch import audio_tokens
 from omni_core.models.args import AudioArgs
 from omni_core.models.attention import EncoderBlock, EncoderShard
+from omni_core.models.shapes import Counts, host_ints
 
 
 def sinusoids(positions: torch.Tensor, dim: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -44,8 +45,8 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv1(clip.T.unsqueeze(0)))
         return F.gelu(self.conv2(x)).squeeze(0).T
 
-    def forward(self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None) -> torch.Tensor:
-        """Mel frames [F, n_mels] of the clips in `frames` [N] -> [sum(frames // 2), dim].
+    def forward(self, mels: torch.Tensor, frames: Counts, shard: EncoderShard | None = None) -> torch.Tensor:
+        """Mel frames [F, n_mels] of the clips in `frames` [N] (host ints, or a tensor) -> [sum(frames // 2), dim].
 
         With `shard` (long-short sequence parallelism), `frames` is ONE clip [1] and `mels` the WHOLE clip:
         the conv stem needs each chunk's neighbouring frames, and is cheap, so every member runs it on the
@@ -59,10 +60,10 @@ class AudioEncoder(nn.Module):
         return self.norm(x)
 
     def embed(
-        self, mels: torch.Tensor, frames: torch.Tensor, shard: EncoderShard | None = None
+        self, mels: torch.Tensor, frames: Counts, shard: EncoderShard | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """`forward`'s stem: the blocks' input (subsampled frames plus positions) and its documents' bounds."""
-        frame_counts = frames.tolist()
+        frame_counts = host_ints(frames)
         if sum(frame_counts) != mels.shape[0]:
             raise ValueError(f"audio_frames sum to {sum(frame_counts)}, but {mels.shape[0]} mel frames were given")
         if max(frame_counts, default=0) > self.args.max_frames:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omni_core.common.batch import PackedBatch
+from omni_core.common.batch import PLACEHOLDER_IDS, PackedBatch
 from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
@@ -15,6 +15,7 @@ from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_train_flops, projector_dims
 from omni_core.models.llm import LLM
 from omni_core.models.projector import Projector, spatial_merge
+from omni_core.models.shapes import Shapes, host_rows
 from omni_core.models.vision import VisionEncoder
 
 
@@ -32,7 +33,30 @@ class OmniModel(nn.Module):
         self.audio = AudioEncoder(args.audio)
         self.projectors = nn.ModuleDict({name: Projector(*dims) for name, dims in projector_dims(args).items()})
         self.llm = LLM(args.llm)
-        self.token_index: torch.Tensor | None = None  # this rank's packed positions under context parallelism
+        self._token_index: torch.Tensor | None = None
+        self._token_positions: frozenset[int] = frozenset()
+        self._device_token_index: torch.Tensor | None = None
+
+    @property
+    def token_index(self) -> torch.Tensor | None:
+        """This rank's packed positions under context parallelism (None: all of them)."""
+        return self._token_index
+
+    @token_index.setter
+    def token_index(self, index: torch.Tensor | None) -> None:
+        # Read on the host once, where the plan is applied, so that each step counts this rank's placeholders
+        # without reading the device.
+        self._token_index, self._device_token_index = index, None
+        self._token_positions = frozenset() if index is None else frozenset(int(i) for i in index.tolist())
+
+    def token_index_on(self, device: torch.device) -> torch.Tensor | None:
+        """`token_index` on `device`, copied once: indexing device tensors with a host index copies it (and
+        waits for the copy) at every use."""
+        if self._token_index is None:
+            return None
+        if self._device_token_index is None or self._device_token_index.device != device:
+            self._device_token_index = self._token_index.to(device)
+        return self._device_token_index
 
     def forward(
         self, batch: PackedBatch, hidden: torch.Tensor | None = None, encoded: torch.Tensor | None = None
@@ -45,15 +69,16 @@ class OmniModel(nn.Module):
         `encoded` (the `omni` encoder layout, `parallel.encoders`): the encoders already ran elsewhere, and
         these are the projected rows of this rank's placeholders in position order; only its tokens are
         embedded."""
+        index = self.token_index_on(batch.input_ids.device)
         if self.llm.tok_embeddings is not None and encoded is not None:
             hidden = self.embed_encoded(batch, encoded)
         elif self.llm.tok_embeddings is not None:
             hidden = self.embed(batch)
-            if self.token_index is not None:
-                hidden = hidden[self.token_index]
+            if index is not None:
+                hidden = hidden[index]
         elif hidden is None:
             raise ValueError("this pipeline stage has no token embedding: pass the previous stage's hidden states")
-        positions = batch.position_ids if self.token_index is None else batch.position_ids[self.token_index]
+        positions = batch.position_ids if index is None else batch.position_ids[index]
         return self.llm(hidden, positions, batch.cu_seqlens)
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:
@@ -65,45 +90,45 @@ class OmniModel(nn.Module):
         trainable parameter gets a gradient, zero where it saw nothing."""
         embeds = self.llm.embed(batch.input_ids)
         unused = embeds.new_zeros(())
-        if batch.image_grids.shape[0] > 0:
-            image_embeds = self.project_image(self.vision(batch.image_patches, batch.image_grids), batch.image_grids)
-            embeds = anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, image_embeds, "image")
+        layout, merge = batch.layout, self.args.spatial_merge
+        if layout.image_grids:
+            image_embeds = self.project_image(self.vision(batch.image_patches, layout.image_grids), layout.image_grids)
+            embeds = anchor_embeddings(embeds, batch, "image", image_embeds)
         else:
-            anchor_embeddings(embeds, batch.input_ids, IMAGE_ID, None, "image")
-            merge = self.args.spatial_merge
-            grid = torch.tensor([[merge, merge]], device=embeds.device)
+            anchor_embeddings(embeds, batch, "image", None)
             patches = embeds.new_zeros(merge * merge, self.args.vision.patch_dim)
-            unused = unused + self.project_image(self.vision(patches, grid), grid).sum()
-        if batch.video_grids.shape[0] > 0:
-            video_embeds = self.encode_video(batch.video_patches, batch.video_grids)
-            embeds = anchor_embeddings(embeds, batch.input_ids, VIDEO_ID, video_embeds, "video")
+            unused = unused + self.project_image(self.vision(patches, [(merge, merge)]), [(merge, merge)]).sum()
+        if layout.video_grids:
+            embeds = anchor_embeddings(
+                embeds, batch, "video", self.encode_video(batch.video_patches, layout.video_grids)
+            )
         else:
-            anchor_embeddings(embeds, batch.input_ids, VIDEO_ID, None, "video")
-            merge = self.args.spatial_merge
-            grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+            anchor_embeddings(embeds, batch, "video", None)
             patches = embeds.new_zeros(merge * merge, self.args.vision.patch_dim)
-            unused = unused + self.encode_video(patches, grid).sum()
-        if batch.audio_frames.shape[0] > 0:
-            audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, batch.audio_frames))
-            embeds = anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, audio_embeds, "audio")
+            unused = unused + self.encode_video(patches, [(1, merge, merge)]).sum()
+        if layout.audio_frames:
+            audio_embeds = self.projectors["audio"](self.audio(batch.audio_mels, layout.audio_frames))
+            embeds = anchor_embeddings(embeds, batch, "audio", audio_embeds)
         else:
-            anchor_embeddings(embeds, batch.input_ids, AUDIO_ID, None, "audio")
-            frames = torch.tensor([2], device=embeds.device)
+            anchor_embeddings(embeds, batch, "audio", None)
             mels = embeds.new_zeros(2, self.args.audio.n_mels)
-            unused = unused + self.projectors["audio"](self.audio(mels, frames)).sum()
+            unused = unused + self.projectors["audio"](self.audio(mels, [2])).sum()
         return embeds + 0.0 * unused.to(embeds.dtype)
 
     def embed_encoded(self, batch: PackedBatch, encoded: torch.Tensor) -> torch.Tensor:
         """Token embeddings of this rank's tokens with `encoded` rows at their image, video and audio
         placeholders."""
-        ids = batch.input_ids if self.token_index is None else batch.input_ids[self.token_index]
+        index = self.token_index_on(batch.input_ids.device)
+        ids = batch.input_ids if index is None else batch.input_ids[index]
         embeds = self.llm.embed(ids)
-        slots = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
-        if int(slots.sum()) != encoded.shape[0]:
+        positions = [p for kind in PLACEHOLDER_IDS for p in batch.layout.placeholder_positions[kind]]
+        mine = len(positions) if index is None else sum(p in self._token_positions for p in positions)
+        if mine != encoded.shape[0]:
             raise ValueError(
-                f"{int(slots.sum())} image, video and audio placeholders on this rank, but "
+                f"{mine} image, video and audio placeholders on this rank, but "
                 f"{encoded.shape[0]} encoded rows were handed to it"
             )
+        slots = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
         return embeds.masked_scatter(slots.unsqueeze(-1), encoded.to(embeds.dtype))
 
     @property
@@ -120,30 +145,29 @@ class OmniModel(nn.Module):
             if isinstance(module, (LLM, MoE)):
                 module.aux_loss = None
 
-    def project_image(self, features: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    def project_image(self, features: torch.Tensor, grids: Shapes) -> torch.Tensor:
         """Vision features of images with these (rows, cols) grids -> LLM embeddings, merged spatially."""
         return self.projectors["image"](spatial_merge(features, grids, self.args.spatial_merge))
 
-    def encode_video(self, patches: torch.Tensor, video_grids: torch.Tensor) -> torch.Tensor:
+    def encode_video(self, patches: torch.Tensor, video_grids: Shapes) -> torch.Tensor:
         """Videos (patches frame after frame, `video_grids` [N, 3] of frames, rows, cols) -> LLM embeddings:
         the vision encoder per frame, `temporal_merge` frames averaged, then the image projector: rows in the
         order of the videos' VIDEO_ID placeholders, `batch.video_tokens` per video."""
         return self.project_video(self.vision(patches, self.vision.frame_grids(video_grids)), video_grids)
 
-    def project_video(self, features: torch.Tensor, video_grids: torch.Tensor) -> torch.Tensor:
+    def project_video(self, features: torch.Tensor, video_grids: Shapes) -> torch.Tensor:
         """Vision features of the videos' frames -> LLM embeddings (`encode_video` after the encoder)."""
-        merged = self.vision.merge_frames(features, video_grids, self.args.temporal_merge)
-        grids = [[r, c] for f, r, c in video_grids.tolist() for _ in range(-(-f // self.args.temporal_merge))]
-        return self.project_image(merged, torch.tensor(grids, dtype=torch.long).view(-1, 2))
+        videos = host_rows(video_grids)
+        merged = self.vision.merge_frames(features, videos, self.args.temporal_merge)
+        return self.project_image(
+            merged, [(r, c) for f, r, c in videos for _ in range(-(-f // self.args.temporal_merge))]
+        )
 
     def train_flops(self, batch: PackedBatch) -> float:
         """Forward + backward FLOPs of this batch, from its actual documents, images, clips and videos (for MFU)."""
+        layout = batch.layout
         return omni_train_flops(
-            self.args,
-            batch.cu_seqlens.diff().tolist(),
-            batch.image_grids.tolist(),
-            batch.audio_frames.tolist(),
-            batch.video_grids.tolist(),
+            self.args, layout.doc_lengths, layout.image_grids, layout.audio_frames, layout.video_grids
         )
 
     @torch.no_grad()
@@ -170,15 +194,11 @@ class OmniModel(nn.Module):
 
 
 def anchor_embeddings(
-    embeds: torch.Tensor,
-    input_ids: torch.Tensor,
-    placeholder_id: int,
-    features: torch.Tensor | None,
-    modality: str,
+    embeds: torch.Tensor, batch: PackedBatch, modality: str, features: torch.Tensor | None
 ) -> torch.Tensor:
-    """Scatter encoder outputs, in order, into the positions holding `placeholder_id` ("encoder anchor")."""
-    slots = input_ids == placeholder_id
-    num_slots = int(slots.sum())
+    """Scatter encoder outputs, in order, into the positions of the modality's placeholders ("encoder
+    anchor"); the count is checked against the batch's host layout."""
+    num_slots = len(batch.layout.placeholder_positions[modality])
     num_features = 0 if features is None else features.shape[0]
     if num_slots != num_features:
         raise ValueError(
@@ -187,6 +207,7 @@ def anchor_embeddings(
         )
     if features is None:
         return embeds
+    slots = batch.input_ids == PLACEHOLDER_IDS[modality]
     return embeds.masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
 
 

@@ -7,14 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_core.models.flops import merged_grid
+from omni_core.models.shapes import Shapes, host_rows
 
 
-def spatial_merge(x: torch.Tensor, grids: torch.Tensor, merge: int) -> torch.Tensor:
+def spatial_merge(x: torch.Tensor, grids: Shapes, merge: int) -> torch.Tensor:
     """[P, dim] row-major patch features of N images -> [sum of merged tokens, merge*merge*dim]: each
     merge x merge window concatenated (Qwen2-VL / InternVL pixel shuffle); edge windows are zero-padded."""
     if merge == 1:
         return x
-    grid_list = grids.tolist()
+    grid_list = host_rows(grids)
     out = []
     for (rows, cols), image in zip(grid_list, x.split([r * c for r, c in grid_list])):
         m_rows, m_cols = merged_grid(rows, cols, merge)

@@ -9,6 +9,7 @@ from torch import nn
 
 from omni_core.models.args import VisionArgs
 from omni_core.models.attention import EncoderBlock, EncoderShard
+from omni_core.models.shapes import Shapes, host_rows
 
 
 class VisionEncoder(nn.Module):
@@ -49,8 +50,8 @@ class VisionEncoder(nn.Module):
         resized = F.interpolate(grid.float(), size=(rows, cols), mode="bicubic", align_corners=False)
         return resized[0].permute(1, 2, 0).reshape(rows * cols, -1).to(table.dtype)
 
-    def forward(self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None) -> torch.Tensor:
-        """Patches [P, patch_dim] of the images in `grids` [N, 2] -> [P, dim].
+    def forward(self, patches: torch.Tensor, grids: Shapes, shard: EncoderShard | None = None) -> torch.Tensor:
+        """Patches [P, patch_dim] of the images in `grids` [N, 2] (rows, cols: host ints, or a tensor) -> [P, dim].
 
         With `shard` (long-short sequence parallelism), `grids` is ONE image [1, 2] and `patches` only this
         member's row-major patches `shard.offset .. offset + length` of it: positions are sliced to them, the
@@ -63,10 +64,10 @@ class VisionEncoder(nn.Module):
         return self.norm(x)
 
     def embed(
-        self, patches: torch.Tensor, grids: torch.Tensor, shard: EncoderShard | None = None
+        self, patches: torch.Tensor, grids: Shapes, shard: EncoderShard | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """`forward`'s stem: the blocks' input (patch embeddings plus positions) and its documents' bounds."""
-        grid_list = grids.tolist()
+        grid_list = host_rows(grids)
         patch_counts = [rows * cols for rows, cols in grid_list]
         if shard is None:
             covered, expected = "image grids cover", sum(patch_counts)
@@ -92,7 +93,7 @@ class VisionEncoder(nn.Module):
             pos, cu_seqlens = pos[shard.offset : shard.offset + shard.length], [0, shard.length]
         return self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + pos, cu_seqlens
 
-    def forward_video(self, patches: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:
+    def forward_video(self, patches: torch.Tensor, video_grids: Shapes, temporal_merge: int) -> torch.Tensor:
         """Patches of N videos, frame after frame, with `video_grids` [N, 3] (frames, rows, cols) ->
         [sum(ceil(frames / temporal_merge) * rows * cols), dim].
 
@@ -102,17 +103,15 @@ class VisionEncoder(nn.Module):
         return self.merge_frames(self(patches, self.frame_grids(video_grids)), video_grids, temporal_merge)
 
     @staticmethod
-    def frame_grids(video_grids: torch.Tensor) -> torch.Tensor:
-        """[sum(frames), 2]: each frame of the videos in `video_grids` [N, 3] as an image grid."""
-        return torch.tensor([[r, c] for f, r, c in video_grids.tolist() for _ in range(f)], dtype=torch.long).view(
-            -1, 2
-        )
+    def frame_grids(video_grids: Shapes) -> list[tuple[int, int]]:
+        """Each frame of the videos in `video_grids` [N, 3] as an image grid (rows, cols)."""
+        return [(r, c) for f, r, c in host_rows(video_grids) for _ in range(f)]
 
     @staticmethod
-    def merge_frames(features: torch.Tensor, video_grids: torch.Tensor, temporal_merge: int) -> torch.Tensor:
+    def merge_frames(features: torch.Tensor, video_grids: Shapes, temporal_merge: int) -> torch.Tensor:
         """Frame features of the videos in `video_grids`, every `temporal_merge` consecutive frames averaged
         position-wise (`forward_video`)."""
-        videos = video_grids.tolist()
+        videos = host_rows(video_grids)
         merged: list[torch.Tensor] = []
         for (frames, rows, cols), clip in zip(videos, features.split([f * r * c for f, r, c in videos])):
             merged.extend(group.mean(dim=0) for group in clip.view(frames, rows * cols, -1).split(temporal_merge))

@@ -79,7 +79,7 @@ class EncoderCompute:
         whole = [p for p in pieces if not p.group]
         images = [p for p in whole if p.item.modality == "image"]
         if images:
-            grids = torch.tensor([p.item.shape for p in images], dtype=torch.long)
+            grids = [p.item.shape for p in images]
             x, cu = model.vision.embed(torch.cat([inputs[p] for p in images]), grids)
             calls.append(
                 EncoderCall("vision", images, x, cu, None, functools.partial(model.project_image, grids=grids))
@@ -87,15 +87,11 @@ class EncoderCompute:
         videos = [p for p in whole if p.item.modality == "video"]
         if videos:
             calls.append(
-                self._video_call(
-                    videos,
-                    torch.cat([inputs[p] for p in videos]),
-                    torch.tensor([p.item.shape for p in videos], dtype=torch.long),
-                )
+                self._video_call(videos, torch.cat([inputs[p] for p in videos]), [p.item.shape for p in videos])
             )
         clips = [p for p in whole if p.item.modality == "audio"]
         if clips:
-            frames = torch.tensor([p.item.shape[0] for p in clips], dtype=torch.long)
+            frames = [p.item.shape[0] for p in clips]
             x, cu = model.audio.embed(torch.cat([inputs[p] for p in clips]), frames)
             calls.append(EncoderCall("audio", clips, x, cu, None, model.projectors["audio"]))
         calls.extend(self._chunk_call(piece, inputs[piece]) for piece in pieces if piece.group)
@@ -107,25 +103,25 @@ class EncoderCompute:
         model, item = self.model, piece.item
         if item.modality == "video":
             frames = (piece.inputs[1] - piece.inputs[0]) // (item.shape[1] * item.shape[2])
-            grid = torch.tensor([[frames, *item.shape[1:]]], dtype=torch.long)
-            return self._video_call([piece], inputs, grid)
+            return self._video_call([piece], inputs, [(frames, *item.shape[1:])])
         shard = SequenceShard(self.lssp_groups[piece.group], list(piece.splits))
         if item.modality == "image":
-            x, cu = model.vision.embed(inputs, torch.tensor([item.shape], dtype=torch.long), shard)
+            x, cu = model.vision.embed(inputs, [item.shape], shard)
             return EncoderCall("vision", [piece], x, cu, shard, self._image_chunk_head(item.shape[1]))
-        x, cu = model.audio.embed(inputs, torch.tensor([item.shape[0]], dtype=torch.long), shard)
+        x, cu = model.audio.embed(inputs, [item.shape[0]], shard)
         return EncoderCall("audio", [piece], x, cu, shard, model.projectors["audio"])
 
     def _image_chunk_head(self, cols: int) -> Head:
         """The head of an LSSP image chunk: its features, whole rows of `cols` patches, merged and projected."""
 
         def head(features: torch.Tensor) -> torch.Tensor:
-            grid = torch.tensor([[features.shape[0] // cols, cols]], dtype=torch.long)
-            return self.model.project_image(features, grid)
+            return self.model.project_image(features, [(features.shape[0] // cols, cols)])
 
         return head
 
-    def _video_call(self, pieces: list[Piece], patches: torch.Tensor, video_grids: torch.Tensor) -> EncoderCall:
+    def _video_call(
+        self, pieces: list[Piece], patches: torch.Tensor, video_grids: list[tuple[int, ...]]
+    ) -> EncoderCall:
         """Videos through the vision encoder, frame by frame; their frames merged and projected after it."""
         x, cu = self.model.vision.embed(patches, self.model.vision.frame_grids(video_grids))
         return EncoderCall(

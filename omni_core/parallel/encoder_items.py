@@ -11,12 +11,10 @@ from dataclasses import dataclass
 
 from omni_core.common.batch import PackedBatch, audio_tokens, video_tokens
 from omni_core.common.plan import EncoderSpec
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flops import audio_forward_flops, merged_grid, vision_forward_flops
 
 ENCODER_OF = {"image": "vision", "video": "vision", "audio": "audio"}
-PLACEHOLDER_OF = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}
 INPUT_FIELD = {"image": "image_patches", "video": "video_patches", "audio": "audio_mels"}
 ACTIVATION_BYTES_PER_TOKEN_DIM = 4 * 16  # fp32, ~16 saved tensors of [tokens, dim] per encoder block
 
@@ -61,15 +59,15 @@ def describe_items(batches: list[PackedBatch], shard: int, args: OmniModelArgs) 
     """Items of one data shard's micro-batches, each with the position of its (contiguous) placeholders."""
     items = []
     for micro, batch in enumerate(batches):
+        layout = batch.layout
         for modality, shapes in (
-            ("image", batch.image_grids.tolist()),
-            ("video", batch.video_grids.tolist()),
-            ("audio", batch.audio_frames.tolist()),
+            ("image", layout.image_grids),
+            ("video", layout.video_grids),
+            ("audio", [(frames,) for frames in layout.audio_frames]),
         ):
-            positions = (batch.input_ids == PLACEHOLDER_OF[modality]).nonzero().flatten().tolist()
+            positions = layout.placeholder_positions[modality]
             cursor = offset = 0
-            for listed in shapes:
-                shape = tuple(listed) if isinstance(listed, list) else (listed,)
+            for shape in shapes:
                 item = Item(modality, shard, micro, shape, positions[cursor] if positions else -1, offset)
                 rows = output_rows(item, args)
                 span = positions[cursor : cursor + rows]

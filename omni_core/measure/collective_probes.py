@@ -50,6 +50,8 @@ def _collectives(n: int, rank: int, world: int, dev: torch.device) -> dict[str, 
     import torch
     import torch.distributed as dist
 
+    from omni_core.common.torch_compat import all_gather_single, reduce_scatter_single
+
     buf, out, scattered = (
         torch.ones(n, device=dev),
         torch.empty(n * world, device=dev),
@@ -65,8 +67,8 @@ def _collectives(n: int, rank: int, world: int, dev: torch.device) -> dict[str, 
 
     return {
         "all_reduce": lambda: dist.all_reduce(buf),
-        "all_gather": lambda: dist.all_gather_single(out, buf),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(scattered, buf),
+        "all_gather": lambda: all_gather_single(out, buf),
+        "reduce_scatter": lambda: reduce_scatter_single(scattered, buf),
         "all_to_all": lambda: dist.all_to_all_single(a2a_out, buf),
         "p2p": exchange,
     }
@@ -97,10 +99,12 @@ def _gloo_calls(buf: torch.Tensor, world: int) -> list[Callable[[], object]]:
     import torch
     import torch.distributed as dist
 
+    from omni_core.common.torch_compat import all_gather_single, reduce_scatter_single
+
     return [
         lambda: dist.all_reduce(buf),
-        lambda: dist.all_gather_single(torch.empty(buf.numel() * world), buf),
-        lambda: dist.reduce_scatter_single(torch.empty(buf.numel() // world), buf),
+        lambda: all_gather_single(torch.empty(buf.numel() * world), buf),
+        lambda: reduce_scatter_single(torch.empty(buf.numel() // world), buf),
     ]
 
 

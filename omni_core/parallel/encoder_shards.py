@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_core.common.torch_compat import all_gather_single, reduce_scatter_single
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.omni import OmniModel
 from omni_core.models.vision import VisionEncoder
@@ -135,7 +136,7 @@ class EncoderShards:
             return
         local = torch.cat([_padded(slot.local.detach(), slot.chunk_rows).reshape(-1) for slot in self.slots])
         everyone = local.new_empty(self.ranks * self.flat_numel)
-        dist.all_gather_single(everyone, local, group=self.group)
+        all_gather_single(everyone, local, group=self.group)
         by_rank = everyone.view(self.ranks, self.flat_numel)
         self.full = []
         for slot in self.slots:
@@ -165,7 +166,7 @@ class EncoderShards:
             assert self.grad_flat is not None  # made whenever a slot trains
             first = trains[0][0].shard.grad is None  # the optimizer set them to None after the last step
             target = self.grad_flat if first else torch.empty_like(self.grad_flat)
-            dist.reduce_scatter_single(target, by_rank.reshape(-1), group=self.group)
+            reduce_scatter_single(target, by_rank.reshape(-1), group=self.group)
             if not first:
                 self.grad_flat += target
             for (slot, _), grad in zip(trains, self.grads, strict=True):

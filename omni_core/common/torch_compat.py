@@ -1,0 +1,53 @@
+"""What omni needs from torch that differs between the versions it runs on, torch 2.11 to 2.14 (the GPU machines
+have 2.11 preinstalled; the CPU wheel is pinned at 2.13), each difference gated here with a named fallback.
+
+Gated here:
+- `dist.all_gather_single` / `dist.reduce_scatter_single`: added in 2.13 (which deprecates the older names);
+  fallback `all_gather_into_tensor` / `reduce_scatter_tensor`, the same collectives under their 2.11-2.12 names.
+
+Read in the sources of 2.11.0, 2.12.0, 2.13.0 and 2.14.1, and present with the same signature in all four:
+- `DeviceMesh._unflatten(dim, sizes, names)`, `._get_root_mesh()`, `._pg_registry` (`ParallelMeshes`).
+- DTensor's caches that `ParallelMeshes.release` empties: `tensor.debug._clear_sharding_prop_cache`,
+  `ShardingPropagator._propagate_tensor_meta_cached`, `_redistribute._gen_transform_infos`,
+  `_redistribute.clear_redistribute_planner_cache`, `_collective_utils.MeshTopoInfo.build_from_mesh`.
+- `algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper(module, **checkpoint_kwargs)`, and
+  `utils.checkpoint.create_selective_checkpoint_contexts` / `CheckpointPolicy` (activation checkpointing).
+- FSDP2: `fully_shard`, `MixedPrecisionPolicy`, `set_gradient_divide_factor`,
+  `set_force_sum_reduction_for_comms`, `set_requires_gradient_sync`; a 1-rank mesh unshards by a copy.
+- DTensor's sharding rules for `aten._fused_adamw_` (fused AdamW on FSDP and TP parameters).
+- `distributed._functional_collectives` (models.feed_forward), `pipelining.stage._PipelineStageBase`
+  (parallel.pipeline), `utils._python_dispatch.TorchDispatchMode` (measure.sampling).
+- `nn.utils.get_total_norm` (public since 2.6), `nn.attention.flex_attention`, and
+  `nn.attention.varlen.varlen_attn` (the custom op `torch_attn::_varlen_attn`; CUDA only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def active_fallbacks() -> list[str]:
+    """The fallbacks this torch takes, by name (empty on torch 2.13 and later): what a report records."""
+    fallbacks = []
+    if not hasattr(dist, "all_gather_single"):
+        fallbacks.append("all_gather_single -> all_gather_into_tensor")
+    if not hasattr(dist, "reduce_scatter_single"):
+        fallbacks.append("reduce_scatter_single -> reduce_scatter_tensor")
+    return fallbacks
+
+
+def all_gather_single(
+    output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+):
+    """Every rank's `local` laid end to end in `output` (looked up at each call, so a patched `dist` is seen)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, local, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+):
+    """`full` summed over the ranks, this rank's slice of it in `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, full, group=group, async_op=async_op)

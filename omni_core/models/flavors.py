@@ -83,10 +83,9 @@ FLAVORS: dict[str, OmniModelArgs] = {
         audio=AudioArgs(dim=64, n_layers=2, n_heads=4),
     ),
     # One GPU: omni-1b (1.67B with its encoders) is sized to train at seq_len 8,192 on one 80 GB GPU; omni-8b
-    # (9.0B) is for a node's FSDP shards. Both merge 2 x 2 patches before the projector (Qwen2-VL), as the
-    # paper flavors.
-    "omni-1b": OmniModelArgs(llm=_LLM_1B, vision=_VIT_L, audio=_WHISPER_SMALL_ENCODER, spatial_merge=2),
-    "omni-8b": OmniModelArgs(llm=_LLM_8B, vision=_VIT_600M, audio=_WHISPER_MEDIUM_ENCODER, spatial_merge=2),
+    # (9.0B) is for a node's FSDP shards. One placeholder per patch (spatial_merge 1), as the data lays images out.
+    "omni-1b": OmniModelArgs(llm=_LLM_1B, vision=_VIT_L, audio=_WHISPER_SMALL_ENCODER),
+    "omni-8b": OmniModelArgs(llm=_LLM_8B, vision=_VIT_600M, audio=_WHISPER_MEDIUM_ENCODER),
     # Paper scale (MegaScale-Omni's workloads A-D, plus one MoE), named <vision>+<llm>, for the estimator and
     # GPUs. Shapes match omni_core.estimator.workloads (VIT_SHAPES / LLM_SHAPES, 2x2 merge before the projector).
     **{

@@ -62,24 +62,23 @@ def test_gpu_flavor_param_counts_by_hand() -> None:
     d = 768  # Whisper small's encoder: two width-3 convolutions from 80 mel bins, 12 blocks, final LayerNorm
     convs = 3 * 80 * d + d + 3 * d * d + d
     assert audio_params(one.audio) == convs + 12 * encoder_block_by_hand(d, 4 * d) + 2 * d
-    # the image projector sees 2 x 2 merged ViT patches; both project into the LLM's width through one hidden layer
-    d, w = 2048, 4 * 1024
-    assert omni_params(one)["projectors"] == (w * d + d + d * d + d) + (768 * d + d + d * d + d)
+    d = 2048  # both projectors map an encoder's width into the LLM's through one hidden layer of its width
+    assert omni_params(one)["projectors"] == (1024 * d + d + d * d + d) + (768 * d + d + d * d + d)
     assert 1.6e9 < omni_params(one)["total"] < 1.7e9 and 0.29e9 < vision_params(one.vision) < 0.31e9
     assert 9.0e9 < omni_params(eight)["total"] < 9.1e9
 
 
 def test_gpu_flavor_train_flops_by_hand() -> None:
     """omni-1b at the GPU check's shapes: one 8,192-token text document; then the same document holding one
-    448 x 448 image (32 x 32 patches of 14, 16 x 16 placeholders after the 2 x 2 merge) among its tokens."""
+    224 x 224 image (16 x 16 patches of 14, one placeholder each) among its tokens."""
     args = get_flavor("omni-1b", patch_size=14, n_mels=80)
     d, kv, f, v, n = 2048, 1024, 5632, 32000, 8192
     llm = 2 * n * (24 * (2 * d * d + 2 * d * kv + 3 * d * f) + d * v) + 24 * 4 * d * (n * (n + 1) // 2)
     assert omni_train_flops(args, [n]) == 3 * llm
-    p, e = 32 * 32, 1024  # patches of the image, ViT width (MLP 4 x e)
+    p, e = 16 * 16, 1024  # patches of the image, ViT width (MLP 4 x e)
     vit = 2 * p * 588 * e + 24 * (2 * p * (4 * e * e + 2 * e * 4 * e) + 4 * e * p * p)
-    projector = 2 * 256 * (4 * e * d + d * d)
-    assert omni_train_flops(args, [n], image_grids=[(32, 32)]) == 3 * (llm + vit + projector)
+    projector = 2 * p * (e * d + d * d)
+    assert omni_train_flops(args, [n], image_grids=[(16, 16)]) == 3 * (llm + vit + projector)
 
 
 def test_llm_flops_by_hand() -> None:

@@ -11,7 +11,7 @@ export DO_NOT_TRACK := true
 export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install run test test-fast lint clean
+.PHONY: install run test test-fast lint clean gpu-wheels
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ lint: install
 	$(BIN)/ruff check omni_core flows
 	$(BIN)/ruff format --check omni_core flows
 	$(BIN)/mypy
+
+# The wheels benchmarks/gpu_check.py needs on a GPU machine without network, into .gpu-wheels (README.md, "On a GPU").
+gpu-wheels:
+	benchmarks/gpu_wheels.sh
 
 clean:
 	rm -rf runs mlflow.db mlartifacts .pytest_cache

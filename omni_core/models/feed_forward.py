@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,13 @@ class FeedForward(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routing slots per expert (long [num_experts]) of the chosen experts `experts` [T, k], on their device.
+    Not `bincount`: on CUDA it reads the largest index on the host (a sync) to size its output."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(
     probs: torch.Tensor, experts: torch.Tensor, num_experts: int, sequence_group=None
 ) -> torch.Tensor:
@@ -41,9 +49,9 @@ def load_balancing_loss(
     `sequence_group`: ranks that hold parts of the same sequences (context parallelism). Their routing
     statistics are summed (the probabilities through a differentiable all-reduce), so every rank gets the
     loss of the whole sequence, as one process would."""
-    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
+    counts = expert_counts(experts, num_experts).to(probs.dtype)
     prob_sums = probs.sum(dim=0)
-    tokens = torch.tensor([float(probs.shape[0])], dtype=probs.dtype, device=probs.device)
+    tokens = probs.new_full((1,), float(probs.shape[0]))  # made on the device: no host-to-device copy
     if sequence_group is not None:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol  # differentiable: backward sums the gradients
@@ -52,6 +60,69 @@ def load_balancing_loss(
         dist.all_reduce(tokens, group=sequence_group)
         prob_sums = funcol.all_reduce(prob_sums, "sum", sequence_group)
     return num_experts * torch.dot(counts / (tokens * experts.shape[-1]), prob_sums / tokens)
+
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+    """Whether this torch multiplies expert groups in one grouped GEMM for operands of `dtype` on `device`.
+
+    torch >= 2.13: `F.grouped_mm`, on the CPU and, in bf16, on CUDA from sm80. torch 2.11-2.12: the private
+    `torch._grouped_mm`, CUDA bf16 on sm90 only. Both need rows of 16-byte multiples (`dims`).
+    Elsewhere `Experts` falls back to one call per expert (`Experts.per_expert`)."""
+    if any(d * dtype.itemsize % 16 for d in dims):
+        return False
+    if device.type == "cpu":
+        return _TORCH_VERSION >= (2, 13)
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= (8, 0) if _TORCH_VERSION >= (2, 13) else capability == (9, 0)
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` [N, in] grouped by `offsets` (int32 ends), group g times `weights[g]` [out, in] transposed."""
+    if _TORCH_VERSION >= (2, 13):
+        return F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
+
+
+class Experts(nn.ModuleDict):
+    """The routed experts, keyed by global index (`experts.<e>.w1.weight`), run together over token rows
+    sorted by expert: one grouped GEMM per projection over the experts' weights stacked at forward time, the
+    groups delimited by offsets on the device, so no host read of how many tokens each expert got.
+
+    A module of its own, so that FSDP can shard the experts apart from their block (expert parallelism)."""
+
+    def __init__(self, experts: dict[str, FeedForward], activation: str):
+        super().__init__(experts)
+        self.act = GATE_ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows `x` [N, dim] sorted by expert, `counts[j]` of them for the j-th expert held -> [N, dim].
+        Every expert is in the autograd graph, also on no rows: its gradient is then zero."""
+        experts = [cast(FeedForward, expert) for expert in self.values()]
+        first = experts[0]
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else first.w1.weight.dtype
+        )
+        dims = (first.w1.in_features, first.w1.out_features)
+        if not grouped_mm_supported(x.device, dtype, dims):
+            return self.per_expert(x, counts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        w1, w2, w3 = (torch.stack([getattr(e, name).weight for e in experts]).to(dtype) for name in ("w1", "w2", "w3"))
+        rows = x.to(dtype)
+        hidden = self.act(grouped_mm(rows, w1, offsets)) * grouped_mm(rows, w3, offsets)
+        return grouped_mm(hidden, w2, offsets)
+
+    def per_expert(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The fallback without a grouped GEMM: one call per expert, on the rows its host-read count cuts (one
+        host read per layer)."""
+        chunks = x.split(counts.tolist())
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.values(), chunks, strict=True)])
 
 
 class MoE(nn.Module):
@@ -66,7 +137,9 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden, activation) for e in range(args.num_experts)})
+        self.experts = Experts(
+            {str(e): FeedForward(dim, hidden, activation) for e in range(args.num_experts)}, activation
+        )
         shared_hidden = args.shared_hidden or hidden
         self.shared_expert = FeedForward(dim, shared_hidden, activation) if args.shared_expert else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_expert and args.shared_gate else None
@@ -91,9 +164,8 @@ class MoE(nn.Module):
         probs, experts, weights = self.route(x)
         self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts, self.sequence_group)
         out = self.shared(x)
-        for e, expert in self.experts.items():
-            token, slot = torch.where(experts == int(e))
-            # Every expert runs, even on no tokens, so all of them are in the autograd graph on every rank.
-            y = expert(x[token]) * weights[token, slot, None].to(x.dtype)
-            out = out.index_add(0, token, y)
-        return out
+        # (token, slot) assignments sorted by expert (stably: by token within an expert).
+        order = experts.flatten().argsort(stable=True)
+        token = order // self.args.top_k
+        y = self.experts(x[token], expert_counts(experts, self.args.num_experts))
+        return out.index_add(0, token, (y * weights.flatten()[order, None].to(y.dtype)).to(out.dtype))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_core.models.feed_forward import MoE, load_balancing_loss
+from omni_core.models.feed_forward import MoE, expert_counts, load_balancing_loss
 from omni_core.parallel.collectives import AllToAll, all_to_all_uneven
 
 
@@ -35,25 +35,24 @@ class ExpertParallelMoE(MoE):
         probs, experts, weights = self.route(x)
         self.aux_loss = load_balancing_loss(probs, experts, self.args.num_experts, self.sequence_group)
         out = self.shared(x)
-        ep = dist.get_world_size(self.ep_group)
-        mine = local_experts(self.args.num_experts, ep, dist.get_rank(self.ep_group))
+        ep, held = dist.get_world_size(self.ep_group), len(self.experts)
         # (token, slot) assignments sorted by expert, hence grouped by owner rank in rank order.
         order = experts.flatten().argsort(stable=True)
         token = order // self.args.top_k
-        counts = torch.bincount(experts.flatten(), minlength=self.args.num_experts)
+        counts = expert_counts(experts, self.args.num_experts)
         # recv[s, j]: how many assignments source rank s sends to my j-th expert.
-        recv = all_to_all_uneven(counts, [len(mine)] * ep, [len(mine)] * ep, self.ep_group).view(ep, len(mine))
-        send_splits = counts.view(ep, len(mine)).sum(dim=1).tolist()
-        recv_splits = recv.sum(dim=1).tolist()
+        recv = all_to_all_uneven(counts, [held] * ep, [held] * ep, self.ep_group).view(ep, held)
+        # The token all-to-alls take their split sizes on the host: one read per MoE layer, only under ep > 1
+        # (without EP, `MoE` routes with no host read at all).
+        splits = torch.cat([counts.view(ep, held).sum(dim=1), recv.sum(dim=1)]).tolist()
+        send_splits, recv_splits = splits[:ep], splits[ep:]
         received = AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group)
         # Received rows come by source rank, each source's rows by expert: group them by my experts.
-        local = torch.arange(len(mine), device=x.device).repeat(ep).repeat_interleave(recv.flatten())
-        by_expert = local.argsort(stable=True)
-        chunks = received[by_expert].split(recv.sum(dim=0).tolist())
-        # Every local expert runs, even on no tokens: all its parameters get gradients (zeros), on every rank.
-        y = torch.cat([self.experts[str(e)](chunk) for e, chunk in zip(mine, chunks, strict=True)])
+        local = torch.arange(held, device=x.device).repeat(ep)
+        by_expert = local.repeat_interleave(recv.flatten(), output_size=sum(recv_splits)).argsort(stable=True)
+        y = self.experts(received[by_expert], recv.sum(dim=0))
         combined = AllToAll.apply(y[by_expert.argsort()], send_splits, recv_splits, self.ep_group)
-        return out.index_add(0, token, combined * weights.flatten()[order, None].to(x.dtype))
+        return out.index_add(0, token, (combined * weights.flatten()[order, None].to(combined.dtype)).to(out.dtype))
 
 
 def local_experts(num_experts: int, ep: int, rank: int) -> range:

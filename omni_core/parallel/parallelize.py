@@ -321,8 +321,7 @@ def apply_fsdp(model: OmniModel, meshes: ParallelMeshes, param_dtype: torch.dtyp
             continue  # an encoder block, in the encoders' own layout
         moe = getattr(getattr(block, "_checkpoint_wrapped_module", block), "moe", None)
         if moe is not None and meshes.expert_dp_mesh is not None:
-            for expert in moe.experts.values():
-                fully_shard(expert, mesh=meshes.expert_dp_mesh, mp_policy=mp_policy)
+            fully_shard(moe.experts, mesh=meshes.expert_dp_mesh, mp_policy=mp_policy)  # run as one (`Experts`)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     encoders = encoder_modules(model)
     if coupled:

@@ -34,12 +34,11 @@ def test_every_token_reaches_exactly_k_experts(shared: bool) -> None:
     with torch.no_grad():
         moe.router.weight[0, 0] = 10.0  # skew: every token prefers expert 0, which must still take them all
     seen = []
-    hooks = [e.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0])) for e in moe.experts.values()]
+    hook = moe.experts.register_forward_hook(lambda mod, inp, out: seen.append(inp[1].tolist()))
     out = moe(x)
-    for hook in hooks:
-        hook.remove()
+    hook.remove()
     _, experts, weights = moe.route(x)
-    assert sum(seen) == 33 * 2 and max(seen) == 33  # T * k assignments, the favourite takes every token
+    assert sum(seen[0]) == 33 * 2 and max(seen[0]) == 33  # T * k assignments, the favourite takes every token
     assert all(len(set(row)) == 2 for row in experts.tolist())  # k distinct experts per token
     torch.testing.assert_close(weights.sum(dim=-1), torch.ones(33))
     torch.testing.assert_close(out, naive_moe(moe, x), rtol=0, atol=1e-5)
@@ -98,3 +97,34 @@ def test_no_gradient_crosses_packed_documents(flavor: str) -> None:
         for grad, parts in grads:
             assert torch.count_nonzero(grad[parts[other]]) == 0
             assert torch.count_nonzero(grad[parts[target]]) > 0
+
+
+def test_grouped_experts_match_one_call_per_expert_forward_and_backward() -> None:
+    """The grouped GEMM over stacked weights (the default) against the fallback's one call per expert, with an
+    expert left without tokens: outputs and every gradient equal, the idle expert's gradient zero."""
+    torch.manual_seed(0)
+    experts = MoE(16, 24, MoEArgs(num_experts=4, top_k=2)).experts
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(16, 16)
+    grad = torch.randn(16, 16)
+    results = []
+    for run in (experts, experts.per_expert):
+        rows = x.clone().requires_grad_()
+        experts.zero_grad()
+        run(rows, counts).backward(grad)
+        results.append((rows.grad, {name: p.grad.clone() for name, p in experts.named_parameters()}))
+    (grouped_x, grouped), (loop_x, loop) = results
+    torch.testing.assert_close(grouped_x, loop_x)
+    for name, value in grouped.items():
+        torch.testing.assert_close(value, loop[name], msg=name)
+    assert all(grouped[f"1.{w}.weight"].abs().sum() == 0 for w in ("w1", "w2", "w3"))
+
+
+def test_moe_routes_without_reading_the_host() -> None:
+    from omni_core.runtime.sync_count import count_host_syncs
+
+    moe = MoE(16, 24, MoEArgs(num_experts=4, top_k=2, shared_expert=True))
+    x = torch.randn(20, 16, requires_grad=True)
+    with count_host_syncs() as counter:
+        (moe(x).sum() + moe.aux_loss).backward()
+    assert counter.total == 0, counter.summary()

@@ -1,0 +1,110 @@
+"""What benchmarks/gpu_check.py counts and times around training steps: the steps' device time (CUDA events,
+never the host's clock alone on asynchronous work), host syncs (`runtime.sync_count`) and recompiles."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StepTimer:
+    """Seconds of each `with timer:` block. On a GPU the block is bracketed by CUDA events, read once at the end
+    (one synchronize for all steps, so the timing adds no sync to the steps); on a CPU, whose work is
+    synchronous, by the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.walls: list[float] = []
+        self._began = 0.0
+
+    def __enter__(self) -> StepTimer:
+        if self.cuda:
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+        else:
+            self._began = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.walls.append(time.perf_counter() - self._began)
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return list(self.walls)
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1000 for start, end in self.events]
+
+
+def step_timer(device: torch.device) -> StepTimer:
+    return StepTimer(device)
+
+
+@dataclass
+class Syncs:
+    """Host syncs seen over the timed steps: reads of device tensors on the host and, on CUDA, the synchronizing
+    operations torch's sync debug mode reports (those inside C++ operators)."""
+
+    counter: object = None
+
+    def per_step(self, steps: int) -> float | None:
+        if self.counter is None or not steps:
+            return None
+        return (self.counter.total + self.counter.cuda_syncs) / steps  # type: ignore[attr-defined]
+
+    def sites(self) -> dict[str, int]:
+        return dict(self.counter.by_site.most_common(10)) if self.counter is not None else {}  # type: ignore[attr-defined]
+
+
+@contextmanager
+def host_sync_counter(device: torch.device) -> Iterator[Syncs]:
+    """`runtime.sync_count.count_host_syncs` over the block: on a GPU only reads of CUDA tensors (a CPU
+    tensor's read waits for nothing) and the CUDA debug mode's syncs; on a CPU every read, as the tests count."""
+    from omni_core.runtime.sync_count import count_host_syncs
+
+    cuda = device.type == "cuda"
+    with count_host_syncs("cuda" if cuda else None, cuda_debug=cuda) as counter:
+        yield Syncs(counter)
+
+
+@dataclass
+class Recompiles:
+    count: int | None = None
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def count_recompiles() -> Iterator[Recompiles]:
+    """Graphs torch.compile compiled during the block (none after warm-up is the target). Read from dynamo's
+    own counters (private: their absence is reported as None, never as zero)."""
+    result = Recompiles()
+    counters = _dynamo_counters()
+    before = _compiled_graphs(counters)
+    yield result
+    after = _compiled_graphs(counters)
+    if before is None or after is None:
+        result.notes.append("torch._dynamo.utils.counters is not there in this torch: not counted")
+    else:
+        result.count, result.source = after - before, "torch._dynamo.utils.counters['stats']['unique_graphs']"
+
+
+def _dynamo_counters():
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return counters
+
+
+def _compiled_graphs(counters) -> int | None:
+    if counters is None:
+        return None
+    return int(counters["stats"]["unique_graphs"])  # a defaultdict of Counters: 0 before the first compile

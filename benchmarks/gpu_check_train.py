@@ -1,0 +1,342 @@
+"""The training parts of benchmarks/gpu_check.py, through the runtime's own entry points: a one-rank process group
+from `dist.init_distributed` (NCCL for CUDA tensors on a GPU), `replica.build_replica`, `optimizer.Optimizers`,
+the real loader on generated data (`data.source: dynamic`), `step.train_step` and `checkpoint`'s save and load.
+
+Correctness runs a small flavor with every collective on (`OMNI_ALWAYS_COLLECT=1`); throughput runs omni-1b as
+a one-GPU job does (the shortcut on), its batches drawn by the loader before the clock starts and copied to the
+device inside each timed step.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_core.common.plan import ParallelPlan
+from omni_core.data.dataset import open_dataset
+from omni_core.data.loader import PackedLoader
+from omni_core.recipe.schema import Recipe
+from omni_core.runtime.dist import ALWAYS_COLLECT_ENV, DistInfo, init_distributed
+from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.perf import device_peak, peak_memory_mb
+from omni_core.runtime.replica import ModelReplica, build_replica
+from omni_core.runtime.step import StepStats, train_step
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes of one mode: the GPU's, or the CPU dry run's tiny ones."""
+
+    check_flavor: str  # correctness
+    check_seq_len: int
+    flavor: str  # throughput
+    seq_len: int
+    warmup_steps: int
+    timed_steps: int
+    patch_size: int
+    image_side_px: int  # every image this square: a fixed number of patches per image
+    text_tokens: int  # median tokens of a text-only sample (log-normal)
+    n_mels: int
+    compile: bool
+
+
+# 224 px images in 14 px patches: 16 x 16 patches, as CLIP ViT-L/14 sees them, one LLM placeholder each; text
+# documents of median 512 tokens (C4's mean is 427).
+GPU = Sizes("small", 2048, "omni-1b", 8192, 3, 20, 14, 224, 512, 80, compile=True)
+DRY = Sizes("debug", 256, "debug", 256, 1, 2, 8, 64, 32, 32, compile=False)
+
+# Shares of samples. An image sample is an image and its caption (about 26 tokens); a text-only one averages
+# 705 tokens (the log-normal's mean): three image samples per text-only one give about as many image tokens as
+# text tokens on the GPU (3 x 256 against 705 + 3 x 26). The report gives the ratio measured on the batches.
+WORKLOADS = {"text_only": {"text": 1.0}, "image_text_1to1": {"text": 1.0, "image": 3.0}}
+CHECK_MIX = {"text": 0.4, "image": 0.4, "audio": 0.2}  # every encoder runs in the correctness steps
+
+
+def sizes(dry_run: bool) -> Sizes:
+    return DRY if dry_run else GPU
+
+
+def make_recipe(root: Path, s: Sizes, flavor: str, seq_len: int, mix: dict[str, float], **train: Any) -> Recipe:
+    """Generated data drawn on the fly at these sizes; `train` overrides the train section."""
+    side, median = s.image_side_px, s.text_tokens
+    return Recipe.model_validate(
+        {
+            "experiment": {"name": f"gpu-check-{flavor}", "output_dir": str(root), "seed": 0},
+            "data": {
+                "source": "dynamic",
+                "seq_len": seq_len,
+                "micro_batch": 1,
+                "patch_size": s.patch_size,
+                "n_mels": s.n_mels,
+                "max_image_patches": (side // s.patch_size) ** 2,
+                "synthetic": {
+                    "num_samples": 200,
+                    "mix": mix,
+                    "image_side_px": {"min": side, "max": side},
+                    "text_tokens": {"kind": "lognormal", "min": 16, "max": seq_len, "center": median, "spread": 0.8},
+                },
+            },
+            "model": {"flavor": flavor},
+            "train": {
+                "steps": 100,
+                "warmup_steps": 1,
+                "lr": 1e-4,
+                "log_every": 1,
+                "ckpt_every": 0,
+                "resume": False,
+                **train,
+            },
+        }
+    )
+
+
+def join_group() -> DistInfo:
+    """A one-rank process group through the runtime's own set-up (on a GPU: NCCL for CUDA tensors, gloo for
+    CPU ones), as torchrun's environment would describe it."""
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return init_distributed("auto", timeout_s=120.0)
+
+
+def draw_batches(recipe: Recipe, count: int) -> list:
+    """`count` training batches of the real loader, on the host."""
+    loader = iter(PackedLoader(open_dataset(recipe), recipe.data, "train", 0, 1, recipe.experiment.seed))
+    return [next(loader) for _ in range(count)]
+
+
+def one_step(replica: ModelReplica, optimizers: Optimizers, batch, info: DistInfo, dtype) -> StepStats:
+    return train_step(replica, optimizers, [batch.to(info.device)], grad_clip=1.0, compute_dtype=dtype)
+
+
+def compute_dtype(info: DistInfo) -> torch.dtype:
+    return torch.bfloat16 if info.device.type == "cuda" else torch.float32
+
+
+def fsdp_state(replica: ModelReplica) -> dict[str, Any]:
+    """Whether the LLM is FSDP2-sharded, and the dtype its parameters are gathered in for compute."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = replica.parts[0]
+    sharded = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    state: dict[str, Any] = {"fsdp_modules": len(sharded)}
+    if sharded:
+        policy = getattr(model.get_submodule(sharded[-1])._get_fsdp_state(), "_mp_policy", None)
+        state["param_dtype"] = str(getattr(policy, "param_dtype", None)).removeprefix("torch.")
+        state["reduce_dtype"] = str(getattr(policy, "reduce_dtype", None)).removeprefix("torch.")
+    return state
+
+
+def nccl_step_and_checkpoint(ctx) -> dict[str, Any]:
+    """Steps on a one-rank group with every collective on; a checkpoint after the first, then the next two
+    steps again from it: the same losses (the weights, optimizer state and LR schedule came back)."""
+    from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from omni_core.runtime.ckpt_store import checkpoint_cache, checkpoint_store
+
+    os.environ[ALWAYS_COLLECT_ENV] = "1"
+    info, s = join_group(), sizes(ctx.dry_run)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
+        recipe = make_recipe(Path(root), s, s.check_flavor, s.check_seq_len, CHECK_MIX)
+        dtype = compute_dtype(info)
+        replica = build_replica(recipe, ParallelPlan(), info, dtype)
+        optimizers = Optimizers(replica.parts, recipe)
+        batches = draw_batches(recipe, 3)
+        counts = CollectiveCounter()
+        with counts:
+            first = one_step(replica, optimizers, batches[0], info, dtype)
+        store = checkpoint_store(recipe)
+        location = save_checkpoint(
+            store,
+            step=1,
+            parts=replica.parts,
+            optimizers=optimizers,
+            rank_state={},
+            history={},
+            info=info,
+            plan="dp1",
+            recipe_hash="gpu-check",
+            keep_last=1,
+        )
+        before = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches[1:]]
+        load_checkpoint(location, cache=checkpoint_cache(recipe), parts=replica.parts, optimizers=optimizers, info=info)
+        after = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches[1:]]
+    report = {
+        "backend": torch.distributed.get_backend(),
+        "world_size": info.world_size,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "flavor": s.check_flavor,
+        "loss": first.metrics["loss"],
+        "grad_norm": first.metrics["grad_norm"],
+        "collectives_in_step": counts.calls,
+        **fsdp_state(replica),
+        "losses_after_save": before,
+        "losses_after_load": after,
+    }
+    problems = [] if all(math.isfinite(x) for x in [first.metrics["loss"], *before]) else ["a loss is not finite"]
+    if not counts.calls:
+        problems.append(f"no collective ran in the step although {ALWAYS_COLLECT_ENV}=1")
+    if any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(before, after, strict=True)):
+        problems.append("the steps after loading the checkpoint differ from those after saving it")
+    return {**report, **({"status": "error", "error": "; ".join(problems)} if problems else {})}
+
+
+class CollectiveCounter:
+    """Calls of torch.distributed's collectives inside the block, by name (the step's own and FSDP2's go through
+    these module functions)."""
+
+    NAMES = (
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "all_to_all_single",
+        "all_gather",
+        "barrier",
+    )
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self._originals: dict[tuple[Any, str], Any] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            for name in self.NAMES:
+                original = getattr(module, name)
+                self._originals[module, name] = original
+                setattr(module, name, self._counting(name, original))
+        return self
+
+    def _counting(self, name: str, original):
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
+
+
+def layouts_agree(ctx) -> dict[str, Any]:
+    """The encoders' omni and coupled layouts at world 1 train the same first steps (same losses)."""
+    os.environ[ALWAYS_COLLECT_ENV] = "1"
+    info, s = join_group(), sizes(ctx.dry_run)
+    losses: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
+        recipe = make_recipe(Path(root), s, s.check_flavor, s.check_seq_len, CHECK_MIX)
+        batches = draw_batches(recipe, 2)
+        dtype = compute_dtype(info)
+        for name in ("dp1", "dp1+omni"):
+            replica = build_replica(recipe, ParallelPlan.parse(name), info, dtype)
+            optimizers = Optimizers(replica.parts, recipe)
+            losses[name] = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches]
+            del replica, optimizers
+    coupled, omni = losses["dp1"], losses["dp1+omni"]
+    report: dict[str, Any] = {"losses": losses}
+    if any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(coupled, omni, strict=True)):
+        report.update(status="error", error=f"omni {omni} and coupled {coupled} losses differ at world 1")
+    return report
+
+
+def workload_throughput(ctx, workload: str) -> dict[str, Any]:
+    """omni-1b (debug in a dry run) on one device: compiled, and with activation checkpointing only if the
+    first attempt runs out of memory."""
+    info, s = join_group(), sizes(ctx.dry_run)
+    os.environ.pop(ALWAYS_COLLECT_ENV, None)  # what a one-GPU job runs
+    attempts: list[dict[str, Any]] = []
+    for checkpointing in (False, True):
+        try:
+            return {**timed_run(ctx, info, s, workload, checkpointing), "attempts": attempts}
+        except torch.OutOfMemoryError as error:
+            attempts.append({"activation_checkpointing": checkpointing, "error": f"out of memory: {error}"[:300]})
+            free_device(info)
+    raise RuntimeError(f"{workload}: out of memory with and without activation checkpointing")
+
+
+def free_device(info: DistInfo) -> None:
+    gc.collect()
+    if info.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed_run(ctx, info: DistInfo, s: Sizes, workload: str, checkpointing: bool) -> dict[str, Any]:
+    from gpu_check_measures import count_recompiles, host_sync_counter, step_timer
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
+        recipe = make_recipe(
+            Path(root),
+            s,
+            s.flavor,
+            s.seq_len,
+            WORKLOADS[workload],
+            compile=s.compile,
+            activation_checkpointing=checkpointing,
+        )
+        batches = draw_batches(recipe, s.warmup_steps + s.timed_steps)
+    dtype = compute_dtype(info)
+    replica = build_replica(recipe, ParallelPlan(), info, dtype)
+    optimizers = Optimizers(replica.parts, recipe)
+    for batch in batches[: s.warmup_steps]:
+        one_step(replica, optimizers, batch, info, dtype)
+    if info.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timer, results = step_timer(info.device), []
+    with host_sync_counter(info.device) as syncs, count_recompiles() as recompiles:
+        for batch in batches[s.warmup_steps :]:
+            if ctx.left_s() < 10:
+                break  # the section's time is nearly up: report the steps timed so far
+            with timer:
+                results.append(one_step(replica, optimizers, batch, info, dtype))
+    seconds = timer.seconds()
+    report = step_figures(results, seconds, info, dtype, batches[s.warmup_steps :])
+    report.update(
+        flavor=s.flavor,
+        seq_len=s.seq_len,
+        warmup_steps=s.warmup_steps,
+        compile=s.compile,
+        activation_checkpointing=checkpointing,
+        host_syncs_per_step=syncs.per_step(len(results)),
+        host_sync_sites=syncs.sites(),
+        recompiles_after_warmup=recompiles.count,
+        recompiles_counted_by=recompiles.source or "; ".join(recompiles.notes),
+    )
+    del replica, optimizers
+    free_device(info)
+    return report
+
+
+def step_figures(results: list[StepStats], seconds: list[float], info: DistInfo, dtype, batches) -> dict[str, Any]:
+    """Tokens/s, MFU against the named peak, peak memory and the workload's token mix over the timed steps."""
+    from omni_core.common.tokenizer import IMAGE_ID, PAD_ID
+
+    total_s, tokens, flops = sum(seconds), sum(r.tokens for r in results), sum(r.flops for r in results)
+    peak = device_peak(info.device, dtype)
+    image = sum(int((b.input_ids == IMAGE_ID).sum()) for b in batches[: len(results)])
+    real = sum(int((b.input_ids != PAD_ID).sum()) for b in batches[: len(results)])
+    return {
+        "steps_timed": len(results),
+        "step_s_mean": total_s / max(len(results), 1),
+        "step_s": [round(x, 5) for x in seconds],
+        "tokens_per_s": tokens / total_s if total_s else None,
+        "model_tflops_per_step": flops / max(len(results), 1) / 1e12,
+        "mfu_pct": 100 * flops / total_s / peak.flops if peak and total_s else None,
+        "peak": peak.name if peak else None,
+        "peak_memory_gib": peak_memory_mb(info.device) / 1024,
+        "image_to_text_tokens": image / max(real - image, 1),
+        "final_loss": results[-1].metrics["loss"],
+    }

@@ -62,30 +62,21 @@ def load_balancing_loss(
     return num_experts * torch.dot(counts / (tokens * experts.shape[-1]), prob_sums / tokens)
 
 
-_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
-    """Whether this torch multiplies expert groups in one grouped GEMM for operands of `dtype` on `device`.
-
-    torch >= 2.13: `F.grouped_mm`, on the CPU and, in bf16, on CUDA from sm80. torch 2.11-2.12: the private
-    `torch._grouped_mm`, CUDA bf16 on sm90 only. Both need rows of 16-byte multiples (`dims`).
-    Elsewhere `Experts` falls back to one call per expert (`Experts.per_expert`)."""
+    """Whether `F.grouped_mm` (torch 2.11 and later: both read) multiplies expert groups for these operands
+    without reading their offsets on the host. On CUDA only its CUTLASS path does: bf16 on sm90/sm100 (else it
+    loops over `offs.cpu()`, a sync per call). On the CPU, any float dtype. Rows must be 16-byte multiples
+    (`dims`). Elsewhere `Experts` falls back to one call per expert (`Experts.per_expert`)."""
     if any(d * dtype.itemsize % 16 for d in dims):
         return False
     if device.type == "cpu":
-        return _TORCH_VERSION >= (2, 13)
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    capability = torch.cuda.get_device_capability(device)
-    return capability >= (8, 0) if _TORCH_VERSION >= (2, 13) else capability == (9, 0)
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of `x` [N, in] grouped by `offsets` (int32 ends), group g times `weights[g]` [out, in] transposed."""
-    if _TORCH_VERSION >= (2, 13):
-        return F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
+    return F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
 
 
 class Experts(nn.ModuleDict):

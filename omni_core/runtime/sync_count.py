@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -54,11 +54,11 @@ def _caller_site() -> str:
     return "<torch>"
 
 
-def _counting(method_name: str, original, counter: SyncCounter, device_type: str | None, state: dict):
+def _counting(method_name: str, original, counter: SyncCounter, counts: Callable[[torch.Tensor], bool], state: dict):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         # A read inside a counted read (`tolist` calling `__index__`, say) is the same sync, counted once.
-        if not state["inside"] and (device_type is None or self.device.type == device_type):
+        if not state["inside"] and counts(self):
             counter.by_method[method_name] += 1
             counter.by_site[_caller_site()] += 1
         state["inside"] += 1
@@ -71,17 +71,28 @@ def _counting(method_name: str, original, counter: SyncCounter, device_type: str
 
 
 @contextmanager
-def count_host_syncs(device_type: str | None = None, cuda_debug: bool = False) -> Iterator[SyncCounter]:
+def count_host_syncs(
+    device_type: str | None = None,
+    cuda_debug: bool = False,
+    ignore: Callable[[torch.Tensor], bool] | None = None,
+) -> Iterator[SyncCounter]:
     """Count host reads of tensors inside the block. `device_type` counts only tensors on that device type
     ("cuda" on a GPU, where reads of CPU tensors cost no sync); None counts every tensor, as the CPU tests
-    must (there every tensor is on the CPU). Not thread-safe: the patch is process-wide."""
+    must (there every tensor is on the CPU). `ignore`: tensors that stay on the host on a GPU too, which a CPU
+    test cannot tell apart by device (an optimizer's step counters, say). Not thread-safe: the patch is
+    process-wide."""
+
+    def counts(tensor: torch.Tensor) -> bool:
+        on_device = device_type is None or tensor.device.type == device_type
+        return on_device and not (ignore is not None and ignore(tensor))
+
     counter = SyncCounter()
     state = {"inside": 0}
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     # Most are inherited from the C base class: restoring deletes the patch rather than copying them onto Tensor.
     own = {name for name in HOST_READS if name in vars(torch.Tensor)}
     for name, original in originals.items():
-        setattr(torch.Tensor, name, _counting(name, original, counter, device_type, state))
+        setattr(torch.Tensor, name, _counting(name, original, counter, counts, state))
     try:
         if cuda_debug and torch.cuda.is_available():
             with _counting_cuda_syncs(counter):

@@ -3,8 +3,9 @@ without building a model, and the registry entries cannot be mutated by accident
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from omni_core.common.plan import ModelShape
 from omni_core.common.tokenizer import VOCAB_SIZE
@@ -65,6 +66,54 @@ class RopeScaling:
             raise ValueError("RopeScaling: llama3 needs high_freq_factor > low_freq_factor")
 
 
+# sdpa: one SDPA call per packed document (runs everywhere); flex: flex_attention with a block-sparse mask (no
+# backward on CPU); varlen: FlashAttention over all documents in one call (torch.nn.attention.varlen, CUDA, bf16
+# or fp16); auto: varlen where it runs, else sdpa. benchmarks/attention_timings.py times them.
+AttentionKind = Literal["auto", "sdpa", "flex", "varlen"]
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
+
+
+def attention_problem(
+    kind: str,
+    device: str,
+    dtype: str,
+    varlen: VarlenSupport | None,
+    head_dims: Iterable[int] = (),
+    window: bool = False,
+) -> str | None:
+    """Why attention `kind` cannot train on `device` ("cuda", "cpu") in `dtype` ("float32", "bfloat16", ...)
+    for heads of `head_dims` (with a sliding window: `window`), or None. `varlen`: what this torch's varlen_attn
+    takes (None: it has none). Torch-free, so that `omni recipe check` asks the rule the model applies at its
+    first forward without loading torch; `auto` takes varlen wherever this finds no problem with it."""
+    if kind not in ATTENTION_KINDS:
+        return f"attention {kind!r} must be one of {', '.join(ATTENTION_KINDS)}"
+    if kind == "flex" and device != "cuda":
+        return f"flex_attention has no backward on {device}: training there needs sdpa (or auto)"
+    if kind != "varlen":
+        return None
+    if device != "cuda":
+        return f"varlen (FlashAttention) runs on CUDA GPUs only, not on {device}: use sdpa (or auto)"
+    if varlen is None:
+        return "this torch has no torch.nn.attention.varlen.varlen_attn (torch >= 2.9): use sdpa (or auto)"
+    if dtype not in ("bfloat16", "float16"):
+        return f"varlen (FlashAttention) computes in bfloat16 or float16, not {dtype}: set train.dtype bfloat16"
+    unfit = sorted({d for d in head_dims if d % 8 or d > 256})
+    if unfit:
+        return f"varlen (FlashAttention) takes head dims that are multiples of 8 up to 256, not {unfit}"
+    if window and not varlen.windows:
+        return "this torch's varlen_attn has no window_size (torch >= 2.10) for the sliding window"
+    return None
+
+
+@dataclass(frozen=True)
+class VarlenSupport:
+    """What the installed `torch.nn.attention.varlen.varlen_attn` takes: `window_size` (sliding windows, torch
+    >= 2.10) and `enable_gqa` (fewer KV heads than query heads, later; without it KV heads are repeated)."""
+
+    windows: bool
+    gqa: bool
+
+
 # The FFN's gate activation (SwiGLU is silu); names as torch's, transformers' `gelu_pytorch_tanh` is gelu_tanh.
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 # The encoders' MLP activation (SigLIP uses the tanh approximation).
@@ -89,9 +138,9 @@ class LLMArgs:
     # `full_attention_layers` on (Qwen2's max_window_layers; the layers below it attend to the whole document)
     sliding_window: int | None = None
     full_attention_layers: int = 0
-    # sdpa: one SDPA call per packed document. flex: flex_attention with a block-sparse document mask, for GPUs
-    # (benchmarks/attention_timings.py compares them); it has no backward on CPU.
-    attention: Literal["sdpa", "flex"] = "sdpa"
+    # How attention runs over the packed documents (`models.attention.varlen_attention`; the recipe's
+    # model.attention sets it for the whole model): auto picks varlen where it runs, else sdpa.
+    attention: AttentionKind = "auto"
     moe: MoEArgs | None = None
 
     def __post_init__(self) -> None:
@@ -100,8 +149,6 @@ class LLMArgs:
             raise ValueError(f"LLMArgs: head_dim {self.dim // self.n_heads} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"LLMArgs: sliding_window {self.sliding_window} must be >= 1 (None: no window)")
-        if self.sliding_window is not None and self.attention == "flex":
-            raise ValueError("LLMArgs: sliding_window is built for attention='sdpa' only")
 
     def shape(self, seq_len: int | None = None) -> ModelShape:
         """What a parallel plan must divide or keep together (`ParallelPlan.check_model`)."""
@@ -161,3 +208,13 @@ class OmniModelArgs:
     projector_mult: int = 1  # projector hidden width = projector_mult * llm.dim
     spatial_merge: int = 1  # image projector input: s x s neighbouring patches concatenated (s*s fewer tokens)
     temporal_merge: int = 2  # video: consecutive frames averaged into one (after the vision encoder)
+
+    def attention_problem(self, kind: str, device: str, dtype: str, varlen: VarlenSupport | None) -> str | None:
+        """`attention_problem` for every attention of the model: the LLM's and the encoders'."""
+        llm = self.llm
+        head_dims = (
+            llm.dim // llm.n_heads,
+            self.vision.dim // self.vision.n_heads,
+            self.audio.dim // self.audio.n_heads,
+        )
+        return attention_problem(kind, device, dtype, varlen, head_dims, window=llm.shape().sliding_window)

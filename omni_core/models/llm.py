@@ -9,8 +9,10 @@ from typing import cast
 import torch
 from torch import nn
 
+from omni_core.common.batch import BatchLayout
 from omni_core.models.args import LLMArgs, RopeScaling
-from omni_core.models.attention import flex_document_attention, varlen_attention
+from omni_core.models.attention import DocumentAttention
+from omni_core.models.documents import PackedDocuments
 from omni_core.models.feed_forward import FeedForward, MoE
 
 
@@ -75,11 +77,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(DocumentAttention):
     """Causal grouped-query self-attention inside each packed document."""
 
     def __init__(self, args: LLMArgs, window: int | None = None):
-        super().__init__()
+        super().__init__(args.attention)
         self.window = window  # sliding window (keys per query), None: the whole document
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.dim // args.n_heads
@@ -87,20 +89,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # replaced by context parallelism's attention (which ParallelPlan.check_model refuses under a window)
-        self.attend = flex_document_attention if args.attention == "flex" else varlen_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: PackedDocuments) -> torch.Tensor:
         tokens = x.shape[0]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(tokens, -1, self.head_dim)
         k = self.wk(x).view(tokens, -1, self.head_dim)
         v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.window is None:
-            out = self.attend(q, k, v, cu_seqlens, causal=True)
-        else:
-            out = varlen_attention(q, k, v, cu_seqlens, causal=True, window=self.window)
+        # `attend` is context parallelism's where it applies (ParallelPlan.check_model refuses it under a window)
+        out = self.attention(q, k, v, docs, causal=True, window=self.window)
         return self.wo(out.flatten(1))
 
 
@@ -116,8 +114,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden, args.activation)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: PackedDocuments) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, docs)
         return x + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(x))
 
 
@@ -149,14 +147,24 @@ class LLM(nn.Module):
         return self.tok_embeddings(input_ids)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        layout: BatchLayout | None = None,
     ) -> torch.Tensor:
-        """[T, dim] embeddings, [T] positions inside each document, [D+1] document offsets -> logits [T, vocab]."""
+        """[T, dim] embeddings, [T] positions inside each document, [D+1] document offsets -> logits [T, vocab].
+
+        `layout`: the batch's host layout (`PackedBatch.layout`), whose offsets and padding documents attention
+        takes without reading `cu_seqlens` back from the device; without it `cu_seqlens` is read once (a sync)."""
         cos, sin = rope_cos_sin(position_ids, self.args)
-        offsets = cu_seqlens.tolist()
+        if layout is None:
+            docs = PackedDocuments.of(cu_seqlens)
+        else:
+            docs = PackedDocuments(layout.doc_offsets, frozenset(layout.padding_docs), cu_seqlens)
         h = inputs_embeds
         for layer in self.layers.values():
-            h = layer(h, cos, sin, offsets)
+            h = layer(h, cos, sin, docs)
         aux = self.moe_aux_losses()
         moe = self.args.moe
         self.aux_loss = moe.aux_loss_coef * torch.stack(aux).sum() if moe is not None and aux else h.new_zeros(())

@@ -9,19 +9,21 @@ both layouts are built here from collectives and plain tensor ops, and run the s
   log-sum-exp. Any head count works; tokens are laid out zig-zag so causal work is balanced.
 
 `ContextParallelAttention` has the signature of `varlen_attention`, so the model installs it as
-`Attention.attend` and slices its embeddings, positions and labels by `cp_token_index`.
+`Attention.attend` and slices its embeddings, positions and labels by `cp_token_index`. Ring tiles compute in the
+inputs' dtype (bf16 under autocast); softmax statistics and the output and gradient accumulators stay float32.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from omni_core.models.attention import document_ids, varlen_attention
+from omni_core.models.attention import varlen_attention
+from omni_core.models.documents import Offsets, PackedDocuments, document_ids, host_to_device
 
 KINDS = ("ulysses", "ring")
 
@@ -85,30 +87,34 @@ class ContextParallelAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cu_seqlens: torch.Tensor | Sequence[int],
+        documents: Offsets | PackedDocuments,
         causal: bool,
+        window: int | None = None,
+        kind: str = "auto",
     ) -> torch.Tensor:
         if q.shape[0] * self.cp != self.total_tokens:
             raise ValueError(
                 f"expected {self.total_tokens // self.cp} local tokens on each of {self.cp} ranks, got {q.shape[0]}"
             )
-        offsets = tuple(cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)
+        docs = PackedDocuments.of(documents)
         if self.kind == "ulysses":
-            return self._ulysses(q, k, v, offsets, causal)
+            return self._ulysses(q, k, v, docs, causal, window, kind)
+        if window is not None:
+            raise ValueError("ring attention has no sliding window (ParallelPlan.check_model refuses the plan)")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
         schedule, lo, hi = _ring_layout(
-            offsets, self.total_tokens, causal, self.cp, self.rank, self.block_size, q.device
+            docs.offsets, docs.padding, self.total_tokens, causal, self.cp, self.rank, self.block_size, q.device
         )
         return _RingAttention.apply(q, k, v, schedule, lo, hi, self.group)
 
-    def _ulysses(self, q, k, v, offsets, causal):
+    def _ulysses(self, q, k, v, docs, causal, window, kind):
         repeats = ulysses_kv_repeats(q.shape[1], k.shape[1], self.cp)
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         # [T/cp, heads, D] -> [T, heads/cp, D]: scatter heads, gather tokens (rank order = token order).
         q, k, v = (_AllToAll.apply(x, self.group, 1, 0) for x in (q, k, v))
-        out = varlen_attention(q, k, v, offsets, causal)
+        out = varlen_attention(q, k, v, docs, causal, window, kind)
         return _AllToAll.apply(out, self.group, 0, 1)
 
 
@@ -154,15 +160,28 @@ def _tiles(total: int, cp: int, rank: int, block_size: int) -> list[tuple[int, i
 
 
 @functools.lru_cache(maxsize=8)
-def _ring_layout(offsets: tuple[int, ...], total: int, causal: bool, cp: int, rank: int, block_size: int, device):
+def _ring_layout(
+    offsets: tuple[int, ...],
+    padding: frozenset[int],
+    total: int,
+    causal: bool,
+    cp: int,
+    rank: int,
+    block_size: int,
+    device: torch.device,
+):
     """(schedule, lo, hi): schedule[src] lists the tiles (q0, q1, k0, k1, key global start, fully visible) of
-    local queries against source rank src's keys; lo/hi [T/cp] bound each local query's visible keys.
-    Cached: every layer, forward and backward, reuses one packed layout."""
+    local queries against source rank src's keys; lo/hi [T/cp] bound each local query's visible keys (none for
+    a padding document's query: its output is 0). Cached: every layer, forward and backward, reuses one layout."""
+    if offsets[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the {total} tokens, got {list(offsets)}")
     index = cp_token_index(total, cp, rank, "ring")
-    doc = document_ids(offsets, total)[index]  # also validates offsets
+    doc = document_ids(offsets)[index]
     bounds = torch.tensor(offsets)
     lo = bounds[doc]
     hi = index + 1 if causal else bounds[doc + 1]
+    if padding:
+        hi = torch.where(torch.isin(doc, torch.tensor(sorted(padding))), lo, hi)
     schedule = []
     for src in range(cp):
         tiles = []
@@ -174,7 +193,7 @@ def _ring_layout(offsets: tuple[int, ...], total: int, causal: bool, cp: int, ra
                     full = bool(((tile_lo <= g0) & (tile_hi >= g1)).all())
                     tiles.append((q0, q1, k0, k1, g0, full))
         schedule.append(tuple(tiles))
-    return tuple(schedule), lo.to(device), hi.to(device)
+    return tuple(schedule), host_to_device(lo, device), host_to_device(hi, device)
 
 
 def _ring_shift(tensor: torch.Tensor, group) -> Callable[[], torch.Tensor]:
@@ -199,9 +218,10 @@ def _ring_shift(tensor: torch.Tensor, group) -> Callable[[], torch.Tensor]:
 
 
 def _tile_scores(q, k, lo, hi, tile, scale):
-    """Scaled scores [Hkv, rep, q tile, k tile] (float32), -inf where the key is not visible."""
+    """Scaled scores [Hkv, rep, q tile, k tile]: the product in the inputs' dtype, then float32 (softmax's
+    exponent), -inf where the key is not visible."""
     q0, q1, k0, k1, g0, full = tile
-    scores = q[:, :, q0:q1] @ k[:, None, k0:k1].transpose(-1, -2) * scale
+    scores = (q[:, :, q0:q1] @ k[:, None, k0:k1].transpose(-1, -2)).float() * scale
     if full:
         return scores
     keys = torch.arange(g0, g0 + k1 - k0, device=scores.device)
@@ -210,9 +230,9 @@ def _tile_scores(q, k, lo, hi, tile, scale):
 
 
 def _grouped(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """[T, H, D] -> float32 [Hkv, H/Hkv, T, D]: query heads grouped under the KV head they share."""
+    """[T, H, D] -> [Hkv, H/Hkv, T, D]: query heads grouped under the KV head they share."""
     tokens, heads, dim = x.shape
-    return x.float().transpose(0, 1).reshape(n_kv_heads, heads // n_kv_heads, tokens, dim)
+    return x.transpose(0, 1).reshape(n_kv_heads, heads // n_kv_heads, tokens, dim)
 
 
 def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -226,36 +246,15 @@ class _RingAttention(torch.autograd.Function):
 
     The forward keeps the global log-sum-exp of each query; the backward recomputes each tile's probabilities
     from it (softmax over all blocks without storing them) and sends dK/dV accumulators around the ring with
-    the K/V blocks, so that after cp steps each accumulator is back on the rank that owns those keys.
+    the K/V blocks, so that after cp steps each accumulator is back on the rank that owns those keys. As in
+    FlashAttention, matrix products take the inputs' dtype (probabilities cast to it), while scores, softmax
+    statistics and accumulators are float32; autocast is off inside, so the dtypes are these whatever it says.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, schedule, lo, hi, group):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_kv_heads, scale = k.shape[1], q.shape[-1] ** -0.5
-        q4 = _grouped(q, n_kv_heads)
-        out = torch.zeros_like(q4)
-        lse = torch.full(q4.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            pending = _ring_shift(kv, group) if step < cp - 1 else None
-            kb, vb = (x.float().transpose(0, 1) for x in kv)
-            for tile in schedule[(rank - step) % cp]:
-                q0, q1, k0, k1 = tile[:4]
-                scores = _tile_scores(q4, kb, lo, hi, tile, scale)
-                tile_lse = scores.logsumexp(-1)  # -inf for a query with no visible key in this tile
-                tile_out = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None]) @ vb[:, None, k0:k1]
-                old_lse = lse[..., q0:q1]
-                new_lse = torch.logaddexp(old_lse, tile_lse)
-                finite = new_lse.nan_to_num(neginf=0.0)
-                out[..., q0:q1, :] = (
-                    out[..., q0:q1, :] * torch.exp(old_lse - finite)[..., None]
-                    + tile_out * torch.exp(tile_lse - finite)[..., None]
-                )
-                lse[..., q0:q1] = new_lse
-            if pending is not None:
-                kv = pending()
-        result = _ungrouped(out, q.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            result, lse = _ring_forward(q, k, v, schedule, lo, hi, group)
         ctx.save_for_backward(q, k, v, result, lse, lo, hi)
         ctx.schedule, ctx.group = schedule, group
         return result
@@ -263,28 +262,65 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, lo, hi = ctx.saved_tensors
-        group, schedule = ctx.group, ctx.schedule
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_kv_heads, scale = k.shape[1], q.shape[-1] ** -0.5
-        q4, do4 = _grouped(q, n_kv_heads), _grouped(grad_out, n_kv_heads)
-        delta = (do4 * _grouped(out, n_kv_heads)).sum(-1)  # rowsum(dO * O) = sum_j P_ij dP_ij
-        dq4 = torch.zeros_like(q4)
-        kv = torch.stack([k, v])
-        # dK, dV of the block held now: they travel with it.
-        dkv = torch.zeros(2, n_kv_heads, k.shape[0], k.shape[2], dtype=torch.float32, device=k.device)
-        for step in range(cp):
-            pending = _ring_shift(kv, group) if step < cp - 1 else None
-            kb, vb = (x.float().transpose(0, 1) for x in kv)
-            for tile in schedule[(rank - step) % cp]:
-                q0, q1, k0, k1 = tile[:4]
-                probs = torch.exp(_tile_scores(q4, kb, lo, hi, tile, scale) - lse[..., q0:q1, None])
-                tile_do = do4[:, :, q0:q1]
-                dkv[1, :, k0:k1] += (probs.transpose(-1, -2) @ tile_do).sum(1)
-                dscores = probs * (tile_do @ vb[:, None, k0:k1].transpose(-1, -2) - delta[..., q0:q1, None])
-                dq4[:, :, q0:q1] += dscores @ kb[:, None, k0:k1] * scale
-                dkv[0, :, k0:k1] += (dscores.transpose(-1, -2) @ q4[:, :, q0:q1]).sum(1) * scale
-            dkv = _ring_shift(dkv, group)()  # after cp shifts the accumulators are home
-            if pending is not None:
-                kv = pending()
-        dk, dv = (x.transpose(0, 1).to(k.dtype) for x in dkv)
-        return _ungrouped(dq4, q.dtype), dk, dv, None, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, lo, hi, grad_out, ctx.schedule, ctx.group)
+        return dq, dk, dv, None, None, None, None
+
+
+def _ring_forward(q, k, v, schedule, lo, hi, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's output [T/cp, H, D] (q's dtype) and the float32 log-sum-exp [Hkv, H/Hkv, T/cp] of its queries."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_kv_heads, scale = k.shape[1], q.shape[-1] ** -0.5
+    q4 = _grouped(q, n_kv_heads)
+    out = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q4.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        pending = _ring_shift(kv, group) if step < cp - 1 else None
+        kb, vb = (x.transpose(0, 1) for x in kv)
+        for tile in schedule[(rank - step) % cp]:
+            q0, q1, k0, k1 = tile[:4]
+            scores = _tile_scores(q4, kb, lo, hi, tile, scale)
+            tile_lse = scores.logsumexp(-1)  # -inf for a query with no visible key in this tile
+            probs = torch.exp(scores - tile_lse.nan_to_num(neginf=0.0)[..., None])
+            tile_out = (probs.to(v.dtype) @ vb[:, None, k0:k1]).float()
+            old_lse = lse[..., q0:q1]
+            new_lse = torch.logaddexp(old_lse, tile_lse)
+            finite = new_lse.nan_to_num(neginf=0.0)
+            out[..., q0:q1, :] = (
+                out[..., q0:q1, :] * torch.exp(old_lse - finite)[..., None]
+                + tile_out * torch.exp(tile_lse - finite)[..., None]
+            )
+            lse[..., q0:q1] = new_lse
+        if pending is not None:
+            kv = pending()
+    return _ungrouped(out, q.dtype), lse
+
+
+def _ring_backward(q, k, v, out, lse, lo, hi, grad_out, schedule, group):
+    """dq, dk, dv (the inputs' dtypes) of `_ring_forward`, accumulated in float32."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_kv_heads, scale = k.shape[1], q.shape[-1] ** -0.5
+    q4, do4 = _grouped(q, n_kv_heads), _grouped(grad_out.to(q.dtype), n_kv_heads)
+    delta = (do4.float() * _grouped(out, n_kv_heads).float()).sum(-1)  # rowsum(dO * O) = sum_j P_ij dP_ij
+    dq4 = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    # dK, dV of the block held now: they travel with it.
+    dkv = torch.zeros(2, n_kv_heads, k.shape[0], k.shape[2], dtype=torch.float32, device=k.device)
+    for step in range(cp):
+        pending = _ring_shift(kv, group) if step < cp - 1 else None
+        kb, vb = (x.transpose(0, 1) for x in kv)
+        for tile in schedule[(rank - step) % cp]:
+            q0, q1, k0, k1 = tile[:4]
+            probs = torch.exp(_tile_scores(q4, kb, lo, hi, tile, scale) - lse[..., q0:q1, None])
+            tile_do = do4[:, :, q0:q1]
+            dkv[1, :, k0:k1] += (probs.to(q.dtype).transpose(-1, -2) @ tile_do).float().sum(1)
+            dprobs = (tile_do @ vb[:, None, k0:k1].transpose(-1, -2)).float()
+            dscores = (probs * (dprobs - delta[..., q0:q1, None])).to(q.dtype)
+            dq4[:, :, q0:q1] += (dscores @ kb[:, None, k0:k1]).float() * scale
+            dkv[0, :, k0:k1] += (dscores.transpose(-1, -2) @ q4[:, :, q0:q1]).float().sum(1) * scale
+        dkv = _ring_shift(dkv, group)()  # after cp shifts the accumulators are home
+        if pending is not None:
+            kv = pending()
+    dk, dv = (x.transpose(0, 1).to(k.dtype) for x in dkv)
+    return _ungrouped(dq4, q.dtype), dk, dv

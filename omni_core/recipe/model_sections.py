@@ -17,6 +17,13 @@ MODEL_PARTS: tuple[str, ...] = get_args(ModelPart)
 class ModelConfig(Strict):
     flavor: str = Field("debug", description="Name in the model flavor registry")
     freeze: list[ModelPart] = Field(default_factory=list)
+    # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
+        "auto",
+        description="How attention runs over the packed documents (LLM and encoders): varlen, FlashAttention over "
+        "all documents in one call (CUDA, bf16); sdpa, one SDPA call per document (everywhere); flex, "
+        "flex_attention with a block-sparse document mask (CUDA); auto: varlen where it runs, else sdpa",
+    )
 
     @field_validator("freeze")
     @classmethod

@@ -104,7 +104,7 @@ class Recipe(Strict):
         identity = {
             "seed": self.experiment.seed,
             "data": self.data.model_dump(mode="json", exclude=PROFILE_ONLY | {"s3_endpoint_url"}),
-            "model": self.model.model_dump(mode="json"),
+            "model": self.model.model_dump(mode="json", exclude={"attention"}),  # how, not what, it computes
             "train": self.train.model_dump(mode="json", exclude=operational),
         }
         return _short_hash(identity)

@@ -71,6 +71,7 @@ def _launch_findings(recipe: Recipe, written: Collection[str] = ()) -> tuple[lis
         *(_plan(recipe) if args else []),
         *_schedule(recipe, written),
         *_devices(recipe),
+        *(_attention(recipe, args) if args else []),
         *_data(recipe),
         *_checkpoints(recipe, args),
         *_tracking(recipe),
@@ -174,6 +175,26 @@ def _devices(recipe: Recipe) -> list[Finding]:
             )
         ]
     return []
+
+
+def _attention(recipe: Recipe, args: OmniModelArgs) -> list[Finding]:
+    """model.attention on the device and in the dtype the ranks will train in (the rule each attention applies
+    at its first forward, `models.args.attention_problem`). A Slurm launch that asks for GPUs trains on them
+    wherever this check runs; torch is loaded only where a GPU is."""
+    launch = recipe.launch
+    remote_gpus = launch.target == "slurm" and launch.gpus_per_node > 0
+    local_gpus = may_have_gpus() and recipe.parallel.backend != "gloo"
+    if not remote_gpus and not local_gpus:
+        device, varlen = "cpu", None
+    else:
+        import torch
+
+        from omni_core.models.attention import varlen_support
+
+        device, varlen = ("cuda" if remote_gpus or torch.cuda.is_available() else "cpu"), varlen_support()
+    dtype = recipe.train.dtype if recipe.train.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
+    problem = args.attention_problem(recipe.model.attention, device, dtype, varlen)
+    return [Finding("model.attention", problem)] if problem else []
 
 
 def may_have_gpus() -> bool:

@@ -31,6 +31,14 @@ def test_heads_must_split_over_ulysses_ranks():
 def test_ring_skips_causally_masked_tiles():
     # One document, cp=2: rank 0 holds chunks 0 and 3; rank 1's keys (chunks 1, 2) are only visible from chunk 3,
     # and to all of it, so the mask is not even built.
-    schedule, _, _ = _ring_layout((0, 16), 16, True, 2, 0, 1024, torch.device("cpu"))
+    schedule, _, _ = _ring_layout((0, 16), frozenset(), 16, True, 2, 0, 1024, torch.device("cpu"))
     assert schedule[1] == ((4, 8, 0, 4, 4, True), (4, 8, 4, 8, 8, True))
     assert len(schedule[0]) == 3  # chunk 0 x chunk 0 (masked), chunk 3 x chunk 0 (full), chunk 3 x chunk 3
+
+
+def test_ring_padding_queries_see_no_key_and_their_tiles_are_skipped():
+    # Documents [0, 6) and padding [6, 8), cp=2: rank 1 holds chunks 1 (tokens 2, 3) and 2 (4, 5); rank 0 holds
+    # chunks 0 (0, 1) and 3 (6, 7), the padding, whose queries get an empty interval: no tile of theirs is built.
+    schedule, lo, hi = _ring_layout((0, 6, 8), frozenset({1}), 8, True, 2, 0, 1, torch.device("cpu"))
+    assert lo.tolist() == [0, 0, 6, 6] and hi.tolist() == [1, 2, 6, 6]
+    assert all(q0 < 2 for tiles in schedule for q0, *_ in tiles)

@@ -180,12 +180,13 @@ def predict_plan(
     gpu, eff = calibrated(GpuCatalog().with_overrides(recipe.estimate.gpus)[gpu_type])
     eff, precision = runtime_efficiency(eff), runtime_precision(recipe, gpu)
     micro_batch, accum = recipe.data.micro_batch, recipe.train.grad_accum
+    checkpointing = recipe.train.activation_checkpointing  # selective: the estimator's per-operator option
     workload = flavor_workload(recipe, recipe.model.flavor, micro_batch * accum * plan.dp, profile, precision=precision)
     est = estimate_step(
         workload,
         gpu,
         plan,
-        Options(micro_batch, recipe.train.activation_checkpointing),
+        Options(micro_batch, checkpointing != "none", "op" if checkpointing == "selective" else ""),
         gpus_per_node=plan.world_size,
         eff=eff,
     )

@@ -3,6 +3,10 @@ one fixed order, as torchtitan does, so every combination composes the same way:
 
     tensor parallel -> expert parallel -> context parallel -> activation checkpointing -> compile -> FSDP
 
+Precision. Under bf16 FSDP2 holds the fp32 parameters (what the optimizer steps) and gathers bf16 copies for
+forward and backward, reducing gradients in fp32: at every world size, on a 1-rank mesh too (where gathering
+is a cast), so that one GPU computes with bf16 weights as many do. fp32 runs shard only when dp x cp > 1.
+
 Gradient convention. Every rank backpropagates its own share of the step's loss (its tokens' summed loss over
 the step's global target count), so a parameter's true gradient is the SUM of the ranks' gradients over
 the data-parallel and context-parallel ranks; FSDP is set to sum (divide factor 1), not to average.
@@ -19,6 +23,7 @@ tokens).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -40,14 +45,16 @@ if TYPE_CHECKING:
 @dataclass
 class ParallelMeshes:
     """This rank's process groups for a plan. `dp_mesh` is FSDP's (dp_replicate, dp_shard x cp) mesh: None
-    when dp x cp is 1, 1-D (dp_shard x cp) when dp_replicate is 1; `expert_dp_mesh` is the experts'
-    (dp_replicate, dp_mod_ep) mesh, 1-D (dp_mod_ep) when dp_replicate is 1."""
+    when dp x cp is 1 and the parameters stay fp32, 1-D (dp_shard x cp) when dp_replicate is 1;
+    `expert_dp_mesh` is the experts' (dp_replicate, dp_mod_ep) mesh, 1-D (dp_mod_ep) when dp_replicate is 1.
+    `owns_default_group`: the process group is one rank's, made for these meshes in a plain process."""
 
     plan: ParallelPlan
     world: DeviceMesh
     dp_mesh: DeviceMesh | None
     expert_dp_mesh: DeviceMesh | None
     ep_mesh: DeviceMesh | None  # (pp, dp_replicate, dp_mod_ep, ep, tp) when ep > 1
+    owns_default_group: bool = False
 
     def release(self) -> None:
         """Destroy the process groups these meshes created (every rank calls it once training is done).
@@ -76,6 +83,8 @@ class ParallelMeshes:
         _gen_transform_infos.cache_clear()
         clear_redistribute_planner_cache()
         MeshTopoInfo.build_from_mesh.cache_clear()
+        if self.owns_default_group:
+            dist.destroy_process_group()
 
     def _local(self, dim: str) -> int:
         return self.world.get_local_rank(dim)
@@ -107,13 +116,13 @@ class ParallelMeshes:
         return self.pp_rank == self.plan.pp - 1
 
 
-def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes:
+def build_meshes(plan: ParallelPlan, device_type: str = "cpu", *, shard_params: bool = False) -> ParallelMeshes:
     """Meshes over the LLM's ranks, outermost first (MESH_ORDER: PP crosses nodes, TP stays inside one): the
     whole world, or under `disaggregated` its first `llm_world_size` ranks (every rank builds them, so that
     every rank creates the same process groups in the same order; the encoders' ranks are in none).
 
     EP is folded into dp_shard x cp: the same ranks, viewed as (dp_mod_ep, ep), give the EP groups and the
-    experts' data-parallel groups."""
+    experts' data-parallel groups. `shard_params`: FSDP's mesh also when dp x cp is 1 (bf16 parameters)."""
     if plan.encoders.ranks:
 
         def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -130,7 +139,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> ParallelMeshes
     # FSDP's meshes are 2-D (HSDP) only when there is more than one replica: with a replicate dimension of
     # size 1, FSDP2 would still all-reduce every unit's gradients over that one rank (a blocking call each)
     replicas = ("dp_replicate",) if plan.dp_replicate > 1 else ()
-    if plan.dp * plan.cp > 1:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
+    if plan.dp * plan.cp > 1 or shard_params:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
         shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp)
         dp_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
     ep_mesh = None
@@ -280,15 +289,62 @@ def apply_context_parallel(model: OmniModel, plan: ParallelPlan, meshes: Paralle
     model.token_index = cp_token_index(total_tokens, plan.cp, meshes.cp_rank, plan.cp_kind)
 
 
-def apply_activation_checkpointing(model: OmniModel, skip: Collection[str] = ()) -> None:
-    """Recompute each block's activations in backward: memory O(blocks) instead of O(blocks x activations).
-    Checkpoint keys are unchanged (DCP's state-dict helpers strip the wrapper's prefix). The encoders in `skip`
-    are left alone: their sharded blocks recompute already (`parallel.encoder_shards`)."""
+def apply_activation_checkpointing(model: OmniModel, mode: str = "full", skip: Collection[str] = ()) -> None:
+    """Recompute activations in backward. `full`: each block's, from its input (memory O(blocks) instead of
+    O(blocks x activations)). `selective`: per operator, keeping what `selective_checkpoint_context` keeps
+    (torchtitan's policy, which the estimator prices as its "op" option). Checkpoint keys are unchanged (DCP's
+    state-dict helpers strip the wrapper's prefix). The encoders in `skip` are left alone: their sharded
+    blocks recompute already (`parallel.encoder_shards`)."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"train.activation_checkpointing={mode!r}: full or selective here (none applies nothing)")
+    from torch.utils.checkpoint import noop_context_fn
+
+    context_fn = selective_checkpoint_context if mode == "selective" else noop_context_fn
     skipped = [getattr(model, name).layers for name in skip if getattr(model, name, None) is not None]
     for container, name in transformer_blocks(model):
         if not any(container is layers for layers in skipped):
             block = container.get_submodule(name)
-            container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+            container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn))
+
+
+@functools.cache
+def _kept_operators() -> set:
+    """Operators whose outputs selective checkpointing keeps besides every other matmul: the attention kernels
+    (SDPA's per backend, the varlen custom op), and TP's reduce-scatter (recomputing it would be a collective)."""
+    import torch.nn.attention.varlen  # registers torch.ops.torch_attn
+
+    aten = torch.ops.aten
+    sdpa = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    kept = {getattr(aten, name).default for name in sdpa if hasattr(aten, name)}
+    kept.add(torch.ops.torch_attn._varlen_attn.default)
+    kept.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return kept
+
+
+def selective_checkpoint_context() -> tuple:
+    """The context pair of one checkpointed block's forward and recompute (`torch.utils.checkpoint`'s
+    `context_fn`): keep the attention kernels' outputs and those of the 1st, 3rd, 5th... matmul of the block,
+    recompute the rest (the other matmuls and every element-wise operator) in backward. The matmuls are counted
+    apart in the forward and in the recompute, which see them in the same order."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept, matmuls = _kept_operators(), {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    seen = {False: 0, True: 0}  # matmuls so far, by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in matmuls:
+            seen[ctx.is_recompute] += 1
+            keep = seen[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in kept
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_compile(model: OmniModel) -> None:
@@ -334,12 +390,13 @@ def apply_fsdp(model: OmniModel, meshes: ParallelMeshes, param_dtype: torch.dtyp
     """FSDP2 (HSDP when dp_replicate > 1): each block, each encoder and projector, then the root, so one
     block's parameters are gathered at a time. Experts under EP are sharded over their own replicas first,
     which keeps them out of the dense mesh. Reductions sum (see the module docstring). Under the `omni`
-    layout the encoders are left to their own layout: the root ignores their parameters."""
+    layout the encoders are left to their own layout, the root ignoring their parameters, except on one rank,
+    where `omni` runs as `coupled`."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     mesh = meshes.dp_mesh
-    coupled = meshes.plan.encoders.layout == "coupled"
+    coupled = meshes.plan.encoders.layout == "coupled" or meshes.plan.world_size == 1
     for container, name in transformer_blocks(model):
         block = container.get_submodule(name)
         if not coupled and container is not model.llm.layers:
@@ -367,7 +424,7 @@ def parallelize_omni(
     meshes: ParallelMeshes | None,
     *,
     tokens_per_microbatch: int,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str = "none",
     compile: bool = False,
     param_dtype: torch.dtype = torch.float32,
 ) -> OmniModel:
@@ -383,8 +440,8 @@ def parallelize_omni(
                     apply_expert_parallel(block.moe, meshes.ep_group)
         if plan.cp > 1:
             apply_context_parallel(model, plan, meshes, tokens_per_microbatch)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model, skip=plan.encoders.sharded)
+    if activation_checkpointing != "none":
+        apply_activation_checkpointing(model, activation_checkpointing, skip=plan.encoders.sharded)
     if compile:
         apply_compile(model)
     if meshes is not None and meshes.dp_mesh is not None:

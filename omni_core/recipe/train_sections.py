@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from omni_core.recipe.base import NoCredentials, Strict
 
@@ -25,7 +25,11 @@ class TrainConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Autocast compute dtype; auto: bfloat16 on GPUs that support it, else float32"
     )
-    activation_checkpointing: StrictBool = Field(False, description="Recompute transformer blocks in backward")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="Recompute in backward: full, each transformer block; selective, per operator, keeping "
+        "attention's and every other matmul's outputs (torchtitan's policy). true / false read as full / none",
+    )
     compile: StrictBool = Field(
         False, description="torch.compile each transformer block (pays off on GPUs, not on CPU)"
     )
@@ -61,6 +65,14 @@ class TrainConfig(Strict):
     dist_timeout_s: StrictFloat = Field(
         300.0, gt=0, description="Process-group timeout, so a dead rank fails the others"
     )
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_from_bool(cls, value: object) -> object:
+        """The field was a bool: recipes and `--set` overrides that still give one keep their meaning."""
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        return value
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:

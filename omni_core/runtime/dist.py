@@ -3,12 +3,22 @@
 Under torchrun (WORLD_SIZE set) we join a process group with a finite timeout, so one dead rank fails the
 others instead of hanging them. In a plain process (tests, in-process evaluation) there is no group and
 every collective below degenerates to a no-op, so the trainer has one code path.
+
+The backend is decided once, here (`process_group_backend`): on GPUs the group is `cpu:gloo,cuda:nccl`, so
+that the step's collectives run on NCCL over device tensors and the control plane's CPU tensors (object
+collectives, barriers) on gloo. Every group made later (`new_group`, DeviceMesh) inherits that pairing: the
+default group is not bound to a device, so DeviceMesh makes its groups with `new_group` rather than NCCL's
+`split_group`.
+
+A one-rank world skips the step's reductions (`collects`). `OMNI_ALWAYS_COLLECT=1` turns that shortcut off,
+so that a one-rank NCCL group runs every collective of the step (the GPU check and the CPU tests use it).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +43,26 @@ def uses_cuda(backend: str) -> bool:
     return torch.cuda.is_available() and backend in ("auto", "nccl")
 
 
+ALWAYS_COLLECT_ENV = "OMNI_ALWAYS_COLLECT"
+
+
+def process_group_backend(backend: str) -> str:
+    """The process group's backend for `parallel.backend`: gloo on CPU, gloo for CPU tensors beside NCCL for
+    CUDA tensors on GPUs (auto or nccl)."""
+    if uses_cuda(backend):
+        return "cpu:gloo,cuda:nccl"
+    if backend == "nccl":
+        raise ValueError("parallel.backend=nccl needs CUDA GPUs, and this machine has none")
+    return "gloo"
+
+
+def collects() -> bool:
+    """Whether the step's collectives run: in a group of several ranks, or of one under OMNI_ALWAYS_COLLECT=1."""
+    if not dist.is_initialized():
+        return False
+    return dist.get_world_size() > 1 or os.environ.get(ALWAYS_COLLECT_ENV) == "1"
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,10 +73,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistInf
     elif "LOCAL_WORLD_SIZE" in os.environ:
         pin_to_own_cores(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            chosen,
+            process_group_backend(backend),
             store=_attempt_store(world_size, timeout),
             rank=int(os.environ["RANK"]),
             world_size=world_size,
@@ -83,10 +112,25 @@ def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place (no-op without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    """Sum over ranks in place (a no-op where nothing `collects`)."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks in place (a no-op where nothing `collects`)."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    if collects():
+        dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def on_device(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as one float64 tensor on the step's device, for a collective. The copy does not wait for
+    the device's queued work: a blocking copy (`torch.tensor(..., device=...)`) would, as a host sync does."""
+    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
 
 def barrier() -> None:

@@ -32,7 +32,7 @@ class ModelReplica:
 
     plan: ParallelPlan
     parts: list[OmniModel]
-    meshes: ParallelMeshes | None  # None on a single process
+    meshes: ParallelMeshes | None  # None on a single process that trains fp32 parameters
     pipeline: PipelineRunner | None = None  # when plan.pp > 1
     encoders: EncoderStep | None = None  # under `omni` and `disaggregated` (several ranks)
 
@@ -72,9 +72,15 @@ class ModelReplica:
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
     """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
-    `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM."""
+    `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM. bf16 shards
+    the parameters at every world size (`parallel.parallelize`), so one process builds meshes then too."""
     check_buildable(plan, recipe.train.compile)
-    meshes = build_meshes(plan, info.device.type) if info.world_size > 1 else None
+    bf16_params = compute_dtype != torch.float32
+    meshes = None
+    if info.world_size > 1 or bf16_params:
+        made_group = info.world_size == 1 and one_rank_group(info.device)
+        meshes = build_meshes(plan, info.device.type, shard_params=bf16_params)
+        meshes.owns_default_group = made_group
     model = build_model(
         recipe.model.flavor,
         patch_size=recipe.data.patch_size,
@@ -98,7 +104,7 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
         parts = llm_parts(model, plan, meshes, recipe, compute_dtype)
     replica = ModelReplica(plan, parts, meshes)
     tokens = recipe.data.seq_len * recipe.data.micro_batch
-    if plan.encoders.layout != "coupled" and meshes is not None:
+    if plan.encoders.layout != "coupled" and info.world_size > 1:
         from omni_core.parallel.encoders import EncoderStep
 
         balance = recipe.data.balance
@@ -112,6 +118,16 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
             parts, plan, meshes.group("pp"), meshes.pp_rank, info.device, recipe.train.grad_accum
         )
     return replica
+
+
+def one_rank_group(device: torch.device) -> bool:
+    """A one-rank process group for a process that torchrun did not start (tests, in-process runs), which
+    FSDP2's mesh needs; True when it made one (`ParallelMeshes.release` then destroys it)."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 def llm_parts(

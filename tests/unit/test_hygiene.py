@@ -66,13 +66,16 @@ def test_mypy():
 
 SHORT_SUBJECTS_SINCE = "3e5cc48"  # the first commit under the rule (issue #44); earlier subjects stay as they landed
 MAX_SUBJECT_CHARS = 72
+# Subjects that landed over the limit on the shared branch, which is never rewritten: known, not to be repeated.
+LANDED_LONG = {"3b97facf4301ecddccfe5a93c46c28d70447009d"}
 
 
 def test_commit_subjects_are_short():
     """A subject says what changed, in at most 72 characters, so `git log --oneline` reads; the story goes in the
     body. Checked on the history since the rule began."""
-    log = subprocess.run(["git", "log", "--format=%h %s", f"{SHORT_SUBJECTS_SINCE}..HEAD"], cwd=ROOT,
+    log = subprocess.run(["git", "log", "--format=%H %s", f"{SHORT_SUBJECTS_SINCE}..HEAD"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert log.returncode == 0, log.stderr
-    long = [line for line in log.stdout.splitlines() if len(line.split(" ", 1)[1]) > MAX_SUBJECT_CHARS]
+    subjects = [line.split(" ", 1) for line in log.stdout.splitlines()]
+    long = [f"{sha[:7]} {s}" for sha, s in subjects if len(s) > MAX_SUBJECT_CHARS and sha not in LANDED_LONG]
     assert not long, f"commit subjects over {MAX_SUBJECT_CHARS} characters: {long}"

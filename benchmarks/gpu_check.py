@@ -15,9 +15,10 @@ the rest still run; each is given what is left of the wall budget, the last all 
 - throughput (gpu_check_train): omni-1b text-only and 1:1 image:text at seq_len 8,192, 20 steps after warm-up:
   tokens/s, MFU against the named peak, peak memory, host syncs per step, recompiles; steps timed by CUDA events.
 - attention (gpu_check_attention): the per-document loop, flex and varlen on packed documents of mean length 512.
-- estimator: `estimator_gpu_validate.py --quick` (the GPU's calibration, then the quick validation): predicted
-  against measured step time per case. The calibration is kept in DIR/calibration unless OMNI_CALIBRATION_DIR
-  says otherwise.
+- estimator (gpu_check_estimator): `estimator_gpu_validate.py --quick` (the GPU's calibration, then the quick
+  validation), predicted against measured step time per case; and the throughput section's omni-1b steps
+  predicted from that calibration beside what it measured. The calibration is kept in DIR/calibration unless
+  OMNI_CALIBRATION_DIR says otherwise.
 
 `--cpu-dry-run` runs the same sections on CPU at tiny sizes (debug flavor, seq_len 256, 2 steps), each
 skip named in the report, in about a minute: tests/unit/test_gpu_check.py runs it. The script imports neither
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 # Seconds each section may take at most, in order; what one leaves unused goes to the later ones.
 GPU_SECTIONS = {"environment": 45, "correctness": 120, "throughput": 200, "attention": 60, "estimator": 600}
 GPU_BUDGET_S = 450.0  # eight minutes less the machine's start-up and the interpreter's imports
-DRY_BUDGET_S = 85.0
+DRY_BUDGET_S = 88.0  # the issue's bound for the dry run is 90 s
 # Tracking and orchestration, which the GPU machines lack and the check must not need. (omni's own tracking
 # package may load, MLflow-free: the estimator's validation runs the trainer with its null tracker.)
 FORBIDDEN_MODULES = ("mlflow", "prefect")
@@ -212,16 +213,18 @@ def environment(ctx: Context) -> dict[str, Any]:
     except ImportError:
         env["varlen_attn_in_torch"] = False
     if ctx.device.type == "cuda":
-        props = torch.cuda.get_device_properties(0)
+        props, nccl = torch.cuda.get_device_properties(0), torch.cuda.nccl.version()  # a tuple, an int before 2.1
         env.update(
             gpu=props.name,
             capability=f"{props.major}.{props.minor}",
             sms=props.multi_processor_count,
             memory_gib=props.total_memory / 2**30,
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
         )
     else:
-        env["skipped"] = ["gpu, nccl: no GPU in a dry run"]
+        from gpu_check_measures import skipped
+
+        env["gpu"] = skipped("no GPU in a dry run: no device properties, no NCCL version")
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     n = 256 if ctx.dry_run else 8192
     env["matmul"] = {"n": n, "dtype": str(dtype).removeprefix("torch."), "tflops": matmul_tflops(n, dtype, ctx.device)}
@@ -257,17 +260,9 @@ def matmul_tflops(n: int, dtype, device, warmup: int = 3, repeats: int = 10) -> 
 
 
 def estimator(ctx: Context) -> dict[str, Any]:
-    """The quick GPU validation as `estimator_gpu_validate.py --quick` runs it (on CPU ranks in a dry run):
-    predicted against measured step time per case."""
-    os.environ.setdefault("OMNI_CALIBRATION_DIR", str(ctx.out / "calibration"))
-    from estimator_gpu_validate import main as validate  # a sibling script, not a package
+    from gpu_check_estimator import estimator as run
 
-    argv = ["--quick", "--out", str(ctx.out / ".estimator.json"), "--device", ctx.device.type]
-    full = validate(argv)
-    (ctx.out / ".estimator.json").unlink(missing_ok=True)
-    rows = [{k: row[k] for k in ("case", "predicted_s", "measured_s", "ape_pct")} for row in full["validation"]]
-    keys = ("device", "gpus", "mape_pct", "mape_pct_by_world", "n_plans_validated", "total_seconds")
-    return {**{k: full.get(k) for k in keys}, "cases": rows, "calibration_dir": os.environ["OMNI_CALIBRATION_DIR"]}
+    return run(ctx)
 
 
 def correctness(ctx: Context) -> dict[str, Any]:
@@ -350,8 +345,9 @@ def _num(value: Any, digits: int = 1) -> str:
 
 def _environment(s: dict[str, Any]) -> list[str]:
     matmul, peak = s.get("matmul", {}), s.get("peak", {})
+    device = s["gpu"] if isinstance(s.get("gpu"), str) else "CPU"  # a dry run's `gpu` is its skip
     return [
-        f"{s.get('gpu', 'cpu')}; torch {s.get('torch')}, CUDA {s.get('cuda')}, Python {s.get('python')}",
+        f"{device}; torch {s.get('torch')}, CUDA {s.get('cuda')}, Python {s.get('python')}",
         f"matmul {matmul.get('dtype')} {matmul.get('n')}^3: {_num(matmul.get('tflops'))} TFLOP/s = "
         f"{_num(matmul.get('pct_of_peak'))}% of {peak.get('name')} ({_num(peak.get('tflops'))} TFLOP/s)",
     ]
@@ -398,12 +394,19 @@ def _attention(s: dict[str, Any]) -> list[str]:
 
 
 def _estimator(s: dict[str, Any]) -> list[str]:
+    v, own = s.get("validation", {}), s.get("throughput_predicted", {})
     cases = [
         f"{c['case']}: predicted {_num(c['predicted_s'], 4)} s, measured {_num(c['measured_s'], 4)} s "
         f"({_num(c['ape_pct'])}%)"
-        for c in s.get("cases", [])
+        for c in v.get("cases", [])
     ]
-    return [f"MAPE {_num(s.get('mape_pct'))}% over {s.get('n_plans_validated')} cases (target <= 15%)", *cases]
+    ours = [
+        f"{own.get('flavor')} {name}: predicted {_num(w['predicted_s'], 4)} s, measured {_num(w['measured_s'], 4)} s "
+        f"({_num(w['ape_pct'])}%, target <= 15%); peak memory predicted {_num(w['predicted_peak_memory_gib'], 2)} GiB, "
+        f"measured {_num(w['measured_peak_memory_gib'], 2)} GiB"
+        for name, w in own.get("workloads", {}).items()
+    ]
+    return [f"quick validation: MAPE {_num(v.get('mape_pct'))}% over {v.get('n_plans_validated')} cases", *cases, *ours]
 
 
 HEADLINES = {

@@ -1,7 +1,7 @@
 """Attention in benchmarks/gpu_check.py: every path of `attention_timings.IMPLEMENTATIONS` (the models' packed
-attention and its alternatives) against an fp32 reference in bf16, forward and backward, and their timings on
-packed documents of mean length 512. A path that cannot run on the CPU (flex's backward, FlashAttention's
-varlen kernel) is a named skip in a dry run and an error on a GPU."""
+attention and its alternatives) in bf16 against the masked matmul in fp32, forward and backward, and the models'
+paths timed on packed documents of mean length 512. A path that cannot run on the CPU (flex's backward,
+FlashAttention's varlen kernel) is a named skip in a dry run and an error on a GPU."""
 
 from __future__ import annotations
 
@@ -16,31 +16,23 @@ DRY_SHAPE = {"tokens": 384, "heads": 4, "kv_heads": 2, "head_dim": 32}
 BF16_TOLERANCE = 3e-2
 
 
-def packed_lengths(total: int, mean: int, seed: int = 0) -> list[int]:
-    """Document lengths summing to `total`, exponentially spread around `mean` (many short, a few long, as
-    packed web text), at least 8 tokens each."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        draw = max(8, int(torch.empty(1).exponential_(1 / mean, generator=gen)))
-        lengths.append(min(draw, total - sum(lengths)))
-    return lengths
-
-
 def attention_parity(ctx) -> dict[str, Any]:
-    from attention_timings import IMPLEMENTATIONS  # a sibling script, not a package
+    from attention_timings import IMPLEMENTATIONS, packed_lengths  # a sibling script, not a package
+
+    from omni_core.models.documents import PackedDocuments
 
     shape = DRY_SHAPE if ctx.dry_run else GPU_SHAPE
     lengths = packed_lengths(shape["tokens"], shape["tokens"] // 8, seed=1)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    docs = PackedDocuments(tuple(offsets.tolist()), device_offsets=offsets.to(ctx.device, torch.int32))
     report: dict[str, Any] = {"shape": shape, "doc_lengths": lengths, "dtype": "bfloat16", "paths": {}}
     failed = []
     for causal in (True, False):
         q, k, v, grad = inputs(shape, ctx.device)
-        reference = forward_backward(IMPLEMENTATIONS["masked_matmul"], (q, k, v), grad, cu_seqlens, causal)
+        reference = forward_backward(IMPLEMENTATIONS["masked_matmul"], (q, k, v), grad, docs, causal)
         for name, path in IMPLEMENTATIONS.items():
             key = f"{name}_{'causal' if causal else 'bidirectional'}"
-            report["paths"][key] = result = compare(path, (q, k, v), grad, cu_seqlens, causal, reference, ctx)
+            report["paths"][key] = result = compare(path, (q, k, v), grad, docs, causal, reference, ctx)
             if result["status"] == "error":
                 failed.append(key)
     if failed:
@@ -56,18 +48,18 @@ def inputs(shape: dict[str, int], device: torch.device) -> tuple[torch.Tensor, .
     return q, k, v, grad
 
 
-def forward_backward(path, qkv, grad, cu_seqlens, causal: bool, dtype=torch.float32) -> list[torch.Tensor]:
+def forward_backward(path, qkv, grad, docs, causal: bool, dtype=torch.float32) -> list[torch.Tensor]:
     """The output and the gradients of q, k and v, in fp32 for comparison."""
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in qkv]
-    out = path(*leaves, cu_seqlens.to(qkv[0].device), causal)
+    out = path(*leaves, docs, causal)
     out.backward(grad.to(dtype))
     return [t.float() for t in (out.detach(), *(leaf.grad for leaf in leaves))]
 
 
-def compare(path, qkv, grad, cu_seqlens, causal: bool, reference, ctx) -> dict[str, Any]:
+def compare(path, qkv, grad, docs, causal: bool, reference, ctx) -> dict[str, Any]:
     """The path's largest error in bf16 against the fp32 reference, relative to each tensor's scale."""
     try:
-        got = forward_backward(path, qkv, grad, cu_seqlens, causal, torch.bfloat16)
+        got = forward_backward(path, qkv, grad, docs, causal, torch.bfloat16)
     except (NotImplementedError, RuntimeError) as error:
         status = "skipped" if ctx.dry_run else "error"
         return {"status": status, "reason": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -84,20 +76,17 @@ def compare(path, qkv, grad, cu_seqlens, causal: bool, reference, ctx) -> dict[s
 
 
 def attention_timings(ctx) -> dict[str, Any]:
-    """Milliseconds of each path on packed documents of mean length 512 (64 in a dry run), with the speed-up
-    of FlashAttention's varlen kernel over the per-document loop where both ran."""
-    import attention_timings as timings  # a sibling script, not a package
+    """`attention_timings.time_attention_paths`: the models' paths on packed documents of mean length 512 (64 at
+    the dry run's small heads), with the speed-up of FlashAttention's varlen kernel over the per-document loop.
+    The paths the device cannot run are named skips."""
+    from attention_timings import time_attention_paths  # a sibling script, not a package
+    from gpu_check_measures import skipped as skipped_part
 
-    dtype = torch.float32 if ctx.dry_run else torch.bfloat16
-    tokens, mean = (512, 64) if ctx.dry_run else (8192, 512)
-    if hasattr(timings, "time_attention_paths"):
-        report = timings.time_attention_paths(ctx.device, dtype, tokens, mean)
+    if ctx.dry_run:
+        heads = {key: DRY_SHAPE[key] for key in ("heads", "kv_heads", "head_dim")}
+        report = time_attention_paths(ctx.device, torch.float32, 512, 64, repeats=2, **heads)
     else:
-        shape = DRY_SHAPE if ctx.dry_run else GPU_SHAPE
-        lengths = packed_lengths(tokens, mean)
-        report = timings.time_attention(tokens, shape["heads"], shape["head_dim"], lengths, ctx.device, dtype=dtype)
-        report["note"] = "attention_timings.time_attention_paths is not there: time_attention timed equal heads"
-    report["mean_doc_len"] = mean
-    loop, varlen = report.get("sdpa_ms"), report.get("varlen_ms")
-    report["varlen_speedup_over_loop"] = loop / varlen if loop and varlen else None
+        report = time_attention_paths(ctx.device, torch.bfloat16, 8192, 512)
+    skipped = report.pop("skipped", {})
+    report["paths_skipped"] = {name: skipped_part(why) for name, why in skipped.items()}
     return report

@@ -6,9 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+
+def skipped(reason: str) -> dict[str, str]:
+    """A part that cannot run here: named in the report, and among the summary's skips."""
+    return {"status": "skipped", "reason": reason}
 
 
 class StepTimer:
@@ -64,47 +69,32 @@ class Syncs:
 
 
 @contextmanager
-def host_sync_counter(device: torch.device) -> Iterator[Syncs]:
+def host_sync_counter(device: torch.device, optimizers) -> Iterator[Syncs]:
     """`runtime.sync_count.count_host_syncs` over the block: on a GPU only reads of CUDA tensors (a CPU
-    tensor's read waits for nothing) and the CUDA debug mode's syncs; on a CPU every read, as the tests count."""
+    tensor's read waits for nothing) and the CUDA debug mode's syncs; on a CPU every read, as the tests count,
+    but AdamW's step counters, which stay on the host on a GPU too (outside fused AdamW)."""
     from omni_core.runtime.sync_count import count_host_syncs
 
     cuda = device.type == "cuda"
-    with count_host_syncs("cuda" if cuda else None, cuda_debug=cuda) as counter:
+    steps = {id(s["step"]) for opt in optimizers.optimizers for s in opt.state.values() if "step" in s}
+    with count_host_syncs("cuda" if cuda else None, cuda_debug=cuda, ignore=lambda t: id(t) in steps) as counter:
         yield Syncs(counter)
 
 
 @dataclass
 class Recompiles:
-    count: int | None = None
-    source: str = ""
-    notes: list[str] = field(default_factory=list)
+    count: int | None = None  # None: this torch's dynamo keeps no counter to read
 
 
 @contextmanager
 def count_recompiles() -> Iterator[Recompiles]:
-    """Graphs torch.compile compiled during the block (none after warm-up is the target). Read from dynamo's
-    own counters (private: their absence is reported as None, never as zero)."""
+    """Graphs torch.compile compiled during the block (none after warm-up is the target), by the runtime's own
+    counter (`parallel.parallelize.compiled_graphs`)."""
+    from omni_core.parallel.parallelize import compiled_graphs
+
     result = Recompiles()
-    counters = _dynamo_counters()
-    before = _compiled_graphs(counters)
+    before = compiled_graphs()
     yield result
-    after = _compiled_graphs(counters)
-    if before is None or after is None:
-        result.notes.append("torch._dynamo.utils.counters is not there in this torch: not counted")
-    else:
-        result.count, result.source = after - before, "torch._dynamo.utils.counters['stats']['unique_graphs']"
-
-
-def _dynamo_counters():
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return None
-    return counters
-
-
-def _compiled_graphs(counters) -> int | None:
-    if counters is None:
-        return None
-    return int(counters["stats"]["unique_graphs"])  # a defaultdict of Counters: 0 before the first compile
+    after = compiled_graphs()
+    if before is not None and after is not None:
+        result.count = after - before

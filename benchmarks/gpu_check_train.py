@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_check_measures import skipped
 
 from omni_core.common.plan import ParallelPlan
 from omni_core.data.dataset import open_dataset
@@ -120,11 +121,17 @@ def one_step(replica: ModelReplica, optimizers: Optimizers, batch, info: DistInf
 
 
 def compute_dtype(info: DistInfo) -> torch.dtype:
+    """Throughput's precision: bf16 on a GPU; fp32 in a dry run (a CPU without bf16 units is slow at it)."""
     return torch.bfloat16 if info.device.type == "cuda" else torch.float32
 
 
+# Correctness trains in the GPU's precision on both devices: bf16 parameters, which FSDP2 shards at every world
+# size (fp32 ones train unsharded in one process).
+CHECK_DTYPE = torch.bfloat16
+
+
 def fsdp_state(replica: ModelReplica) -> dict[str, Any]:
-    """Whether the LLM is FSDP2-sharded, and the dtype its parameters are gathered in for compute."""
+    """Whether the model is FSDP2-sharded, and the dtypes its parameters are gathered and reduced in."""
     from torch.distributed.fsdp import FSDPModule
 
     model = replica.parts[0]
@@ -140,40 +147,20 @@ def fsdp_state(replica: ModelReplica) -> dict[str, Any]:
 def nccl_step_and_checkpoint(ctx) -> dict[str, Any]:
     """Steps on a one-rank group with every collective on; a checkpoint after the first, then the next two
     steps again from it: the same losses (the weights, optimizer state and LR schedule came back)."""
-    from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from omni_core.runtime.ckpt_store import checkpoint_cache, checkpoint_store
-
     os.environ[ALWAYS_COLLECT_ENV] = "1"
     info, s = join_group(), sizes(ctx.dry_run)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
         recipe = make_recipe(Path(root), s, s.check_flavor, s.check_seq_len, CHECK_MIX)
-        dtype = compute_dtype(info)
-        replica = build_replica(recipe, ParallelPlan(), info, dtype)
+        replica = build_replica(recipe, ParallelPlan(), info, CHECK_DTYPE)
         optimizers = Optimizers(replica.parts, recipe)
         batches = draw_batches(recipe, 3)
-        counts = CollectiveCounter()
-        with counts:
-            first = one_step(replica, optimizers, batches[0], info, dtype)
-        store = checkpoint_store(recipe)
-        location = save_checkpoint(
-            store,
-            step=1,
-            parts=replica.parts,
-            optimizers=optimizers,
-            rank_state={},
-            history={},
-            info=info,
-            plan="dp1",
-            recipe_hash="gpu-check",
-            keep_last=1,
-        )
-        before = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches[1:]]
-        load_checkpoint(location, cache=checkpoint_cache(recipe), parts=replica.parts, optimizers=optimizers, info=info)
-        after = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches[1:]]
+        with CollectiveCounter() as counts:
+            first = one_step(replica, optimizers, batches[0], info, CHECK_DTYPE)
+        before, after = checkpoint_round_trip(recipe, replica, optimizers, info, batches[1:])
     report = {
         "backend": torch.distributed.get_backend(),
         "world_size": info.world_size,
-        "compute_dtype": str(dtype).removeprefix("torch."),
+        "compute_dtype": str(CHECK_DTYPE).removeprefix("torch."),
         "flavor": s.check_flavor,
         "loss": first.metrics["loss"],
         "grad_norm": first.metrics["grad_norm"],
@@ -182,12 +169,49 @@ def nccl_step_and_checkpoint(ctx) -> dict[str, Any]:
         "losses_after_save": before,
         "losses_after_load": after,
     }
-    problems = [] if all(math.isfinite(x) for x in [first.metrics["loss"], *before]) else ["a loss is not finite"]
-    if not counts.calls:
-        problems.append(f"no collective ran in the step although {ALWAYS_COLLECT_ENV}=1")
-    if any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(before, after, strict=True)):
-        problems.append("the steps after loading the checkpoint differ from those after saving it")
+    if info.device.type != "cuda":
+        report["nccl"] = skipped("no GPU: the one-rank group's backend is gloo")
+    problems = step_problems(report)
     return {**report, **({"status": "error", "error": "; ".join(problems)} if problems else {})}
+
+
+def checkpoint_round_trip(recipe: Recipe, replica, optimizers, info: DistInfo, batches) -> tuple[list, list]:
+    """Save, step through `batches`, load, step through them again: the losses of both passes."""
+    from omni_core.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from omni_core.runtime.ckpt_store import checkpoint_cache, checkpoint_store
+
+    saved = {"parts": replica.parts, "optimizers": optimizers, "info": info}
+    location = save_checkpoint(
+        checkpoint_store(recipe),
+        step=1,
+        rank_state={},
+        history={},
+        plan="dp1",
+        recipe_hash="gpu-check",
+        keep_last=1,
+        **saved,
+    )
+    before = [one_step(replica, optimizers, b, info, CHECK_DTYPE).metrics["loss"] for b in batches]
+    load_checkpoint(location, cache=checkpoint_cache(recipe), **saved)
+    after = [one_step(replica, optimizers, b, info, CHECK_DTYPE).metrics["loss"] for b in batches]
+    return before, after
+
+
+def step_problems(report: dict[str, Any]) -> list[str]:
+    problems = (
+        [] if all(map(math.isfinite, [report["loss"], *report["losses_after_save"]])) else ["a loss is not finite"]
+    )
+    if not report["collectives_in_step"]:
+        problems.append(f"no collective ran in the step although {ALWAYS_COLLECT_ENV}=1")
+    if report["fsdp_modules"] == 0 or report.get("param_dtype") != "bfloat16":
+        problems.append(
+            f"FSDP2 does not shard bf16 parameters at world 1: {report['fsdp_modules']} FSDP modules, "
+            f"parameters gathered in {report.get('param_dtype')}"
+        )
+    pairs = zip(report["losses_after_save"], report["losses_after_load"], strict=True)
+    if any(abs(a - b) > 1e-3 * abs(a) for a, b in pairs):
+        problems.append("the steps after loading the checkpoint differ from those after saving it")
+    return problems
 
 
 class CollectiveCounter:
@@ -202,6 +226,8 @@ class CollectiveCounter:
         "all_to_all_single",
         "all_gather",
         "barrier",
+        "all_gather_single",  # torch 2.13's names (runtime's torch_compat picks them where they exist)
+        "reduce_scatter_single",
     )
 
     def __init__(self) -> None:
@@ -213,7 +239,7 @@ class CollectiveCounter:
         import torch.distributed.distributed_c10d as c10d
 
         for module in (dist, c10d):
-            for name in self.NAMES:
+            for name in filter(lambda n: hasattr(module, n), self.NAMES):
                 original = getattr(module, name)
                 self._originals[module, name] = original
                 setattr(module, name, self._counting(name, original))
@@ -239,11 +265,10 @@ def layouts_agree(ctx) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
         recipe = make_recipe(Path(root), s, s.check_flavor, s.check_seq_len, CHECK_MIX)
         batches = draw_batches(recipe, 2)
-        dtype = compute_dtype(info)
         for name in ("dp1", "dp1+omni"):
-            replica = build_replica(recipe, ParallelPlan.parse(name), info, dtype)
+            replica = build_replica(recipe, ParallelPlan.parse(name), info, CHECK_DTYPE)
             optimizers = Optimizers(replica.parts, recipe)
-            losses[name] = [one_step(replica, optimizers, b, info, dtype).metrics["loss"] for b in batches]
+            losses[name] = [one_step(replica, optimizers, b, info, CHECK_DTYPE).metrics["loss"] for b in batches]
             del replica, optimizers
     coupled, omni = losses["dp1"], losses["dp1+omni"]
     report: dict[str, Any] = {"losses": losses}
@@ -252,19 +277,23 @@ def layouts_agree(ctx) -> dict[str, Any]:
     return report
 
 
+# Activation checkpointing, least recompute first: a workload that runs out of memory is tried again with more.
+CHECKPOINTING = ("none", "selective", "full")
+
+
 def workload_throughput(ctx, workload: str) -> dict[str, Any]:
-    """omni-1b (debug in a dry run) on one device: compiled, and with activation checkpointing only if the
-    first attempt runs out of memory."""
+    """omni-1b (debug in a dry run) on one device, compiled; with activation checkpointing only where the run
+    without it ran out of memory (each attempt reported)."""
     info, s = join_group(), sizes(ctx.dry_run)
     os.environ.pop(ALWAYS_COLLECT_ENV, None)  # what a one-GPU job runs
     attempts: list[dict[str, Any]] = []
-    for checkpointing in (False, True):
+    for checkpointing in CHECKPOINTING:
         try:
             return {**timed_run(ctx, info, s, workload, checkpointing), "attempts": attempts}
         except torch.OutOfMemoryError as error:
             attempts.append({"activation_checkpointing": checkpointing, "error": f"out of memory: {error}"[:300]})
-            free_device(info)
-    raise RuntimeError(f"{workload}: out of memory with and without activation checkpointing")
+        free_device(info)  # after the except block, whose traceback held the failed run's tensors
+    raise RuntimeError(f"{workload}: out of memory under every activation checkpointing ({attempts})")
 
 
 def free_device(info: DistInfo) -> None:
@@ -273,7 +302,7 @@ def free_device(info: DistInfo) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_run(ctx, info: DistInfo, s: Sizes, workload: str, checkpointing: bool) -> dict[str, Any]:
+def timed_run(ctx, info: DistInfo, s: Sizes, workload: str, checkpointing: str) -> dict[str, Any]:
     from gpu_check_measures import count_recompiles, host_sync_counter, step_timer
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
@@ -296,7 +325,7 @@ def timed_run(ctx, info: DistInfo, s: Sizes, workload: str, checkpointing: bool)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     timer, results = step_timer(info.device), []
-    with host_sync_counter(info.device) as syncs, count_recompiles() as recompiles:
+    with host_sync_counter(info.device, optimizers) as syncs, count_recompiles() as recompiles:
         for batch in batches[s.warmup_steps :]:
             if ctx.left_s() < 10:
                 break  # the section's time is nearly up: report the steps timed so far
@@ -313,8 +342,10 @@ def timed_run(ctx, info: DistInfo, s: Sizes, workload: str, checkpointing: bool)
         host_syncs_per_step=syncs.per_step(len(results)),
         host_sync_sites=syncs.sites(),
         recompiles_after_warmup=recompiles.count,
-        recompiles_counted_by=recompiles.source or "; ".join(recompiles.notes),
+        attention=recipe.model.attention,
     )
+    if not s.compile:
+        report["compiled"] = skipped("inductor takes ~20 s a graph on a CPU: the dry run is eager")
     del replica, optimizers
     free_device(info)
     return report

@@ -24,7 +24,7 @@ def load_script():
 
 
 def test_cpu_dry_run_runs_every_section(tmp_path):
-    # The dry run's own budget is 85 s; a loaded test machine gets more, so that only a failure fails the test.
+    # The dry run's own budget is 88 s; a loaded test machine gets more, so that only a failure fails the test.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMNI_CALIBRATION_DIR": str(tmp_path / "calibration")}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(
@@ -45,6 +45,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
 
     env_section = sections["environment"]
     assert env_section["matmul"]["tflops"] > 0 and env_section["peak"]["name"].startswith("cpu")
+    assert env_section["gpu"]["status"] == "skipped"
 
     correctness = sections["correctness"]
     paths = correctness["attention_parity"]["paths"]
@@ -63,9 +64,14 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
         assert figures["recompiles_after_warmup"] == 0  # eager on CPU: nothing compiles
     assert sections["throughput"]["image_text_1to1"]["image_to_text_tokens"] > 0
 
-    assert sections["attention"]["timings"]["sdpa_ms"] > 0
-    cases = sections["estimator"]["cases"]
+    timings = sections["attention"]["timings"]
+    assert timings["sdpa_ms"] > 0 and timings["paths_skipped"]["varlen"]["status"] == "skipped"  # CUDA only
+    cases = sections["estimator"]["validation"]["cases"]
     assert cases and all(c["predicted_s"] > 0 and c["measured_s"] > 0 for c in cases)
+    ours = sections["estimator"]["throughput_predicted"]["workloads"]
+    assert ours.keys() == {"text_only", "image_text_1to1"}
+    for name, predicted in ours.items():  # beside the throughput section's own measurement
+        assert predicted["predicted_s"] > 0 and predicted["measured_s"] == sections["throughput"][name]["step_s_mean"]
 
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert all(f"[ok] {name}" in summary for name in SECTIONS)

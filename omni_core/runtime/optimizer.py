@@ -1,5 +1,5 @@
-"""This rank's optimizers: AdamW per model part, its parameters grouped for the foreach implementation, with the
-LR schedule (`runtime.lr_schedule`) each part steps by, held together as torchtitan's container."""
+"""This rank's optimizers: AdamW per model part (fused on CUDA, foreach elsewhere), its parameters grouped by kind,
+with the LR schedule (`runtime.lr_schedule`) each part steps by, held together as torchtitan's container."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from omni_core.runtime.lr_schedule import build_lr_scheduler
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions).
 
-    It runs the foreach implementation (a few batched operators per group instead of ~15 per tensor; on CPU
-    PyTorch's default is the per-tensor loop, and on DTensors each of those operators pays DTensor's
-    dispatch). A foreach group must be homogeneous, so parameters are grouped by decay and by kind: plain
-    tensors, or DTensors of one mesh (FSDP's, the experts', TP's)."""
+    The implementation is `adamw_implementation`'s. Either kind runs one group's tensors through batched
+    operators, so a group must be homogeneous: parameters are grouped by decay and by kind, plain tensors or
+    DTensors of one mesh (FSDP's, the experts', TP's)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
@@ -33,8 +32,20 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
         [{"params": params, "weight_decay": decay if matrix else 0.0} for (matrix, _), params in groups.items()],
         lr=recipe.train.lr,
         betas=recipe.train.betas,
-        foreach=True,
+        **adamw_implementation([p for params in groups.values() for p in params]),
     )
+
+
+def adamw_implementation(params: Sequence[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's keyword choosing its implementation. Fused when every parameter is on CUDA: one kernel per
+    group does all of AdamW's arithmetic, and keeps the step counts on the device (no host tensor). DTensors
+    take it too: DTensor shards `aten._fused_adamw_` pointwise (read in torch 2.11 to 2.14's
+    `distributed/tensor/_ops/_pointwise_ops.py`). Elsewhere foreach (a few batched operators per group
+    instead of ~15 per tensor; PyTorch's CPU default is the per-tensor loop, whose operators each pay
+    DTensor's dispatch on DTensors)."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 class Optimizers:

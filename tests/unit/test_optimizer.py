@@ -1,0 +1,67 @@
+"""AdamW's implementation by device (`runtime.optimizer.adamw_implementation`): fused on CUDA, foreach elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_core.models.omni import build_model
+from omni_core.runtime.optimizer import Optimizers, adamw_implementation
+from tests.helpers.models import N_MELS, PATCH_SIZE
+from tests.helpers.recipes import build_recipe
+
+
+def _optimizer(device: str) -> torch.optim.Optimizer:
+    model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0).to(device)
+    return Optimizers([model], build_recipe()).optimizers[0]
+
+
+def test_cpu_parameters_take_foreach():
+    optimizer = _optimizer("cpu")
+    assert all(group["foreach"] and not group["fused"] for group in optimizer.param_groups)
+
+
+def test_fused_only_when_every_parameter_is_on_cuda():
+    cpu = torch.zeros(2)
+    assert adamw_implementation([cpu]) == {"foreach": True}
+    assert adamw_implementation([]) == {"foreach": True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fused AdamW on CUDA needs a GPU")
+def test_cuda_parameters_take_fused_and_step():
+    optimizer = _optimizer("cuda")
+    assert all(group["fused"] for group in optimizer.param_groups)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    steps = [state["step"] for state in optimizer.state.values()]
+    assert steps and all(step.device.type == "cuda" for step in steps)  # no host counter to read
+
+
+def test_fused_adamw_steps_fsdp_dtensor_parameters_as_foreach_does():
+    """The claim `adamw_implementation` rests on, checked on CPU (whose fused kernel DTensor shards the same way):
+    fused AdamW over FSDP2's DTensor parameters gives foreach's update."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        updated = {}
+        for implementation in ({"fused": True}, {"foreach": True}):
+            torch.manual_seed(0)
+            model = fully_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)), mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01, **implementation)
+            for _ in range(2):
+                model(torch.randn(3, 8)).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert all(isinstance(p, DTensor) for p in model.parameters())
+            updated[next(iter(implementation))] = [p.full_tensor() for p in model.parameters()]
+        for fused, foreach in zip(updated["fused"], updated["foreach"], strict=True):
+            torch.testing.assert_close(fused, foreach)
+    finally:
+        dist.destroy_process_group()

@@ -79,7 +79,7 @@ class OmniModel(nn.Module):
         elif hidden is None:
             raise ValueError("this pipeline stage has no token embedding: pass the previous stage's hidden states")
         positions = batch.position_ids if index is None else batch.position_ids[index]
-        return self.llm(hidden, positions, batch.cu_seqlens)
+        return self.llm(hidden, positions, batch.cu_seqlens, batch.layout)
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:
         """Token embeddings with the encoders' outputs anchored at their placeholders: [T, dim].

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,8 +23,8 @@ class LossSums:
     counts: torch.Tensor  # [M] target counts
 
     def stats(self) -> torch.Tensor:
-        """[loss_sum, sums..., counts...] in one float64 tensor, for a single all-reduce."""
-        return torch.cat([self.total.detach().reshape(1), self.per_modality, self.counts]).double().cpu()
+        """[loss_sum, sums..., counts...] in one float64 tensor on the loss's device, for a single all-reduce."""
+        return torch.cat([self.total.detach().reshape(1), self.per_modality, self.counts]).double()
 
 
 def token_loss_sums(logits: torch.Tensor, batch: PackedBatch) -> LossSums:
@@ -38,14 +39,14 @@ def token_loss_sums(logits: torch.Tensor, batch: PackedBatch) -> LossSums:
     return LossSums(total=(per_token * mask).sum(), per_modality=sums, counts=counts)
 
 
-def summarize(stats: torch.Tensor) -> dict[str, float]:
-    """Turn all-reduced `LossSums.stats()` into mean losses: `loss` and `loss/<modality>`."""
+def summarize(stats: Sequence[float]) -> dict[str, float]:
+    """Turn all-reduced `LossSums.stats()`, read to the host, into mean losses: `loss` and `loss/<modality>`."""
     num_modalities = len(MODALITY_IDS)
     sums, counts = stats[1 : 1 + num_modalities], stats[1 + num_modalities :]
-    out = {"loss": float(stats[0] / counts.sum().clamp(min=1))}
+    out = {"loss": stats[0] / max(sum(counts), 1.0)}
     for name, idx in MODALITY_IDS.items():
         if counts[idx] > 0:
-            out[f"loss/{name}"] = float(sums[idx] / counts[idx])
+            out[f"loss/{name}"] = sums[idx] / counts[idx]
     return out
 
 

@@ -292,7 +292,7 @@ class PipelineRunner:
         # per-step state, read by the hooks and the loss
         self.batches: list[PackedBatch] = []
         self.encoded: Sequence[torch.Tensor | None] = []  # `omni`: each micro-batch's encoded rows (stage 0)
-        self.global_targets = 1.0
+        self.global_targets = torch.ones(())
         self.compute_dtype = torch.float32
         self.aux_scale = 0.0
         self.stats: dict[int, torch.Tensor] = {}
@@ -302,20 +302,21 @@ class PipelineRunner:
     def forward_backward(
         self,
         batches: list[PackedBatch],
-        global_targets: float,
+        global_targets: torch.Tensor,
         compute_dtype: torch.dtype,
         aux_scale: float,
         encoded: Sequence[torch.Tensor | None] | None = None,
-    ) -> tuple[torch.Tensor, float]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch through the pipeline, gradients accumulated in the chunks
-        (and, under `omni`, in the `encoded` rows' leaves).
+        (and, under `omni`, in the `encoded` rows' leaves). `global_targets`: the step's target count (at least
+        1), a scalar on the device, so that no loss waits for the host.
 
         Returns the sum over micro-batches of `LossSums.stats()` (on the rank holding the last stage; zeros
         elsewhere) and this rank's stages' aux-loss total, sum over micro-batches of `aux_scale * aux_loss`
-        (summed over the pp ranks, it is the replica's whole aux term)."""
+        (summed over the pp ranks, it is the replica's whole aux term), both float64 on the device."""
         if len(batches) != self.n_microbatches:
             raise ValueError(f"the schedule runs {self.n_microbatches} micro-batches, got {len(batches)}")
-        self.batches, self.global_targets = batches, max(global_targets, 1.0)
+        self.batches, self.global_targets = batches, global_targets
         self.encoded = encoded or []
         self.compute_dtype, self.aux_scale = compute_dtype, aux_scale
         self.stats, self.aux, self.busy_s = {}, {}, 0.0
@@ -328,10 +329,11 @@ class PipelineRunner:
                 hooks.close()
             self.batches, self.encoded = [], []
         if self.last is None:
-            stats = torch.zeros(STATS_SIZE, dtype=torch.float64)
+            stats = torch.zeros(STATS_SIZE, dtype=torch.float64, device=self.device)
         else:
             stats = torch.stack([self.stats[m] for m in range(len(batches))]).sum(dim=0)
-        aux_total = float(sum(self.aux.values()))
+        aux = list(self.aux.values())
+        aux_total = (sum(aux[1:], aux[0]) if aux else torch.zeros((), device=self.device)).double()
         return stats, aux_total
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     stats, samples, captions = heldout_pass(recipe, model, loader)
     if stats is None:
         raise ValueError(f"held-out split of {dataset} is empty: raise data.heldout_fraction")
-    means = summarize(stats)
+    means = summarize(stats.tolist())
     return EvalReport(
         checkpoint=str(ckpt),
         step=manifest.step,

@@ -57,30 +57,30 @@ def replicate_partial_grads(params: list[nn.Parameter]) -> None:
             )
 
 
-def clip_grad_norm(replica: ModelReplica, max_norm: float) -> float:
-    """Clip all ranks' gradients together by the norm of the whole model's gradient; returns that norm.
+def clip_grad_norm(replica: ModelReplica, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip all ranks' gradients together by the norm of the whole model's gradient; returns that norm, a
+    float64 scalar on `device`, unread: the scale is applied on the device, as torch's `clip_grad_norm_`
+    applies it (min(1, max_norm / (norm + 1e-6)), at every step), so clipping needs no host sync.
 
     Sharded (DTensor) gradients are reduced by DTensor per (mesh, placement) group, so replicated copies
     count once; experts under EP differ across the EP group and stages across pipeline ranks, so those
     squares are summed over their groups too. `omni` encoders are replicated on every rank (pipeline ranks
     included) with summed gradients: counted once, after the pipeline's sum."""
-    groups = _grads_by_kind(replica)
-    squares = _squared_norms(groups)
-    total = float(_total_squared_norm(replica, squares).sqrt())
-    if max_norm > 0 and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for grads in groups.values():
-            for grad in grads:
-                grad.mul_(scale)
+    groups = _params_by_kind(replica)
+    squares = _squared_norms(groups, device)
+    total = _total_squared_norm(replica, squares).sqrt()
+    if max_norm > 0:
+        for params in groups.values():  # per group: one call's gradients share their mesh and placements
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
-def _grads_by_kind(replica: ModelReplica) -> dict[tuple, list[torch.Tensor]]:
-    """This rank's gradients keyed by (kind: dense, expert or encoder; mesh; placements), the mesh and
-    placements None for plain tensors: each group's norm is one reduction."""
+def _params_by_kind(replica: ModelReplica) -> dict[tuple, list[nn.Parameter]]:
+    """This rank's parameters with gradients keyed by (kind: dense, expert or encoder; mesh; placements) of
+    their gradient, the mesh and placements None for plain tensors: each group's norm is one reduction."""
     from torch.distributed.tensor import DTensor
 
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for part in replica.parts:
         for name, param in part.named_parameters():
             if param.grad is None:
@@ -90,21 +90,22 @@ def _grads_by_kind(replica: ModelReplica) -> dict[tuple, list[torch.Tensor]]:
             if replica.encoders is not None and name.startswith(ENCODER_PREFIXES):
                 kind = "encoder"
             key = (kind, grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (kind, None, None)
-            groups[key].append(grad)
+            groups[key].append(param)
     return groups
 
 
-def _squared_norms(groups: dict[tuple, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The squared gradient norm of each kind over this rank's groups (a sharded group's over its mesh)."""
+def _squared_norms(groups: dict[tuple, list[nn.Parameter]], device: torch.device) -> dict[str, torch.Tensor]:
+    """The squared gradient norm of each kind over this rank's groups (a sharded group's over its mesh),
+    float64 on `device`."""
     from torch.distributed.tensor import DTensor
 
     # One tensor per kind: the all-reduces below write in place, and a kind without gradients here keeps its zero.
-    squares = {kind: torch.zeros((), dtype=torch.float64) for kind in ("dense", "expert", "encoder")}
-    for (kind, mesh, _), grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    squares = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("dense", "expert", "encoder")}
+    for (kind, mesh, _), params in groups.items():
+        norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params], foreach=True)
         if mesh is not None:
             norm = cast(DTensor, norm).full_tensor()
-        squares[kind] = squares[kind] + norm.detach().double().cpu() ** 2
+        squares[kind] = squares[kind] + norm.detach().double() ** 2
     return squares
 
 

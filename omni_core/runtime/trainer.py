@@ -31,7 +31,7 @@ from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe, recipe_hash
 from omni_core.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from omni_core.runtime.ckpt_store import CheckpointStore, checkpoint_cache, checkpoint_store
-from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier
+from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier, on_device
 from omni_core.runtime.optimizer import Optimizers
 from omni_core.runtime.perf import Peak, device_peak, peak_memory_mb
 from omni_core.runtime.plan_rules import resolve_plan, shards_per_node
@@ -51,10 +51,7 @@ def skipped_over_shards(loader: PackedLoader | None, plan: ParallelPlan, info: D
         and min(r for r in range(plan.llm_world_size) if plan.data_rank(r) == plan.data_rank(info.rank)) == info.rank
     ):
         stats = loader.stats
-    counts = torch.tensor(
-        [float(stats.get(reason, 0)) for reason in SKIP_REASONS], dtype=torch.float64, device=info.device
-    )
-    all_reduce_sum(counts)
+    counts = all_reduce_sum(on_device([stats.get(reason, 0) for reason in SKIP_REASONS], info.device))
     return {reason: int(n) for reason, n in zip(SKIP_REASONS, counts.tolist(), strict=True) if n}
 
 
@@ -278,7 +275,7 @@ def run_steps(
     start_step = progress.step
     batches: Iterator[PackedBatch] | None = iter(run.loader) if run.loader else None
     window = Window(run.cluster_peak)
-    control = Control(control_dir() if info.is_main else None, cfg.steps, run.plan.name, start_step)
+    control = Control(control_dir() if info.is_main else None, cfg.steps, run.plan.name, start_step, info.device)
     logging_s_before = tracker.logging_s
     run.replica.train()
     last_step = min(cfg.steps, cfg.stop_at_step or cfg.steps)
@@ -348,6 +345,7 @@ class Control:
     steps: int
     plan: str
     resumed_from_step: int
+    device: torch.device  # the step's: the stop decision's all-reduce runs there, beside the step's own
     startup_s: float = 0.0
     ckpt_s: float = 0.0
 
@@ -369,7 +367,7 @@ class Control:
         """Whether a watcher asked rank 0 to stop; every rank gets rank 0's answer (all ranks call this)."""
         if control_dir() is None:
             return False
-        asked = torch.tensor([float(self.folder is not None and read_stop(self.folder) is not None)])
+        asked = on_device([float(self.folder is not None and read_stop(self.folder) is not None)], self.device)
         return bool(all_reduce_sum(asked).item())
 
 

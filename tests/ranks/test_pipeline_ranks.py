@@ -61,9 +61,9 @@ def pipelined(rank: int, world: int) -> list[tuple[torch.Tensor, float, dict[str
         batches = micro_batches()
         runner = PipelineRunner(chunks, plan, dist.group.WORLD, rank, torch.device("cpu"), len(batches))
         targets, aux_scale = step_inputs(batches)
-        stats, aux_total = runner.forward_backward(batches, targets, dtype, aux_scale)
+        stats, aux_total = runner.forward_backward(batches, torch.tensor(targets), dtype, aux_scale)
         grads = {n: p.grad for chunk in chunks for n, p in chunk.named_parameters()}
-        results.append((stats, aux_total, grads))
+        results.append((stats, float(aux_total), grads))
     return results
 
 
@@ -111,8 +111,9 @@ def pipelined_fsdp(rank: int, world: int) -> list[tuple[torch.Tensor, float, dic
     for _ in range(2):
         for chunk in chunks:
             chunk.zero_grad()
-        stats, aux_total = runner.forward_backward(batches, targets, torch.float32, aux_scale)
-        steps.append((stats, aux_total, {n: p.grad.full_tensor() for c in chunks for n, p in c.named_parameters()}))
+        stats, aux_total = runner.forward_backward(batches, torch.tensor(targets), torch.float32, aux_scale)
+        grads = {n: p.grad.full_tensor() for c in chunks for n, p in c.named_parameters()}
+        steps.append((stats, float(aux_total), grads))
     return steps
 
 

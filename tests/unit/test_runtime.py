@@ -38,7 +38,7 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
     batch = fake_batch([1, -100, 3, 6, 0], [0, 0, 1, 1, 2])
     sums = token_loss_sums(logits, batch)
     expected = F.cross_entropy(logits, batch.labels, ignore_index=-100)
-    means = summarize(sums.stats())
+    means = summarize(sums.stats().tolist())
     assert means["loss"] == pytest.approx(float(expected), rel=1e-6)
     image_mean = F.cross_entropy(logits[2:4], batch.labels[2:4])
     assert means["loss/image"] == pytest.approx(float(image_mean), rel=1e-6)

@@ -23,13 +23,13 @@ RECIPE = {"experiment.name": "syncs", "experiment.seed": 3, "data.path": "unused
           "train.dtype": "float32"}
 
 
-def _syncs_worker(rank: int, world: int, plan_name: str, micro: int) -> tuple[int, str]:
+def _syncs_worker(rank: int, world: int, plan_name: str, micro: int, flavor: str = "debug") -> tuple[int, str]:
     """This rank's host reads in its second step (the first makes optimizer state and device copies once).
 
     Not counted: AdamW's step counters, and the encoder step's metadata exchange (`dist.all_gather_object`),
     which on a GPU runs over the `cpu:gloo` half of the process group on host tensors (`runtime.dist`)."""
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    recipe = build_recipe(overrides={**RECIPE, "train.grad_accum": micro})
+    recipe = build_recipe(overrides={**RECIPE, "model.flavor": flavor, "train.grad_accum": micro})
     replica = build_replica(recipe, ParallelPlan.parse(plan_name), info, torch.float32)
     optimizers = Optimizers(replica.parts, recipe)
     for step in range(2):
@@ -56,3 +56,14 @@ def test_the_omni_layouts_step_reads_the_host_a_fixed_number_of_times(plan):
     for rank, ((base, base_sites), (grown, grown_sites)) in enumerate(zip(one, three, strict=True)):
         assert grown == base, f"rank {rank}, 3 micro-batches: {grown_sites}; 1: {base_sites}"
         assert base <= 1, f"rank {rank}: {base_sites}"
+
+
+def test_expert_parallelism_reads_the_host_once_per_moe_layer_and_micro_batch():
+    """Under ep > 1 the token all-to-alls need their split sizes on the host: one read per MoE layer forward
+    (`parallel.expert`), beside the step's one."""
+    from omni_core.models.flavors import get_flavor
+
+    layers = get_flavor("debug-moe", patch_size=PATCH_SIZE, n_mels=N_MELS).llm.n_layers
+    for micro in (1, 3):
+        for rank, (total, sites) in enumerate(run_ranks(_syncs_worker, 2, "dp2-ep2", micro, "debug-moe")):
+            assert total == 1 + layers * micro, f"rank {rank}, {micro} micro-batches: {sites}"

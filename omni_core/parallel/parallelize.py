@@ -350,14 +350,18 @@ def selective_checkpoint_context() -> tuple:
 def apply_compile(model: OmniModel) -> None:
     """Compile block by block (the blocks repeat, so one graph serves them all), once for every packed layout.
     Before each call the token dimension of the block's inputs is marked dynamic, so that a new token count
-    recompiles nothing; attention, which reads the layout's host integers, runs outside the graph
-    (`models.attention.attend_outside_graph`), so that a new document layout recompiles nothing either. Only
-    the token dimension is dynamic: the weights' shapes stay static, as the kernels like them.
-    `compiled_graphs` counts the graphs compiled, for a benchmark to see that none are compiled after warm-up."""
+    recompiles nothing, and host offsets handed as a list (the encoders') are wrapped as `PackedDocuments`,
+    whose integers dynamo leaves alone (a list's it would guard, one graph per layout); attention, which reads
+    them, runs outside the graph (`models.attention.attend_outside_graph`), so that a new document layout
+    recompiles nothing either. Only the token dimension is dynamic: the weights' shapes stay static, as the
+    kernels like them. `compiled_graphs` counts the graphs compiled, for a benchmark to see none after warm-up."""
     from omni_core.models.attention import mark_tokens_dynamic
+    from omni_core.models.documents import PackedDocuments
 
-    def mark_inputs(module: nn.Module, args: tuple) -> None:
+    def mark_inputs(module: nn.Module, args: tuple) -> tuple:
         mark_tokens_dynamic(*args)
+        offsets = [isinstance(a, list) and all(isinstance(v, int) for v in a) for a in args]
+        return tuple(PackedDocuments.of(a) if is_offsets else a for a, is_offsets in zip(args, offsets))
 
     for container, name in transformer_blocks(model):
         compiled = cast(nn.Module, torch.compile(container.get_submodule(name)))

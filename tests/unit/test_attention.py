@@ -231,14 +231,19 @@ def test_set_attention_reaches_every_attention_of_the_model():
 
 
 def test_compiled_blocks_compile_once_for_every_layout_and_token_count():
-    """Inductor (gcc is here) on a 2-block LLM: the first batch compiles, three more with other documents,
-    padding and token counts compile nothing, and every one matches the eager model."""
+    """Inductor (gcc is here) on a 2-block LLM and a 1-block encoder (which hands its offsets as a list): the
+    first batch compiles, three more with other documents, padding and token counts compile nothing, and every
+    one matches the eager model."""
+    from omni_core.models.attention import EncoderBlock
     from omni_core.parallel.parallelize import apply_compile, compiled_graphs
 
     compiled, eager = tiny_llm(), tiny_llm()
+    encoders = [EncoderBlock(32, 4, 2.0) for _ in range(2)]
+    encoders[1].load_state_dict(encoders[0].state_dict())
     holder = nn.Module()
-    holder.llm = compiled
-    apply_compile(holder)  # type: ignore[arg-type]  # what it reads of an OmniModel: its `llm`
+    holder.llm, holder.vision = compiled, nn.Module()
+    holder.vision.layers = nn.ModuleList(encoders[:1])
+    apply_compile(holder)  # type: ignore[arg-type]  # what it reads of an OmniModel: `llm` and `vision`
     counts = []
     for offsets, padding in [
         ((0, 10, 40, 64), (2,)),
@@ -247,12 +252,13 @@ def test_compiled_blocks_compile_once_for_every_layout_and_token_count():
         ((0, 3, 4, 9, 33, 48), (3, 4)),
     ]:
         ids, positions, cu_seqlens = llm_inputs(offsets)
-        grads = []
-        for llm in (compiled, eager):
+        results = []
+        for llm, encoder in ((compiled, holder.vision.layers[0]), (eager, encoders[1])):
             llm.zero_grad()
             out = llm(llm.embed(ids), positions, cu_seqlens, layout(offsets, padding))
-            out.square().mean().backward()
-            grads.append((out.detach(), llm.tok_embeddings.weight.grad))
-        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5)
+            encoded = encoder(out.detach()[:, :32], list(offsets))
+            (out.square().mean() + encoded.square().mean()).backward()
+            results.append((out.detach(), encoded.detach(), llm.tok_embeddings.weight.grad))
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
         counts.append(compiled_graphs())
     assert counts[0] > 0 and counts[1:] == counts[:1] * 3, counts

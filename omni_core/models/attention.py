@@ -101,17 +101,31 @@ class AttendFn(Protocol):
     ) -> torch.Tensor: ...
 
 
-@torch.compiler.disable
 def attend_outside_graph(
     attend: AttendFn, q, k, v, documents: Offsets | PackedDocuments, *, causal: bool, window: int | None, kind: str
 ) -> torch.Tensor:
-    """`attend(...)` run eagerly, also inside a compiled block: the kernels read the layout's host integers
-    (split sizes, the longest document), which a graph would bake in as constants and recompile for at every
-    new layout. The graph breaks here cost nothing the compiler could fuse (attention is one opaque kernel).
-    The output's token dimension is marked dynamic so that the graph resuming after it compiles once."""
+    """`attend(...)`, run eagerly also inside a compiled block once `keep_attention_out_of_graphs` was called:
+    the kernels read the layout's host integers (split sizes, the longest document), which a graph would bake
+    in as constants and recompile for at every new layout. The graph breaks here cost nothing the compiler
+    could fuse (attention is one opaque kernel). The output's token dimension is marked dynamic so that the
+    graph resuming after it compiles once."""
+    return _attend_eagerly(attend, q, k, v, documents, causal=causal, window=window, kind=kind)
+
+
+def _attend(attend: AttendFn, q, k, v, documents, *, causal: bool, window: int | None, kind: str) -> torch.Tensor:
     out = attend(q, k, v, PackedDocuments.of(documents), causal=causal, window=window, kind=kind)
     mark_tokens_dynamic(out)
     return out
+
+
+_attend_eagerly = _attend  # torch.compiler.disable(_attend) once blocks are compiled
+
+
+def keep_attention_out_of_graphs() -> None:
+    """From now on attention runs outside compiled graphs (`parallel.parallelize.apply_compile` calls it before
+    compiling). Not done at import: torch.compiler.disable loads dynamo, seconds that an eager run never needs."""
+    global _attend_eagerly
+    _attend_eagerly = torch.compiler.disable(_attend)
 
 
 def mark_tokens_dynamic(*tensors: object) -> None:

@@ -352,10 +352,10 @@ def apply_compile(model: OmniModel) -> None:
     Before each call the token dimension of the block's inputs is marked dynamic, so that a new token count
     recompiles nothing, and host offsets handed as a list (the encoders') are wrapped as `PackedDocuments`,
     whose integers dynamo leaves alone (a list's it would guard, one graph per layout); attention, which reads
-    them, runs outside the graph (`models.attention.attend_outside_graph`), so that a new document layout
+    them, runs outside the graph (`models.attention.keep_attention_out_of_graphs`), so that a new document layout
     recompiles nothing either. Only the token dimension is dynamic: the weights' shapes stay static, as the
     kernels like them. `compiled_graphs` counts the graphs compiled, for a benchmark to see none after warm-up."""
-    from omni_core.models.attention import mark_tokens_dynamic
+    from omni_core.models.attention import keep_attention_out_of_graphs, mark_tokens_dynamic
     from omni_core.models.documents import PackedDocuments
 
     def mark_inputs(module: nn.Module, args: tuple) -> tuple:
@@ -363,6 +363,7 @@ def apply_compile(model: OmniModel) -> None:
         offsets = [isinstance(a, list) and all(isinstance(v, int) for v in a) for a in args]
         return tuple(PackedDocuments.of(a) if is_offsets else a for a, is_offsets in zip(args, offsets))
 
+    keep_attention_out_of_graphs()
     for container, name in transformer_blocks(model):
         compiled = cast(nn.Module, torch.compile(container.get_submodule(name)))
         compiled.register_forward_pre_hook(mark_inputs)

@@ -304,6 +304,7 @@ def _ring_backward(q, k, v, out, lse, lo, hi, grad_out, schedule, group):
     q4, do4 = _grouped(q, n_kv_heads), _grouped(grad_out.to(q.dtype), n_kv_heads)
     delta = (do4.float() * _grouped(out, n_kv_heads).float()).sum(-1)  # rowsum(dO * O) = sum_j P_ij dP_ij
     dq4 = torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
+    lse = lse.nan_to_num(neginf=0.0)  # a query seeing no key (padding): its scores are all -inf, its probs 0
     kv = torch.stack([k, v])
     # dK, dV of the block held now: they travel with it.
     dkv = torch.zeros(2, n_kv_heads, k.shape[0], k.shape[2], dtype=torch.float32, device=k.device)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from omni_core.models.attention import varlen_attention
+from omni_core.models.documents import PackedDocuments
 from omni_core.parallel.context import ContextParallelAttention, cp_token_index
 from omni_core.runtime.ranks import run_ranks
 
@@ -18,20 +19,22 @@ TOKENS, HEAD_DIM = 32, 8
 OFFSETS = [0, 5, 6, 19, 32]
 
 
-def _case_errors(group, kind, causal, n_heads, n_kv_heads, dtype=torch.float32, **options):
-    """Max abs differences of output and q/k/v gradients on this rank's tokens, against the reference."""
+def _case_errors(group, kind, causal, n_heads, n_kv_heads, dtype=torch.float32, padding=(), **options):
+    """Max abs differences of output and q/k/v gradients on this rank's tokens, against the reference.
+    `padding`: documents made of padding alone (no query of theirs sees a key: their rows are 0)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(TOKENS, n_heads, HEAD_DIM, generator=generator)
     k, v = (torch.randn(TOKENS, n_kv_heads, HEAD_DIM, generator=generator) for _ in range(2))
     grad = torch.randn(TOKENS, n_heads, HEAD_DIM, generator=generator)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    reference = varlen_attention(*full, OFFSETS, causal)
+    documents = PackedDocuments(tuple(OFFSETS), frozenset(padding))
+    reference = varlen_attention(*full, documents, causal)
     reference.backward(grad)
 
     index = cp_token_index(TOKENS, dist.get_world_size(group), dist.get_rank(group), kind)
     local = [x[index].to(dtype).requires_grad_() for x in (q, k, v)]
     attend = ContextParallelAttention(kind, group, TOKENS, **options)
-    out = attend(*local, torch.tensor(OFFSETS) if kind == "ring" else OFFSETS, causal)
+    out = attend(*local, documents if padding else torch.tensor(OFFSETS) if kind == "ring" else OFFSETS, causal)
     out.backward(grad[index].to(dtype))
     assert out.dtype == dtype and all(x.grad.dtype == dtype for x in local)
     pairs = [(out, reference)] + [(x.grad, y.grad) for x, y in zip(local, full)]
@@ -46,6 +49,8 @@ def _cp2_checks(rank, world):
     }
     results["ring MHA tiles of 3"] = _case_errors(group, "ring", True, 4, 4, block_size=3)
     results["ring bfloat16"] = _case_errors(group, "ring", True, 4, 2, dtype=torch.bfloat16)
+    for kind in ("ring", "ulysses"):  # a 1-token padding document and one across the chunks
+        results[f"{kind} padding"] = _case_errors(group, kind, True, 4, 2, padding=(1, 3), block_size=3)
     try:
         ContextParallelAttention("ulysses", dist.group.WORLD, TOKENS)(
             *(torch.zeros(TOKENS // world, 3, HEAD_DIM) for _ in range(3)), OFFSETS, True)

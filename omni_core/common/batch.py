@@ -12,6 +12,7 @@ this module without any tensor, so torch is imported where a batch moves, not wi
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -106,12 +107,21 @@ class PackedBatch:
             self.layout = BatchLayout.of(self)
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch on `device`; from pinned memory (`pin_memory`) a CUDA copy does not block the host."""
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=True))
+
+    def pin_memory(self) -> PackedBatch:
+        """The batch in page-locked host memory (torch's DataLoader calls this when it pins batches)."""
+        return self.map_tensors(lambda tensor: tensor.pin_memory())
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedBatch:
+        """The batch with `fn` applied to each of its tensors; the rest (the layout included) carried over."""
         import torch
 
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for key, value in moved.items():
             if isinstance(value, torch.Tensor):
-                moved[key] = value.to(device, non_blocking=True)
+                moved[key] = fn(value)
         return PackedBatch(**moved)
 
     @property

@@ -20,6 +20,7 @@ placed on its own rank queued, and its state holds them.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from omni_core.common.batch import PackedBatch
 from omni_core.data.balance import Balance, GroupPacker, make_packer
 from omni_core.data.dataset import CorruptSample, DecodedSample, ManifestDataset, Split
 from omni_core.data.packing import collate
+from omni_core.data.prefetch import DevicePrefetcher
 from omni_core.data.source_base import Record, View
 from omni_core.recipe.data_sections import DataConfig
 
@@ -152,7 +154,8 @@ class PackedLoader:
 
     `balance`: how training batches are balanced over data ranks (`balance.Balance`: the policy, this rank's
     group and the cost model); held-out passes are never rebalanced. `stats` counts what this rank skipped, by
-    reason (sources.SKIP_REASONS)."""
+    reason (sources.SKIP_REASONS). `device`: batches come out on it (`prefetch.DevicePrefetcher`: on CUDA
+    pinned, and copied one batch ahead), the state still that of the batches handed out; None: host batches."""
 
     def __init__(
         self,
@@ -163,11 +166,12 @@ class PackedLoader:
         world_size: int = 1,
         seed: int = 0,
         balance: Balance | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.dataset, self.cfg, self.split = dataset, data_cfg, split
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.rank, self.world_size, self.seed, self.device = rank, world_size, seed, device
         self.balance = balance if balance is not None and split == "train" else Balance()
         readers = self.balance.readers
         if world_size % readers or (readers > 1 and self.balance.member != rank % readers):
@@ -206,12 +210,23 @@ class PackedLoader:
         if self.cfg.num_workers:
             batches: Iterator[tuple[int, PackedBatch, dict[str, Any]]] = iter(
                 torch.utils.data.DataLoader(
-                    _Workers(self, self._batches % self.slots), batch_size=None, num_workers=self.slots
+                    _Workers(self, self._batches % self.slots),
+                    batch_size=None,
+                    num_workers=self.slots,
+                    pin_memory=self.device is not None and self.device.type == "cuda",  # pinned in a thread
                 )
             )
         else:
             batches = self._in_process()
-        for slot, batch, state in batches:
+        drawn: deque[tuple[int, dict[str, Any]]] = deque()  # slot and state of each batch drawn, not handed out
+
+        def host_batches() -> Iterator[PackedBatch]:
+            for slot, batch, state in batches:
+                drawn.append((slot, state))
+                yield batch
+
+        for batch in DevicePrefetcher(host_batches(), self.device) if self.device else host_batches():
+            slot, state = drawn.popleft()
             self._states[slot] = state
             self._batches += 1
             yield batch

@@ -173,6 +173,7 @@ def set_up(recipe: Recipe, info: DistInfo, log: Log) -> TrainingRun:
             plan.dp,
             recipe.experiment.seed,
             balance_for(recipe, replica.data_rank, plan.dp, shards_per_node(plan, info.world_size)),
+            device=info.device,  # on CUDA pinned and copied a batch ahead
         )
         if replica.loads_data
         else None
@@ -285,7 +286,7 @@ def run_steps(
         step_start = time.perf_counter()
         if step == start_step + 1:
             control.startup_s = time.time() - started
-        micro = [next(batches).to(info.device) for _ in range(cfg.grad_accum)] if batches else []
+        micro = [next(batches) for _ in range(cfg.grad_accum)] if batches else []  # on info.device
         result = train_step(
             run.replica, run.optimizers, micro, grad_clip=cfg.grad_clip, compute_dtype=run.compute_dtype
         )

@@ -276,10 +276,11 @@ def correctness(ctx: Context) -> dict[str, Any]:
 
 
 def throughput(ctx: Context) -> dict[str, Any]:
-    from gpu_check_train import WORKLOADS, workload_throughput
+    from gpu_check_train import WORKLOADS, ThroughputModel, join_group, sizes, workload_throughput
 
+    model = ThroughputModel(join_group(), sizes(ctx.dry_run))  # one model for both workloads
     for workload in WORKLOADS:
-        ctx.part(workload, workload_throughput, workload)
+        ctx.part(workload, workload_throughput, workload, model)
     return {}
 
 

@@ -10,6 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from omni_core.runtime.dist import DistInfo
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ["environment", "correctness", "throughput", "attention", "estimator"]
@@ -100,6 +105,27 @@ def test_the_summary_names_errors_and_skips_however_deep():
     text = gpu_check.summary(report)
     assert "[error] throughput" in text and "throughput.text_only: OutOfMemoryError" in text
     assert "throughput.image_text_1to1: the budget was spent" in text
+
+
+def test_a_workload_that_runs_out_of_memory_runs_again_with_more_checkpointing(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    train = importlib.import_module("gpu_check_train")
+    model = train.ThroughputModel(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), train.DRY)
+    tried = []
+
+    def runs_out_twice(ctx, model, workload):
+        tried.append(model.checkpointing)
+        if len(tried) <= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"steps_timed": 20}
+
+    monkeypatch.setattr(train, "timed_run", runs_out_twice)
+    figures = train.workload_throughput(None, "text_only", model)
+    assert tried == ["none", "selective", "full"] and figures["steps_timed"] == 20
+    assert [a["activation_checkpointing"] for a in figures["attempts"]] == ["none", "selective"]
+    tried.clear()  # out of memory again under full checkpointing: nothing is left to try
+    with pytest.raises(RuntimeError, match="every activation checkpointing"):
+        train.workload_throughput(None, "image_text_1to1", model)
 
 
 def test_a_spent_budget_skips_the_sections_without_starting_them(tmp_path):

@@ -11,7 +11,9 @@ Read in the sources of 2.11.0, 2.12.0, 2.13.0 and 2.14.1, and present with the s
   `ShardingPropagator._propagate_tensor_meta_cached`, `_redistribute._gen_transform_infos`,
   `_redistribute.clear_redistribute_planner_cache`, `_collective_utils.MeshTopoInfo.build_from_mesh`.
 - `algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper(module, **checkpoint_kwargs)`, and
-  `utils.checkpoint.create_selective_checkpoint_contexts` / `CheckpointPolicy` (activation checkpointing).
+  `utils.checkpoint.create_selective_checkpoint_contexts` / `CheckpointPolicy` / `noop_context_fn`
+  (activation checkpointing); `aten._grouped_mm` behind `F.grouped_mm` (the MoE's experts).
+- `torch.compiler.disable`, `torch._dynamo.maybe_mark_dynamic`, `torch._dynamo.utils.counters` (compile).
 - FSDP2: `fully_shard`, `MixedPrecisionPolicy`, `set_gradient_divide_factor`,
   `set_force_sum_reduction_for_comms`, `set_requires_gradient_sync`; a 1-rank mesh unshards by a copy.
 - DTensor's sharding rules for `aten._fused_adamw_` (fused AdamW on FSDP and TP parameters).

@@ -93,8 +93,9 @@ class Options:
     checkpoint: bool = False  # activation checkpointing (recompute each layer in backward)
     # what checkpointing keeps, as torchtitan's selective checkpointing chooses: "" every block whole (the
     # runtime's), "layer" every second block, "op" the outputs of attention and of every other matmul
-    # (`transformer_layers.selective_matmuls`). The runtime checkpoints whole blocks only, so the search never picks a
-    # selective one: they price measurements made with them (benchmarks/estimator_gpu_bench.py).
+    # (`transformer_layers.selective_matmuls`). The search never picks a selective one: they price measurements
+    # made with them (benchmarks/estimator_gpu_bench.py) and a recipe's `train.activation_checkpointing: selective`
+    # ("op", the runtime's per-operator policy).
     selective: str = ""
 
     def __post_init__(self) -> None:

@@ -326,6 +326,13 @@ def _kept_operators() -> set:
     return kept
 
 
+@functools.cache
+def _matmuls() -> set:
+    """The matmuls the policy counts: a linear layer's (with and without bias) and the MoE's grouped GEMM."""
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten._grouped_mm.default}
+
+
 def selective_checkpoint_context() -> tuple:
     """The context pair of one checkpointed block's forward and recompute (`torch.utils.checkpoint`'s
     `context_fn`): keep the attention kernels' outputs and those of the 1st, 3rd, 5th... matmul of the block,
@@ -333,7 +340,7 @@ def selective_checkpoint_context() -> tuple:
     apart in the forward and in the recompute, which see them in the same order."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    kept, matmuls = _kept_operators(), {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    kept, matmuls = _kept_operators(), _matmuls()
     seen = {False: 0, True: 0}  # matmuls so far, by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

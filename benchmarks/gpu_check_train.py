@@ -139,7 +139,8 @@ def fsdp_state(replica: ModelReplica) -> dict[str, Any]:
     sharded = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     state: dict[str, Any] = {"fsdp_modules": len(sharded)}
     if sharded:
-        policy = getattr(model.get_submodule(sharded[-1])._get_fsdp_state(), "_mp_policy", None)
+        state_of = getattr(model.get_submodule(sharded[-1]), "_get_fsdp_state", None)  # private, since torch 2.4
+        policy = getattr(state_of(), "_mp_policy", None) if state_of else None
         state["param_dtype"] = str(getattr(policy, "param_dtype", None)).removeprefix("torch.")
         state["reduce_dtype"] = str(getattr(policy, "reduce_dtype", None)).removeprefix("torch.")
     return state

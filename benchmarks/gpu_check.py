@@ -206,12 +206,12 @@ def environment(ctx: Context) -> dict[str, Any]:
             env[f"{package}_version"] = metadata.version(package)
         except metadata.PackageNotFoundError:
             env[f"{package}_version"] = None
-    try:
-        import torch.nn.attention.varlen
+    from omni_core.models.attention import resolve_attention, varlen_support
 
-        env["varlen_attn_in_torch"] = True
-    except ImportError:
-        env["varlen_attn_in_torch"] = False
+    support = varlen_support()  # what this torch's varlen_attn takes, None without it
+    env["varlen_attn"] = None if support is None else {"windows": support.windows, "gqa": support.gqa}
+    # the path `model.attention: auto` takes for omni-1b's bf16 heads of 128 on this device
+    env["attention_auto"] = resolve_attention("auto", torch.empty(1, 1, 128, dtype=torch.bfloat16, device=ctx.device))
     if ctx.device.type == "cuda":
         props, nccl = torch.cuda.get_device_properties(0), torch.cuda.nccl.version()  # a tuple, an int before 2.1
         env.update(
@@ -351,6 +351,7 @@ def _environment(s: dict[str, Any]) -> list[str]:
         f"{device}; torch {s.get('torch')}, CUDA {s.get('cuda')}, Python {s.get('python')}",
         f"matmul {matmul.get('dtype')} {matmul.get('n')}^3: {_num(matmul.get('tflops'))} TFLOP/s = "
         f"{_num(matmul.get('pct_of_peak'))}% of {peak.get('name')} ({_num(peak.get('tflops'))} TFLOP/s)",
+        f"model.attention auto takes {s.get('attention_auto')} here; torch's varlen_attn: {s.get('varlen_attn')}",
     ]
 
 

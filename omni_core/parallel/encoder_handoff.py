@@ -22,16 +22,20 @@ class Handoff:
 
     def __init__(self, roles: RankRoles, total_tokens: int, dim: int, trains: bool, device: torch.device):
         self.roles, self.total_tokens, self.dim, self.trains, self.device = roles, total_tokens, dim, trains, device
+        self._shares: dict[int, list[tuple[int, int]]] = {}
 
     def share(self, rank: int) -> list[tuple[int, int]]:
-        """The packed positions [first, end) a consumer's LLM holds (its context-parallel share)."""
-        plan = self.roles.plan
-        if plan.cp == 1:
-            return [(0, self.total_tokens)]
-        index = cp_token_index(self.total_tokens, plan.cp, self.roles.coords[rank]["cp"], plan.cp_kind)
-        chunk = self.total_tokens // (plan.cp if plan.cp_kind == "ulysses" else 2 * plan.cp)
-        starts = index[::chunk].tolist()
-        return [(s, s + chunk) for s in starts]
+        """The packed positions [first, end) a consumer's LLM holds (its context-parallel share), worked out
+        once per rank: the same every step."""
+        if rank not in self._shares:
+            plan = self.roles.plan
+            if plan.cp == 1:
+                self._shares[rank] = [(0, self.total_tokens)]
+            else:
+                index = cp_token_index(self.total_tokens, plan.cp, self.roles.coords[rank]["cp"], plan.cp_kind)
+                chunk = self.total_tokens // (plan.cp if plan.cp_kind == "ulysses" else 2 * plan.cp)
+                self._shares[rank] = [(s, s + chunk) for s in index[::chunk].tolist()]
+        return self._shares[rank]
 
     def transfers(self, pieces: list[Piece]) -> list[Transfer]:
         """(consumer, piece, first, end) of item rows, sorted by consumer, micro-batch and packed position:

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {', '.join(GPU_SECTIONS)}")
     budget = args.budget_s or (DRY_BUDGET_S if args.cpu_dry_run else GPU_BUDGET_S)
+    # a stop from outside unwinds through run_child, which kills the running section's processes (they run in
+    # their own session, which a stopped caller's kill would not reach)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run_all(names, args.out, args.cpu_dry_run, budget)
     print((args.out / "summary.txt").read_text())
     return report
@@ -122,11 +125,13 @@ def run_child(name: str, out: Path, dry_run: bool, seconds: float) -> dict[str, 
         log.flush()
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = child.wait(timeout=seconds)
+            code: int | None = child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
             code = None
+        finally:
+            if child.poll() is None:  # out of time, or this process is being stopped (SIGTERM, Ctrl-C)
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
     section: dict[str, Any] = json.loads(result.read_text()) if result.is_file() else {}
     result.unlink(missing_ok=True)
     section["wall_s"] = time.perf_counter() - started

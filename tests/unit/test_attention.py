@@ -112,7 +112,10 @@ class VarlenStandIn:
         return dense_reference(q, k, v, docs, causal=right == 0, window=None if left < 0 else left + 1)
 
 
-@pytest.mark.parametrize("support", [VarlenSupport(True, True), VarlenSupport(True, False), VarlenSupport(False, False)])
+SUPPORTS = [VarlenSupport(True, True), VarlenSupport(True, False), VarlenSupport(False, False)]  # by torch version
+
+
+@pytest.mark.parametrize("support", SUPPORTS)
 @pytest.mark.parametrize("causal, window, kv_heads", CASES)
 def test_varlen_makes_one_call_without_padding(monkeypatch, support, causal, window, kv_heads):
     stand_in = VarlenStandIn(support)
@@ -127,7 +130,8 @@ def test_varlen_makes_one_call_without_padding(monkeypatch, support, causal, win
     actual = forward_backward(flash_varlen_attention, q, k, v, docs, causal, window)
     assert_all_close(actual, forward_backward(dense_reference, q, k, v, docs, causal, window), 1e-10)
     (call,) = stand_in.calls  # one call for all documents
-    assert call["cu"].dtype == torch.int32 and call["cu"].tolist() == [0, 9, 15, 16, 18, 32]  # no padding, no empty document
+    # no padding, no empty document
+    assert call["cu"].dtype == torch.int32 and call["cu"].tolist() == [0, 9, 15, 16, 18, 32]
     assert call["max"] == (14, 14) and call["tokens"] == 32
     if support.windows:
         assert call["window_size"] == (-1 if window is None else window - 1, 0 if causal else -1)
@@ -141,7 +145,10 @@ def test_varlen_kernel_matches_the_sdpa_loop_on_cuda(window):
     q, k, v = packed_qkv(dtype=torch.bfloat16, device="cuda")
     assert attention.resolve_attention("auto", q, window is not None) == "varlen"
     expected = forward_backward(sdpa_document_attention, q, k, v, docs, True, window)
-    assert_all_close(forward_backward(varlen_attention, q, k, v, docs, True, window), expected, 2e-2)
+    actual = forward_backward(varlen_attention, q, k, v, docs, True, window)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), actual, expected):
+        error = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        assert error < 2e-2, (name, error)  # bf16 keeps 8 bits: both kernels round alike to about 1% of the scale
 
 
 def test_auto_takes_the_sdpa_loop_on_cpu_and_an_explicit_varlen_is_refused():

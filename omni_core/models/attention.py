@@ -154,7 +154,7 @@ def sdpa_document_attention(q, k, v, documents, causal: bool, window: int | None
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     outputs = []
-    for start, end, padding in docs.runs():
+    for start, end, padding in docs.runs:
         if padding:
             outputs.append(q.new_zeros(end - start, q.shape[1], v.shape[2]))
         elif window is None or end - start <= window:
@@ -211,7 +211,7 @@ def flash_varlen_attention(
     support = varlen_support()
     assert support is not None, "resolve_attention chooses varlen only where torch has it"
     docs = PackedDocuments.of(documents)
-    offsets, longest, spans = docs.attended()
+    offsets, longest, spans = docs.attended
     tokens = q.shape[0]
     if not offsets[-1]:  # padding alone
         return q.new_zeros(tokens, q.shape[1], v.shape[2])

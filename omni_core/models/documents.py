@@ -3,6 +3,7 @@ read from a device), the documents that are padding alone, and their device copi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,8 +45,10 @@ class PackedDocuments:
     def total(self) -> int:
         return self.offsets[-1]
 
+    @functools.cached_property
     def runs(self) -> list[tuple[int, int, bool]]:
-        """(start, end, is padding) of each non-empty document, consecutive padding documents merged."""
+        """(start, end, is padding) of each non-empty document, consecutive padding documents merged (worked
+        out once per layout: every layer asks)."""
         runs: list[tuple[int, int, bool]] = []
         for doc, (start, end) in enumerate(itertools.pairwise(self.offsets)):
             if end == start:
@@ -57,12 +60,13 @@ class PackedDocuments:
                 runs.append((start, end, padding))
         return runs
 
+    @functools.cached_property
     def attended(self) -> tuple[tuple[int, ...], int, list[tuple[int, int]] | None]:
         """(offsets, longest document) of the documents that are not padding, laid end to end, and the
         (start, end) token spans they come from (None when nothing is padding: the layout is the whole)."""
         if not self.padding:
             return self.offsets, max((b - a for a, b in itertools.pairwise(self.offsets)), default=0), None
-        spans = [(start, end) for start, end, padding in self.runs() if not padding]
+        spans = [(start, end) for start, end, padding in self.runs if not padding]
         offsets = [0]
         for start, end in spans:
             offsets.append(offsets[-1] + end - start)
@@ -73,7 +77,7 @@ class PackedDocuments:
         `device`, copied from pinned memory without waiting, once per layout and device."""
         key = (what, device)
         if key not in self._on_device:
-            offsets, _, spans = self.attended()
+            offsets, _, spans = self.attended
             if what == "cu_seqlens" and spans is None and self.device_offsets is not None:
                 value = self.device_offsets.to(device, torch.int32)
             elif what == "cu_seqlens":

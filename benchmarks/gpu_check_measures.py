@@ -7,8 +7,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from omni_core.runtime.sync_count import SyncCounter
 
 
 def skipped(reason: str) -> dict[str, str]:
@@ -54,18 +58,23 @@ def step_timer(device: torch.device) -> StepTimer:
 
 @dataclass
 class Syncs:
-    """Host syncs seen over the timed steps: reads of device tensors on the host and, on CUDA, the synchronizing
-    operations torch's sync debug mode reports (those inside C++ operators)."""
+    """Host syncs seen over some steps: reads of device tensors through Tensor's methods (with the line of omni
+    that asked) and, on CUDA, the synchronizing operations torch's sync debug mode reports. The debug mode sees
+    every sync, those of the reads and those inside C++ operators (`nonzero`, boolean-mask indexing), so the
+    count is the larger of the two, never their sum (a read would count twice)."""
 
-    counter: object = None
+    counter: SyncCounter
 
     def per_step(self, steps: int) -> float | None:
-        if self.counter is None or not steps:
-            return None
-        return (self.counter.total + self.counter.cuda_syncs) / steps  # type: ignore[attr-defined]
+        return max(self.counter.total, self.counter.cuda_syncs) / steps if steps else None
 
-    def sites(self) -> dict[str, int]:
-        return dict(self.counter.by_site.most_common(10)) if self.counter is not None else {}  # type: ignore[attr-defined]
+    def detail(self, steps: int) -> dict[str, object]:
+        return {
+            "steps": steps,
+            "host_reads": self.counter.total,
+            "cuda_sync_warnings": self.counter.cuda_syncs,
+            "sites": dict(self.counter.by_site.most_common(10)),
+        }
 
 
 @contextmanager

@@ -393,7 +393,7 @@ def timed_run(ctx, model: ThroughputModel, workload: str) -> dict[str, Any]:
         attention=recipe.model.attention,
         recompiles_after_warmup=recompiles.count,
         host_syncs_per_step=syncs.per_step(SYNC_COUNTED_STEPS),
-        host_sync_sites=syncs.sites(),
+        host_syncs=syncs.detail(SYNC_COUNTED_STEPS),
     )
     if not s.compile:
         report["compiled"] = skipped("inductor takes ~20 s a graph on a CPU: the dry run is eager")

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py: its CPU dry run end to end (every section runs and none errs, the report has its
-figures, nothing of tracking or Prefect is imported), and how the report names errors and skips."""
+figures, neither MLflow nor Prefect is imported), how the report names errors and skips, and the throughput
+section's fallback to more activation checkpointing."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert paths["flex_causal"]["status"] == "skipped"  # no backward on CPU: a named skip, not a silent one
     step = correctness["step_nccl_fsdp_checkpoint"]
     assert step["collectives_in_step"].get("all_reduce", 0) >= 1  # the one-rank shortcut was off
+    assert step["fsdp_modules"] > 0 and (step["param_dtype"], step["reduce_dtype"]) == ("bfloat16", "float32")
     assert step["losses_after_save"] == step["losses_after_load"]
     layouts = correctness["layouts_world1"]["losses"]
     assert layouts["dp1"] == layouts["dp1+omni"]

@@ -379,6 +379,10 @@ def timed_run(ctx, model: ThroughputModel, workload: str) -> dict[str, Any]:
                 break  # the section's time is nearly up: report the steps timed so far
             with timer:
                 results.append(one_step(replica, optimizers, next(arriving), dtype))
+    if not results:
+        raise RuntimeError(
+            f"no step was timed: the section's time ran out in the warm-up (model built in {model.build_s:.0f} s)"
+        )
     with host_sync_counter(info.device, optimizers) as syncs:
         for batch in DevicePrefetcher(iter(timed[:SYNC_COUNTED_STEPS]), info.device):
             one_step(replica, optimizers, batch, dtype)

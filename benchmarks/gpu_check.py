@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [n for n in names if n not in GPU_SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; known: {', '.join(GPU_SECTIONS)}")
+    if not args.cpu_dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("no CUDA GPU is visible here: --cpu-dry-run checks the script on the CPU")
     budget = args.budget_s or (DRY_BUDGET_S if args.cpu_dry_run else GPU_BUDGET_S)
     # a stop from outside unwinds through run_child, which kills the running section's processes (they run in
     # their own session, which a stopped caller's kill would not reach)

@@ -14,8 +14,21 @@ ModelPart = Literal["vision", "audio", "projectors", "llm"]  # OmniModel's modul
 MODEL_PARTS: tuple[str, ...] = get_args(ModelPart)
 
 
+class PretrainedParts(Strict):
+    """Local checkpoint directories in transformers' layout (config.json and safetensors), one per part."""
+
+    llm: str | None = Field(None, description="A Llama/Qwen2/Mistral-style LLM; its tokenizer becomes the recipe's")
+    vision: str | None = Field(None, description="A SigLIP vision tower (its processor config sets image inputs)")
+    audio: str | None = Field(None, description="A Whisper encoder (its feature extractor config sets log-mels)")
+
+
 class ModelConfig(Strict):
     flavor: str = Field("debug", description="Name in the model flavor registry")
+    pretrained: PretrainedParts = Field(
+        default_factory=PretrainedParts,
+        description="Parts started from transformers checkpoints: each part's architecture from its config.json "
+        "(the flavor's is replaced), its weights from its files; the projectors start fresh",
+    )
     freeze: list[ModelPart] = Field(default_factory=list)
     # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
@@ -24,6 +37,14 @@ class ModelConfig(Strict):
         "all documents in one call (CUDA, bf16); sdpa, one SDPA call per document (everywhere); flex, "
         "flex_attention with a block-sparse document mask (CUDA); auto: varlen where it runs, else sdpa",
     )
+
+    @field_validator("pretrained")
+    @classmethod
+    def _pretrained_not_built(cls, pretrained: PretrainedParts) -> PretrainedParts:
+        chosen = [part for part, folder in pretrained.model_dump().items() if folder is not None]
+        if chosen:
+            raise ValueError(f"model.pretrained.{chosen[0]}: starting from a checkpoint is not built yet")
+        return pretrained
 
     @field_validator("freeze")
     @classmethod

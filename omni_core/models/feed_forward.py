@@ -79,16 +79,32 @@ def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) ->
     return F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
 
 
-class Experts(nn.ModuleDict):
+class Experts(nn.Module):
     """The routed experts, keyed by global index (`experts.<e>.w1.weight`), run together over token rows
     sorted by expert: one grouped GEMM per projection over the experts' weights stacked at forward time, the
     groups delimited by offsets on the device, so no host read of how many tokens each expert got.
 
-    A module of its own, so that FSDP can shard the experts apart from their block (expert parallelism)."""
+    A module of its own, so that FSDP can shard the experts apart from their block (expert parallelism). It
+    holds them as a dict does, not as an nn.ModuleDict: torch 2.11's fully_shard refuses every ModuleDict, also
+    one with a forward (2.12 takes those)."""
 
     def __init__(self, experts: dict[str, FeedForward], activation: str):
-        super().__init__(experts)
+        super().__init__()
+        for key, expert in experts.items():
+            self.add_module(key, expert)
         self.act = GATE_ACTIVATIONS[activation]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, key: str) -> nn.Module:
+        return cast(nn.Module, self._modules[key])
+
+    def __delitem__(self, key: str) -> None:
+        del self._modules[key]
+
+    def values(self) -> list[nn.Module]:
+        return [cast(nn.Module, expert) for expert in self._modules.values()]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows `x` [N, dim] sorted by expert, `counts[j]` of them for the j-th expert held -> [N, dim].

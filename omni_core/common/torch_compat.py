@@ -16,6 +16,8 @@ Read in the sources of 2.11.0, 2.12.0, 2.13.0 and 2.14.1, and present with the s
 - `torch.compiler.disable`, `torch._dynamo.maybe_mark_dynamic`, `torch._dynamo.utils.counters` (compile).
 - FSDP2: `fully_shard`, `MixedPrecisionPolicy`, `set_gradient_divide_factor`,
   `set_force_sum_reduction_for_comms`, `set_requires_gradient_sync`; a 1-rank mesh unshards by a copy.
+  2.11's `fully_shard` refuses every ModuleDict (2.12 takes one with a forward): `feed_forward.Experts` is
+  an nn.Module, which every version takes, so no gate.
 - DTensor's sharding rules for `aten._fused_adamw_` (fused AdamW on FSDP and TP parameters).
 - `distributed._functional_collectives` (models.feed_forward), `pipelining.stage._PipelineStageBase`
   (parallel.pipeline), `utils._python_dispatch.TorchDispatchMode` (measure.sampling).

@@ -13,12 +13,13 @@ import torch
 Offsets = Sequence[int] | torch.Tensor
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)  # not frozen: dynamo (torch 2.11) guards on a frozen dataclass's fields, one graph per layout
 class PackedDocuments:
     """The documents of a packed sequence as host integers, with what each path builds from them on a device.
 
     One is built per forward (`of`) and shared by every layer, so that device copies of the offsets (and of the
-    index of the tokens that are not padding) are made once, asynchronously, never read back."""
+    index of the tokens that are not padding) are made once, asynchronously, never read back. Not changed once
+    built (its cached properties assume so)."""
 
     offsets: tuple[int, ...]  # [D+1] from 0 to the tokens
     padding: frozenset[int] = frozenset()  # indices of the documents that are padding alone

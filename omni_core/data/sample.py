@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -128,11 +128,22 @@ def record_fields(obj: Any) -> tuple[str, str, list[SegmentFields]]:
     return sample_id, modality, fields
 
 
+class Rendered(NamedTuple):
+    """A conversation rendered by its chat template: ids with one placeholder per media segment (in the order of
+    the sample's media segments), and whether each id is a training target (an assistant reply's token)."""
+
+    ids: list[int]
+    trainable: list[bool]
+
+
 @dataclass(slots=True)
 class Sample:
     id: str
     modality: str
     segments: list[Segment]
+    # a conversation (data/conversation.py): its ids come from here, its segments are its media then one
+    # empty text segment that stands for the rendered text (whose tokens SegmentRows.add is told)
+    rendered: Rendered | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "modality": self.modality, "segments": [seg.to_json() for seg in self.segments]}
@@ -177,7 +188,8 @@ class SegmentRows:
         self.flat = array("q")
         self.samples = 0
 
-    def add(self, fields: Iterable[SegmentFields]) -> None:
+    def add(self, fields: Iterable[SegmentFields], text_tokens: int | None = None) -> None:
+        """`text_tokens`: the text's tokens, counted already (a rendered conversation's one text segment)."""
         owner = self.samples
         for kind, text, _, width, height, num_samples, sample_rate, num_frames in fields:
             self.flat.extend(
@@ -189,7 +201,7 @@ class SegmentRows:
                     num_samples,
                     sample_rate,
                     num_frames,
-                    text_length(text) if kind == "text" else 0,
+                    (text_length(text) if text_tokens is None else text_tokens) if kind == "text" else 0,
                 )
             )
         self.samples += 1
@@ -308,6 +320,8 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
 
 def token_ids(sample: Sample, segment_tokens: Sequence[int]) -> list[int]:
     """BOS + text ids / placeholders + EOS: the sample's input ids, given its measured segment sizes."""
+    if sample.rendered is not None:
+        return [BOS_ID, *_expanded(sample, segment_tokens, sample.rendered.ids), EOS_ID]
     ids = [BOS_ID]
     for seg, count in zip(sample.segments, segment_tokens, strict=True):
         if seg.kind == "text":
@@ -316,3 +330,37 @@ def token_ids(sample: Sample, segment_tokens: Sequence[int]) -> list[int]:
             ids.extend([PLACEHOLDER_IDS[seg.kind]] * count)
     ids.append(EOS_ID)
     return ids
+
+
+def trainable_mask(sample: Sample, segment_tokens: Sequence[int]) -> list[bool] | None:
+    """Per id of `token_ids`, whether it is a training target; None for a segment sample (every text token and
+    EOS is, packing.document_labels). BOS and placeholders never are; EOS is when the rendering ends trained."""
+    if sample.rendered is None:
+        return None
+    trainable = sample.rendered.trainable
+    return [False, *_expanded(sample, segment_tokens, trainable, placeholder_value=False), trainable[-1]]
+
+
+def _expanded(
+    sample: Sample, segment_tokens: Sequence[int], values: Sequence[Any], placeholder_value: Any = None
+) -> list[Any]:
+    """A rendered conversation's per-id `values` with each media placeholder repeated by its media's measured
+    count (as `placeholder_value`, or the placeholder id itself)."""
+    assert sample.rendered is not None
+    media = iter(
+        [(seg.kind, count) for seg, count in zip(sample.segments, segment_tokens, strict=True) if seg.kind != "text"]
+    )
+    kind_of = {ident: kind for kind, ident in PLACEHOLDER_IDS.items()}
+    out: list[Any] = []
+    for ident, value in zip(sample.rendered.ids, values, strict=True):
+        kind = kind_of.get(ident)
+        if kind is None:
+            out.append(value)
+            continue
+        expected, count = next(media, (None, 0))
+        if expected != kind:
+            raise ValueError(f"sample {sample.id!r}: a {kind} placeholder where its media segments have {expected}")
+        out.extend([ident if placeholder_value is None else placeholder_value] * count)
+    if next(media, None) is not None:
+        raise ValueError(f"sample {sample.id!r}: more media segments than placeholders in its rendering")
+    return out

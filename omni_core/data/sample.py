@@ -129,11 +129,12 @@ def record_fields(obj: Any) -> tuple[str, str, list[SegmentFields]]:
 
 
 class Rendered(NamedTuple):
-    """A conversation rendered by its chat template: ids with one placeholder per media segment (in the order of
-    the sample's media segments), and whether each id is a training target (an assistant reply's token)."""
+    """A conversation rendered by its chat template: ids holding one placeholder per media segment (at `media_at`,
+    in the order of the sample's media segments), and whether each id is a training target (a reply's token)."""
 
     ids: list[int]
     trainable: list[bool]
+    media_at: list[int]
 
 
 @dataclass(slots=True)
@@ -347,20 +348,15 @@ def _expanded(
     """A rendered conversation's per-id `values` with each media placeholder repeated by its media's measured
     count (as `placeholder_value`, or the placeholder id itself)."""
     assert sample.rendered is not None
-    media = iter(
-        [(seg.kind, count) for seg, count in zip(sample.segments, segment_tokens, strict=True) if seg.kind != "text"]
-    )
-    kind_of = {ident: kind for kind, ident in PLACEHOLDER_IDS.items()}
+    counts = [count for seg, count in zip(sample.segments, segment_tokens, strict=True) if seg.kind != "text"]
+    media_at = sample.rendered.media_at
+    if len(counts) != len(media_at):
+        raise ValueError(f"sample {sample.id!r}: {len(counts)} media segments but {len(media_at)} placeholders")
     out: list[Any] = []
-    for ident, value in zip(sample.rendered.ids, values, strict=True):
-        kind = kind_of.get(ident)
-        if kind is None:
-            out.append(value)
-            continue
-        expected, count = next(media, (None, 0))
-        if expected != kind:
-            raise ValueError(f"sample {sample.id!r}: a {kind} placeholder where its media segments have {expected}")
-        out.extend([ident if placeholder_value is None else placeholder_value] * count)
-    if next(media, None) is not None:
-        raise ValueError(f"sample {sample.id!r}: more media segments than placeholders in its rendering")
+    start = 0
+    for at, count in zip(media_at, counts):
+        out += values[start:at]
+        out += [values[at] if placeholder_value is None else placeholder_value] * count
+        start = at + 1
+    out += values[start:]
     return out

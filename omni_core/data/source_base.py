@@ -6,9 +6,11 @@ a sample is skipped (`SKIP_REASONS`, raised as `CorruptSample`). The sharded sou
 from __future__ import annotations
 
 import hashlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
+from pathlib import PurePosixPath
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -27,7 +29,12 @@ SKIP_REASONS = {
     "lost_sample": "a sample of a truncated shard after where it broke off, counted where the dataset's "
     "shardindex.json (webdataset's wids format) says how many the shard holds",
     "too_long": "a sample longer than data.seq_len",
-    "unsafe_path": "a media path that is absolute or climbs out of the manifest's folder (never read)",
+    "unsafe_path": "a media path that is absolute, a URL, or climbs out of the manifest's folder or data.media_root "
+    "(never read)",
+    "empty_conversation": "a conversation record without a turn",
+    "no_assistant_turn": "a conversation without an assistant reply: nothing to train on",
+    "unknown_role": "a turn whose speaker is none of human/user, gpt/assistant, system",
+    "media_marker_mismatch": "an <image>/<audio>/<video> marker without its media, or media without a marker",
 }
 
 
@@ -38,6 +45,15 @@ class CorruptSample(Exception):
     def __init__(self, sample_id: str, where: str, reason: str, detail: str = "") -> None:
         super().__init__(f"sample {sample_id!r}: {where}: {reason}{': ' + detail if detail else ''}")
         self.sample_id, self.where, self.reason = sample_id, where, reason
+
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # http:, s3:, data:, file:, and a drive letter
+
+
+def leaves_folder(path: str) -> bool:
+    """Whether a media path could name a file outside the folder it is relative to (or not a file at all)."""
+    parts = PurePosixPath(path.replace("\\", "/"))
+    return parts.is_absolute() or ".." in parts.parts or bool(URL_SCHEME.match(path))
 
 
 def in_heldout(sample_id: str, fraction: float) -> bool:

@@ -26,7 +26,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omni_core.data.sample import KIND_CODE, SIZE_FIELDS, Measures, Sample, SegmentFields, SegmentRows, measure
+from omni_core.data.conversation import MediaRef, NoRenderer, Render, media_segment, parse_conversation
+from omni_core.data.sample import (
+    KIND_CODE,
+    SIZE_FIELDS,
+    Measures,
+    Sample,
+    Segment,
+    SegmentFields,
+    SegmentRows,
+    measure,
+)
 from omni_core.data.source_base import CorruptSample, Record, Sizes, Source, Stream, View, in_heldout
 from omni_core.data.storage import Storage
 from omni_core.recipe.data_sections import DataConfig
@@ -55,6 +65,16 @@ class Entry(NamedTuple):
     offset: int  # where it starts
     after: int  # where the next entry starts
     content: Any
+
+
+class Parsed(NamedTuple):
+    """A parsed entry: what `_parse` returns."""
+
+    id: str
+    modality: str
+    fields: list[SegmentFields]
+    payload: Any  # (Sample, where its media are), or None when not asked to build it
+    text_tokens: int | None = None  # a rendered conversation's text tokens (SegmentRows.add)
 
 
 class Truncated(NamedTuple):
@@ -128,11 +148,16 @@ class ShardedSource(Source):
     def __init__(self, location: str, cfg: DataConfig) -> None:
         self.location, self.cfg = location, cfg
         self.storage = Storage(cfg.s3_endpoint_url)
-        self.shards = self.storage.shards(location, self.suffix)
+        self.shards = self._shards(location)
         if not self.shards:
             raise FileNotFoundError(f"{location}: no *{self.suffix} shard found")
         self.identity = f"{location} ({len(self.shards)} shards)"
         self.held: dict[str, int] = {}  # samples per shard, where an index says (a truncated shard's lost ones)
+        # conversation records' renderer (messages -> Rendered): the recipe's tokenizer and chat template
+        self.render: Render | None = None
+
+    def _shards(self, location: str) -> list[str]:
+        return self.storage.shards(location, self.suffix)
 
     def plan(self, view: View, epoch: int) -> tuple[list[int], int]:
         """(shard indices this consumer reads in `epoch`, record stride): whole shards when there are enough
@@ -183,10 +208,21 @@ class ShardedSource(Source):
         """A shard's entries from byte `offset`, which is entry `index`."""
 
     @abstractmethod
-    def _parse(self, shard: str, raw: Entry, build: bool) -> tuple[str, str, list[SegmentFields], Any]:
-        """(id, modality, segment fields, payload): the payload (sample, where its media are) only if `build`
-        (else None, or whatever the source had to build anyway); raises CorruptSample (reason) or ValueError
-        (a bad record)."""
+    def _parse(self, shard: str, raw: Entry, build: bool) -> Parsed:
+        """The entry parsed: the payload (sample, where its media are) only if `build` (else None, or whatever
+        the source had to build anyway); raises CorruptSample (reason) or ValueError (a bad record)."""
+
+    def _conversation(self, obj: Any, where: Any, media: Callable[[str, MediaRef], tuple[str, bytes | None]]) -> Parsed:
+        """A conversation record as a rendered sample. `media(id, ref)` is (the segment's path, the file's bytes
+        when the record gives no sizes, else None): the sizes come from the record, or from the file's header."""
+        if self.render is None:
+            raise NoRenderer(f"{self.location}: conversation records need a tokenizer with a chat template")
+        conv = parse_conversation(obj)
+        segments = [media_segment(conv.id, ref, *media(conv.id, ref)) for ref in conv.media]
+        rendered = self.render(conv.messages)
+        sample = Sample(conv.id, conv.modality, [*segments, Segment("text")], rendered)
+        fields = [seg.fields() for seg in sample.segments]
+        return Parsed(conv.id, conv.modality, fields, (sample, where), len(rendered.ids) - len(segments))
 
     def _chunks(self, view: View, at: Position, build: bool) -> Iterator[tuple[int, int, _Parsed]]:
         """(epoch, slot, parsed entries) over epochs, from `at` on."""
@@ -244,7 +280,7 @@ class ShardedSource(Source):
             if not keep(raw.number):
                 continue
             try:
-                sample_id, modality, fields, payload = self._parse(shard, raw, build)
+                sample_id, modality, fields, payload, text_tokens = self._parse(shard, raw, build)
             except (CorruptSample, ValueError) as err:
                 reason = err.reason if isinstance(err, CorruptSample) else "bad_record"
                 if logged < LOGGED_PER_SHARD:
@@ -256,7 +292,7 @@ class ShardedSource(Source):
                 continue
             entries.append((raw, rows.samples, payload))
             modalities.append(KIND_CODE[modality])
-            rows.add(fields)
+            rows.add(fields, text_tokens)
             if rows.samples == CHUNK:
                 yield flush()
         yield flush()

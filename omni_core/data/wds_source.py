@@ -11,15 +11,17 @@ from typing import Any
 import orjson
 
 from omni_core.data.audio import audio_header
+from omni_core.data.conversation import MediaRef, record_format
 from omni_core.data.image import image_header, video_header
 from omni_core.data.media_decode import DECODE_ERRORS, decode_media, media_error
-from omni_core.data.sample import Sample, Segment, SegmentFields, modality_of
+from omni_core.data.sample import Sample, Segment, modality_of
 from omni_core.data.source_base import CorruptSample, Record
-from omni_core.data.sources import Entry, ShardedSource, Truncated
+from omni_core.data.sources import Entry, Parsed, ShardedSource, Truncated
 from omni_core.data.storage import join, parent
 from omni_core.recipe.data_sections import DataConfig
 
 IMAGE_EXTS, AUDIO_EXTS, VIDEO_EXTS, TEXT_EXTS = {"png", "jpg", "jpeg", "webp"}, {"wav", "flac"}, {"gif"}, {"txt"}
+MEDIA_EXTS = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS}
 
 
 def split_member(name: str) -> tuple[str, str]:
@@ -87,7 +89,7 @@ class WdsSource(ShardedSource):
         finally:
             body.close()
 
-    def _parse(self, shard: str, raw: Entry, build: bool) -> tuple[str, str, list[SegmentFields], Any]:
+    def _parse(self, shard: str, raw: Entry, build: bool) -> Parsed:
         """Builds the sample whatever `build` says: checking its members needs it."""
         key, members = raw.content
         where = f"{shard}:{key}"
@@ -98,7 +100,11 @@ class WdsSource(ShardedSource):
                 raise ValueError(f"{key}.json is not JSON: {err}") from None
             if isinstance(obj, dict):
                 obj.setdefault("id", key)
+            if record_format(obj, self.cfg.format) == "conversation":
+                return self._conversation(obj, (where, members), _MemberPicker(where, members).pick)
             sample = Sample.from_json(obj)
+        elif self.cfg.format == "conversation":
+            raise ValueError(f"{key}: data.format is conversation but the sample has no {key}.json")
         else:
             segments = self._inferred_segments(where, key, members)
             sample = Sample(key, modality_of(seg.kind for seg in segments), segments)
@@ -110,7 +116,7 @@ class WdsSource(ShardedSource):
                     seg.text = members[seg.path].decode("utf-8")
                 except UnicodeDecodeError as err:
                     raise ValueError(f"{key}.{seg.path} is not UTF-8: {err}") from None
-        return sample.id, sample.modality, [seg.fields() for seg in sample.segments], (sample, (where, members))
+        return Parsed(sample.id, sample.modality, [seg.fields() for seg in sample.segments], (sample, (where, members)))
 
     def _inferred_segments(self, where: str, key: str, members: dict[str, bytes]) -> list[Segment]:
         """Media members (by sorted extension) then text members: sizes read from headers."""
@@ -144,3 +150,24 @@ class WdsSource(ShardedSource):
 
     def where(self, record: Record, seg: Segment) -> str:
         return f"{record.payload[1][0]}.{seg.path}"
+
+
+class _MemberPicker:
+    """A conversation's media among its sample's members: a media path that names a member's extension ("jpg",
+    "1.png") is that member; any other (the file name the record was made from) takes the next member of its
+    kind not named, in extension order."""
+
+    def __init__(self, where: str, members: dict[str, bytes]) -> None:
+        self.where, self.members = where, members
+        self.taken: set[str] = set()
+
+    def pick(self, sample_id: str, ref: MediaRef) -> tuple[str, bytes | None]:
+        ext = ref.path if ref.path in self.members else None
+        if ext is None:
+            kind_exts = MEDIA_EXTS[ref.kind]
+            free = [e for e in sorted(self.members) if e.rsplit(".", 1)[-1] in kind_exts and e not in self.taken]
+            if not free:
+                raise CorruptSample(sample_id, f"{self.where}.{ref.path}", "missing_file", f"no {ref.kind} member")
+            ext = free[0]
+        self.taken.add(ext)
+        return ext, None if ref.sizes else self.members[ext]

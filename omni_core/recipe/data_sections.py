@@ -165,7 +165,8 @@ class DataConfig(Strict):
     source: Literal["synthetic", "jsonl", "wds", "dynamic"] = Field(
         "synthetic",
         description="synthetic: generate into `path` (in synthetic.format) unless there already, then read it; "
-        "jsonl: a manifest (a .jsonl file or a folder holding manifest.jsonl); wds: WebDataset shards (a .tar "
+        "jsonl: a manifest (a .jsonl file, a .json file holding an array of records, or a folder holding "
+        "manifest.jsonl or *.jsonl / *.json files); wds: WebDataset shards (a .tar "
         "or a folder of them); both local or s3://bucket/key; dynamic: drawn on the fly from data.synthetic, "
         "following its schedule by training step",
     )
@@ -174,6 +175,19 @@ class DataConfig(Strict):
         "", description="S3-compatible endpoint such as MinIO (http://minio:9000); empty: $AWS_ENDPOINT_URL or AWS"
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    format: Literal["auto", "segments", "conversation"] = Field(
+        "auto",
+        description="How jsonl/wds records are read: segments (omni's metadata records), conversation (LLaVA, "
+        "ShareGPT or OpenAI `messages` records, see docs/data.md), or auto: each record by its keys",
+    )
+    train_on_prompt: StrictBool = Field(
+        False, description="Conversations: loss on every turn's tokens (false: on the assistant replies only)"
+    )
+    media_root: NoCredentials = Field(
+        "",
+        description="Conversations in .json/.jsonl: the folder their media paths are relative to, local or s3:// "
+        "(empty: the manifest's folder); absolute paths and paths climbing out of it are skipped as unsafe_path",
+    )
     heldout_fraction: StrictFloat = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
     seq_len: StrictInt = Field(512, ge=16, le=MAX_SEQ_LEN, description="Token budget of one packed sequence")
     micro_batch: StrictInt = Field(1, ge=1, description="Packed sequences per rank per micro-step")

@@ -1,0 +1,144 @@
+"""Conversation records (LLaVA, ShareGPT, OpenAI messages): one normal form, read from .json arrays, .jsonl and
+WebDataset shards, loss only on the replies, and bad records skipped and counted by reason."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from omni_core.common.tokenizer import IMAGE_ID, ByteTokenizer
+from omni_core.data.conversation import NoRenderer, parse_conversation
+from omni_core.data.dataset import open_source
+from omni_core.data.sample import token_ids, trainable_mask
+from omni_core.data.source_base import CorruptSample, Record, View
+from omni_core.recipe.data_sections import DataConfig
+from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
+
+BYTES = ByteTokenizer()
+
+
+def read(location: Path, source: str = "jsonl", **settings) -> tuple[list[Record], Counter[str], object]:
+    cfg = DataConfig(source=source, **settings)
+    src = open_source(str(location), cfg)
+    src.render = byte_chatml
+    skipped: list[str] = []
+    stream = src.stream(View(0, 1, "all", 0, one_pass=True, shuffle=False), None, skipped.append)
+    return list(iter(lambda: stream.next(0), None)), Counter(skipped), src
+
+
+def test_every_format_gives_the_same_messages():
+    record = {k: v for k, v in llava_records(1)[0].items() if k != "_png"}
+    llava, share, oai = (parse_conversation(r) for r in (record, sharegpt(record), openai(record)))
+    assert llava.messages == share.messages == oai.messages
+    assert llava.media == share.media == oai.media and [m.path for m in llava.media] == [record["image"]]
+    assert llava.messages[0] == {
+        "role": "user",
+        "content": [{"type": "image"}, {"type": "text", "text": "What colour is the box?"}],
+    }
+    assert llava.messages[1] == {"role": "assistant", "content": "It is red."}
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> dict[str, Path]:
+    return write_llava(tmp_path_factory.mktemp("llava"))
+
+
+def test_a_json_array_a_jsonl_and_a_shard_load_the_same(llava):
+    got = {kind: read(path, "wds" if kind == "wds" else "jsonl")[:2] for kind, path in llava.items()}
+    summary = {kind: [(r.id, r.modality, r.tokens, r.segment_tokens) for r in recs] for kind, (recs, _) in got.items()}
+    assert summary["json"] == summary["jsonl"] == summary["wds"] and len(summary["json"]) == 12
+    assert all(not skips for _, skips in got.values())
+    first = got["json"][0][0]
+    assert first.modality == "image" and first.image_items == 1 and first.segment_tokens[0] == 2 * 3  # 24x16 at 8 px
+
+
+def test_decoded_conversations_train_only_on_the_replies(llava):
+    records, _, src = read(llava["json"])
+    by_id = {r["id"]: r for r in json.loads(llava["json"].read_text())}
+    for record in records:
+        sample = src.sample(record)
+        ids, mask = token_ids(sample, record.segment_tokens), trainable_mask(sample, record.segment_tokens)
+        assert mask is not None and len(mask) == len(ids) == record.tokens
+        assert ids.count(IMAGE_ID) == record.image_llm == record.segment_tokens[0]
+        assert not any(m for i, m in zip(ids, mask) if i == IMAGE_ID) and mask[-1]  # the closing EOS is trained
+        runs = "".join(BYTES.decode([i]) if m else "|" for i, m in zip(ids, mask)).split("|")
+        replies = [t["value"] + "\n" for t in by_id[record.id]["conversations"] if t["from"] == "gpt"]
+        assert [run for run in runs if run] == replies
+
+
+def test_media_sizes_come_from_the_record_or_the_file_header(tmp_path):
+    write_llava(tmp_path, 2)
+    records = json.loads((tmp_path / "llava.json").read_text())
+    records[0]["image"] = {"path": records[0]["image"], "width": 80, "height": 80}  # trusted: no file is opened
+    (tmp_path / "sized.json").write_text(json.dumps(records))
+    got, skips, _ = read(tmp_path / "sized.json")
+    assert not skips and [r.segment_tokens[0] for r in got] == [64, 2 * 4]  # 80x80: 10x10 patches, capped at 64; 16x32
+
+
+BAD = {
+    "empty_conversation": {"id": "a", "conversations": []},
+    "no_assistant_turn": {"id": "b", "conversations": [{"from": "human", "value": "hello?"}]},
+    "unknown_role": {"id": "c", "conversations": [{"from": "tool", "value": "{}"}, {"from": "gpt", "value": "ok"}]},
+    "media_marker_mismatch": {
+        "id": "d",
+        "conversations": [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "x"}],
+    },
+    "unsafe_path": {
+        "id": "e",
+        "image": "../secret.png",
+        "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+    },
+    "missing_file": {
+        "id": "f",
+        "image": "absent.png",
+        "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+    },
+    "bad_record": {"id": "g", "conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]},
+}
+
+
+def test_each_malformed_conversation_is_skipped_and_counted_by_reason(tmp_path):
+    write_llava(tmp_path, 1)
+    unmarked = {
+        "id": "h",
+        "image": "images/0000.png",
+        "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}],
+    }
+    good = json.loads((tmp_path / "llava.json").read_text())
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*BAD.values(), unmarked, *good]))
+    got, skips, _ = read(tmp_path / "bad.jsonl")
+    assert [r.id for r in got] == ["conv-0000"]
+    assert skips == Counter({**dict.fromkeys(BAD, 1), "media_marker_mismatch": 2})
+    for reason, record in BAD.items():
+        if reason not in ("missing_file", "bad_record"):
+            with pytest.raises(CorruptSample, match=reason):
+                parse_conversation(record)
+
+
+def test_a_json_file_that_is_no_array_is_an_error_naming_it(tmp_path):
+    for name, text in (("object.json", '{"id": "x"}'), ("cut.json", '[{"id": "x", "conversations": []}, {"id"')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=name):
+            read(tmp_path / name)
+
+
+def test_an_array_resumes_at_a_saved_position(llava):
+    cfg = DataConfig(source="jsonl")
+    src = open_source(str(llava["json"]), cfg)
+    src.render = byte_chatml
+    view = View(0, 1, "all", 0, one_pass=True, shuffle=False)
+    stream = src.stream(view, None, lambda reason: None)
+    first = [stream.next(0) for _ in range(5)]
+    resumed = src.stream(view, stream.position(), lambda reason: None)
+    rest = list(iter(lambda: resumed.next(0), None))
+    assert [r.id for r in first + rest] == [f"conv-{i:04d}" for i in range(12)]
+    assert src.refetch(view, first[3].ref).id == first[3].id
+
+
+def test_conversations_need_a_renderer(llava):
+    src = open_source(str(llava["jsonl"]), DataConfig(source="jsonl"))
+    with pytest.raises(NoRenderer, match="chat template"):
+        src.check_usable()

@@ -24,7 +24,9 @@ from typing import Any, Literal
 
 import orjson
 
+from omni_core.common.tokenizer import Tokenizer
 from omni_core.data.audio import audio_header
+from omni_core.data.chat import render_conversation
 from omni_core.data.image import image_header, video_header
 from omni_core.data.media_decode import DECODE_ERRORS, media_error
 from omni_core.data.sample import Rendered, Segment, segment_fields
@@ -41,6 +43,23 @@ SIZE_KEYS = {
 }
 RecordFormat = Literal["segments", "conversation"]
 Render = Callable[[list[dict[str, Any]]], Rendered]  # messages -> ids and loss mask (the recipe's chat template)
+
+
+def chat_renderer(tokenizer: Tokenizer, train_on_prompt: bool) -> Render | None:
+    """Conversations rendered with the tokenizer's chat template (data/chat.py); None for a tokenizer without
+    one (the byte tokenizer), which reads segment records only. A leading BOS the template writes is left out:
+    the sample's token layout adds the tokenizer's BOS to every document, as it does EOS at the end."""
+    if tokenizer.chat_template is None:
+        return None
+    placeholders = set(tokenizer.placeholder_ids.values())
+
+    def render(messages: list[dict[str, Any]]) -> Rendered:
+        out = render_conversation(tokenizer, messages, train_on_prompt=train_on_prompt)
+        skip = int(bool(out.ids) and tokenizer.bos_id is not None and out.ids[0] == tokenizer.bos_id)
+        ids = out.ids[skip:]
+        return Rendered(ids, out.trainable[skip:], [i for i, t in enumerate(ids) if t in placeholders])
+
+    return render
 
 
 class NoRenderer(Exception):

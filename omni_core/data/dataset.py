@@ -13,12 +13,13 @@ from typing import Literal
 
 import torch
 
-from omni_core.common.tokenizer import PAD_ID
+from omni_core.common.tokenizer import PAD_ID, Tokenizer
 from omni_core.data.audio import log_mel, resample
+from omni_core.data.conversation import chat_renderer
 from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.image import patchify
 from omni_core.data.jsonl_source import JsonlSource
-from omni_core.data.sample import Segment, token_ids
+from omni_core.data.sample import Segment, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, Source
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.data.wds_source import WdsSource
@@ -42,17 +43,21 @@ class DecodedSample:
     video_patches: list[torch.Tensor] = field(default_factory=list)  # [frames*rows*cols, 3*p*p] each, frame by frame
     video_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (sampled frames, rows, cols)
     is_padding: bool = False
+    trainable: list[bool] | None = None  # a conversation's targets (sample.trainable_mask); None: every text token
 
     @classmethod
     def padding(cls, length: int) -> DecodedSample:
         return cls([PAD_ID] * length, is_padding=True)
 
 
-def open_source(location: str, cfg: DataConfig) -> Source:
+def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Source:
+    """The source at `location`; conversation records render with `tokenizer`'s chat template."""
     kind = cfg.synthetic.format if cfg.source == "synthetic" else cfg.source
     if kind == "dynamic":
         return DynamicSource(cfg)
-    return (JsonlSource if kind == "jsonl" else WdsSource)(location, cfg)
+    source = (JsonlSource if kind == "jsonl" else WdsSource)(location, cfg)
+    source.render = chat_renderer(tokenizer, cfg.train_on_prompt) if tokenizer is not None else None
+    return source
 
 
 class ManifestDataset:
@@ -71,6 +76,7 @@ class ManifestDataset:
         """Reads and featurises a record's media; raises CorruptSample instead of any I/O or format error."""
         sample = self.source.sample(record)
         doc = DecodedSample(token_ids(sample, record.segment_tokens), sample.modality)
+        doc.trainable = trainable_mask(sample, record.segment_tokens)
         for seg in sample.segments:
             if seg.kind == "text":
                 continue

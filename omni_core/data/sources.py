@@ -216,7 +216,10 @@ class ShardedSource(Source):
         """A conversation record as a rendered sample. `media(id, ref)` is (the segment's path, the file's bytes
         when the record gives no sizes, else None): the sizes come from the record, or from the file's header."""
         if self.render is None:
-            raise NoRenderer(f"{self.location}: conversation records need a tokenizer with a chat template")
+            raise NoRenderer(
+                f"{self.location}: conversation records need a tokenizer with a chat template "
+                "(model.pretrained.llm's tokenizer_config.json chat_template)"
+            )
         conv = parse_conversation(obj)
         segments = [media_segment(conv.id, ref, *media(conv.id, ref)) for ref in conv.media]
         rendered = self.render(conv.messages)

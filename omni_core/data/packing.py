@@ -152,6 +152,14 @@ def document_labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
+def masked_labels(ids: torch.Tensor, trainable: list[bool]) -> torch.Tensor:
+    """Next-token targets of a conversation: only the ids its mask marks (the replies, data.train_on_prompt
+    aside) are predicted."""
+    labels = torch.full_like(ids, IGNORE)
+    labels[:-1] = torch.where(torch.tensor(trainable[1:], dtype=torch.bool), ids[1:], IGNORE)
+    return labels
+
+
 PAD_DOC = 128  # tokens per padding document at most
 
 
@@ -176,7 +184,9 @@ def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatc
     patch_dim = 3 * cfg.patch_size**2
     return PackedBatch(
         input_ids=torch.cat(ids),
-        labels=torch.cat([document_labels(x) for x in ids]),
+        labels=torch.cat(
+            [document_labels(x) if d.trainable is None else masked_labels(x, d.trainable) for x, d in zip(ids, docs)]
+        ),
         position_ids=torch.cat([torch.arange(len(x)) for x in ids]),
         cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0)),
         loss_modality=torch.cat([torch.full((len(x),), MODALITY_IDS[d.modality]) for x, d in zip(ids, docs)]),

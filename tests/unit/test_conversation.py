@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from omni_core.common.tokenizer import IMAGE_ID, ByteTokenizer
+from omni_core.common.tokenizer import EOS_ID, IMAGE_ID, ByteTokenizer, HFTokenizer
 from omni_core.data.conversation import NoRenderer, parse_conversation
-from omni_core.data.dataset import open_source
+from omni_core.data.dataset import ManifestDataset, open_source
+from omni_core.data.packing import IGNORE, collate
 from omni_core.data.sample import token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, View
 from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
+from tests.helpers.data_sources import records as helper_records
+from tests.helpers.hf_tokenizer import write_tokenizer
 
 BYTES = ByteTokenizer()
 
@@ -142,3 +145,38 @@ def test_conversations_need_a_renderer(llava):
     src = open_source(str(llava["jsonl"]), DataConfig(source="jsonl"))
     with pytest.raises(NoRenderer, match="chat template"):
         src.check_usable()
+
+
+def test_a_packed_batch_has_loss_only_on_the_replies(llava):
+    dataset = ManifestDataset(llava["jsonl"], DataConfig(source="jsonl", seq_len=1024))
+    dataset.source.render = byte_chatml
+    records = helper_records(dataset)[:4]
+    docs = [dataset.decode(r) for r in records]
+    batch = collate([docs[:2], docs[2:]], dataset.cfg)
+    targets = batch.labels[batch.labels != IGNORE].tolist()
+    by_id = {r["id"]: r for r in map(json.loads, llava["jsonl"].read_text().splitlines())}
+    replies = [t["value"] + "\n" for r in records for t in by_id[r.id]["conversations"] if t["from"] == "gpt"]
+    assert BYTES.decode(targets) == "".join(replies) and targets.count(EOS_ID) == len(records)
+    assert len(batch.image_grids) == 4 and (batch.input_ids == IMAGE_ID).sum() == sum(r.image_llm for r in records)
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_the_llm_tokenizers_chat_template_renders_the_records(llava, tmp_path, train_on_prompt):
+    tokenizer = HFTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", "chatml"))
+    cfg = DataConfig(source="jsonl", train_on_prompt=train_on_prompt)
+    source = open_source(str(llava["json"]), cfg, tokenizer)
+    skipped: list[str] = []
+    stream = source.stream(View(0, 1, "all", 0, one_pass=True, shuffle=False), None, skipped.append)
+    records = list(iter(lambda: stream.next(0), None))
+    assert len(records) == 12 and not skipped
+    image = tokenizer.placeholder_ids["image"]
+    for record in records:
+        rendered = source.sample(record).rendered
+        assert rendered is not None and [rendered.ids[i] for i in rendered.media_at] == [image]
+        trained = [i for i, m in zip(rendered.ids, rendered.trainable) if m]
+        if train_on_prompt:
+            assert trained == rendered.ids
+            continue
+        text = tokenizer.decode(trained, skip_special_tokens=True)
+        conv = next(r for r in json.loads(llava["json"].read_text()) if r["id"] == record.id)["conversations"]
+        assert text.split() == " ".join(t["value"] for t in conv if t["from"] == "gpt").split()

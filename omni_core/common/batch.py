@@ -1,8 +1,8 @@
 """The contract between the data loader and the model: one micro-batch of packed multimodal sequences.
 
 All token-level tensors are flat over the micro-batch (the packed sequences laid end to end); documents
-are delimited by `cu_seqlens`, so attention never crosses a document boundary. Placeholder tokens
-(IMAGE_ID / AUDIO_ID / VIDEO_ID) mark where encoder outputs are scattered, in the order images / audio clips /
+are delimited by `cu_seqlens`, so attention never crosses a document boundary. Placeholder tokens (the
+tokenizer's `placeholder_ids`) mark where encoder outputs are scattered, in the order images / audio clips /
 videos appear; each item's placeholders are contiguous, `video_tokens` of them for a video.
 
 The token counts (`audio_tokens`, `video_tokens`) are what the data's metadata and the FLOP counts ask of
@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, PAD_ID, VIDEO_ID
+from omni_core.common.tokenizer import BYTE_TOKENIZER, Tokenizer
 
 if TYPE_CHECKING:
     import torch
 
 MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
-PLACEHOLDER_IDS = {"image": IMAGE_ID, "video": VIDEO_ID, "audio": AUDIO_ID}
+PLACEHOLDER_KINDS = ("image", "video", "audio")  # the order encoder outputs are laid out in (OmniModel.embed)
+PLACEHOLDER_IDS = {kind: BYTE_TOKENIZER.placeholder_ids[kind] for kind in PLACEHOLDER_KINDS}  # until omni.py reads
+#                                                                             placeholder positions from the layout
 
 
 @dataclass(frozen=True)
@@ -54,31 +56,34 @@ class BatchLayout:
         return max(self.doc_lengths, default=0)
 
     @classmethod
-    def of(cls, batch: PackedBatch) -> BatchLayout:
+    def of(cls, batch: PackedBatch, tokenizer: Tokenizer) -> BatchLayout:
+        """The layout of `batch`, whose ids are `tokenizer`'s: its pad and placeholder ids are looked for."""
+
         def rows(t: torch.Tensor) -> tuple:
             return tuple(tuple(int(v) for v in row) for row in t.tolist())
 
         offsets = tuple(int(v) for v in batch.cu_seqlens.tolist())
-        padding = batch.input_ids == PAD_ID
-        # padding tokens before each offset: a document is padding when all of its tokens are
-        pads_before = padding.long().cumsum(0).tolist()
+        # pad tokens before each offset: a document is padding when all of its tokens are (a real document may
+        # hold the pad id where padding is EOS, so real tokens are those outside padding documents)
+        pads_before = (batch.input_ids == tokenizer.pad_id).long().cumsum(0).tolist()
         pads_before.insert(0, 0)
+        padding_docs = tuple(
+            doc
+            for doc, (start, end) in enumerate(itertools.pairwise(offsets))
+            if end > start and pads_before[end] - pads_before[start] == end - start
+        )
         return cls(
             doc_offsets=offsets,
             image_grids=rows(batch.image_grids),
             audio_frames=tuple(int(v) for v in batch.audio_frames.tolist()),
             video_grids=rows(batch.video_grids),
             loss_tokens=int((batch.labels != -100).sum()),
-            real_tokens=int((~padding).sum()),
+            real_tokens=len(batch.input_ids) - sum(offsets[doc + 1] - offsets[doc] for doc in padding_docs),
             placeholder_positions={
-                modality: tuple(int(v) for v in (batch.input_ids == token).nonzero().flatten().tolist())
-                for modality, token in PLACEHOLDER_IDS.items()
+                kind: tuple((batch.input_ids == tokenizer.placeholder_ids[kind]).nonzero().flatten().tolist())
+                for kind in PLACEHOLDER_KINDS
             },
-            padding_docs=tuple(
-                doc
-                for doc, (start, end) in enumerate(itertools.pairwise(offsets))
-                if end > start and pads_before[end] - pads_before[start] == end - start
-            ),
+            padding_docs=padding_docs,
         )
 
 
@@ -101,10 +106,12 @@ class PackedBatch:
     # Read from the tensors where the batch is built (on the CPU) and carried unchanged by `to` and `replace`:
     # it describes the whole batch, also where a rank keeps a slice of its targets (`loss.local_targets`).
     layout: BatchLayout = field(default=None, repr=False)  # type: ignore[assignment]
+    # whose ids input_ids holds, where the layout is read here: the byte tokenizer's, in batches laid out by hand
+    tokenizer: InitVar[Tokenizer] = BYTE_TOKENIZER
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tokenizer: Tokenizer) -> None:
         if self.layout is None:
-            self.layout = BatchLayout.of(self)
+            self.layout = BatchLayout.of(self, tokenizer)
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The batch on `device`; from pinned memory (`pin_memory`) a CUDA copy does not block the host."""

@@ -4,6 +4,7 @@ WebDataset shards, loss only on the replies, and bad records skipped and counted
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from omni_core.common.tokenizer import EOS_ID, IMAGE_ID, ByteTokenizer, HFTokeni
 from omni_core.data.conversation import NoRenderer, parse_conversation
 from omni_core.data.dataset import ManifestDataset, open_source
 from omni_core.data.packing import IGNORE, collate
-from omni_core.data.sample import token_ids, trainable_mask
+from omni_core.data.sample import record_fields, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, View
 from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
@@ -180,3 +181,13 @@ def test_the_llm_tokenizers_chat_template_renders_the_records(llava, tmp_path, t
         text = tokenizer.decode(trained, skip_special_tokens=True)
         conv = next(r for r in json.loads(llava["json"].read_text()) if r["id"] == record.id)["conversations"]
         assert text.split() == " ".join(t["value"] for t in conv if t["from"] == "gpt").split()
+
+
+def test_the_data_docs_examples_parse():
+    text = (Path(__file__).parents[2] / "docs" / "data.md").read_text()
+    examples = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, re.DOTALL)]
+    segments = [e for e in examples if "segments" in e]
+    assert len(segments) == 1 and record_fields(segments[0])[1] == "image"
+    llava, share, oai, sized = (parse_conversation(e) for e in examples if "segments" not in e)
+    assert llava.messages == share.messages == oai.messages and llava.media == share.media == oai.media
+    assert sized.media[0].sizes == {"width": 640, "height": 480} and sized.messages[0]["role"] == "system"

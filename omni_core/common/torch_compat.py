@@ -21,6 +21,8 @@ Read in the sources of 2.11.0, 2.12.0, 2.13.0 and 2.14.1, and present with the s
 - DTensor's sharding rules for `aten._fused_adamw_` (fused AdamW on FSDP and TP parameters).
 - `distributed._functional_collectives` (models.feed_forward), `pipelining.stage._PipelineStageBase`
   (parallel.pipeline), `utils._python_dispatch.TorchDispatchMode` (measure.sampling).
+- `tensor._utils.compute_local_shape_and_global_offset` (private; `local_box`, with the whole tensor as its
+  fallback) and `distribute_tensor(..., src_data_rank=None)` (`local_shard`): a rank's shard of a weight.
 - `nn.utils.get_total_norm` (public since 2.6), `nn.attention.flex_attention`, and
   `nn.attention.varlen.varlen_attn` (the custom op `torch_attn::_varlen_attn`; CUDA only).
 """
@@ -55,3 +57,32 @@ def reduce_scatter_single(
     """`full` summed over the ranks, this rank's slice of it in `output`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, full, group=group, async_op=async_op)
+
+
+def local_box(tensor: torch.Tensor) -> tuple[slice, ...] | None:
+    """The global index ranges of this rank's shard of a DTensor (every index of a plain tensor), or None where
+    the shard is not one box or this torch cannot say: the caller then takes the whole tensor to `local_shard`.
+
+    `tensor._utils.compute_local_shape_and_global_offset` is private (read with the same signature in 2.11 to
+    2.14); a strided shard (FSDP2 over TP on one dim) interleaves rows, so its first offset is no box."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # fallback: the whole tensor, kept by `local_shard`
+        return None
+    if not all(type(p) in (Shard, Replicate) for p in tensor.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `full` under the DTensor `like`'s mesh and placements, cut locally (every rank holds
+    `full`, so nothing is sent: `src_data_rank=None`, public since torch 2.5)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    assert isinstance(like, DTensor)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()

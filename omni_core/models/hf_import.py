@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omni_core.models import hf_config
+from omni_core.models.args import AudioArgs, LLMArgs, VisionArgs
 from omni_core.models.audio import AudioEncoder, sinusoids
 from omni_core.models.llm import LLM
 from omni_core.models.vision import VisionEncoder
@@ -201,17 +202,17 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
-@torch.no_grad()
-def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: str = "") -> None:
-    """Copy a local checkpoint in the given layout into the model part (an LLM, VisionEncoder or AudioEncoder).
+def checked_tensors(module: nn.Module, path: str | Path, layout: str, prefix: str = "") -> dict[str, tuple[Path, str]]:
+    """Where each tensor the module stores lies in a local checkpoint of the layout: our name -> (file, key).
 
     `prefix` selects this part's tensors in a file that holds more (e.g. "vision_model."); tensors outside
-    it are skipped. Inside it, every tensor must be one the part expects, with the expected shape; nothing
-    is copied unless all are.
-    """
+    it are skipped. Inside it, every tensor must be one the part expects, with the expected shape (read from
+    the files' headers: nothing else is read, so `module` may be on the meta device). Rows of an embedding
+    or untied head that the module has beyond the file's are allowed (`resized_rows`: a tokenizer added them).
+    Raises ValueError naming the file and every missing, extra or mis-shaped tensor."""
     spec = _layout(module, layout)
     path = Path(path)
-    expected = hf_state_dict(module, layout)
+    expected = {name: tuple(t.shape) for name, t in hf_state_dict(module, layout).items()}
     located: dict[str, Path] = {}
     for file in _files(path):
         with safe_open(file, framework="pt") as f:
@@ -224,44 +225,97 @@ def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: s
         for name in located
         if name not in expected and not re.match(spec.ignored, name) and not (tied and name == "lm_head.weight")
     ]
-    tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(located.values())):
         with safe_open(file, framework="pt") as f:
             for name in (name for name in expected if located.get(name) == file):
-                shape, want = tuple(f.get_slice(prefix + name).get_shape()), tuple(expected[name].shape)
-                if shape == want:
-                    tensors[name] = f.get_tensor(prefix + name)
-                else:
+                shape, want = tuple(f.get_slice(prefix + name).get_shape()), expected[name]
+                if shape != want and not (name in RESIZABLE and shape[1:] == want[1:] and shape[0] <= want[0]):
                     problems.append(f"tensor {prefix + name!r} has shape {shape}, expected {want}")
     for name, (value, must_match) in spec.derived(module).items():
-        if must_match and name in tensors and not torch.allclose(tensors[name].float(), value.float(), atol=1e-3):
-            problems.append(f"tensor {prefix + name!r} differs from the table this model computes")
+        if must_match and name in located and not problems:
+            with safe_open(located[name], framework="pt") as f:
+                if not torch.allclose(f.get_tensor(prefix + name).float(), value.float(), atol=1e-3):
+                    problems.append(f"tensor {prefix + name!r} differs from the table this model computes")
     if problems:
         raise ValueError(f"{path} does not fit the {layout} layout: " + "; ".join(problems))
+    return {name: (located[spec.hf_name(name)], prefix + spec.hf_name(name)) for name in _stored(module)}
+
+
+# The LLM's tensors with a row per token: a tokenizer's added tokens add rows (initialised to the mean of the file's)
+RESIZABLE = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@torch.no_grad()
+def read_shard(file: Path, key: str, shape: torch.Size, box: tuple[slice, ...] | None) -> torch.Tensor:
+    """The `box` (global index ranges) of a stored tensor of our `shape`, read memory-mapped: only the box is
+    read, so a rank holds its shard, not the tensor. `box` None: the whole tensor. A file tensor in another
+    shape (SigLIP's patch convolution) is read whole and viewed in ours; rows past the file's (`RESIZABLE`)
+    are the mean of the file's rows."""
+    box = box or tuple(slice(0, n) for n in shape)
+    with safe_open(file, framework="pt") as f:
+        stored = f.get_slice(key)
+        stored_shape = tuple(stored.get_shape())
+        if stored_shape[1:] != tuple(shape[1:]):  # the same elements in another shape
+            return f.get_tensor(key).reshape(shape)[box]
+        rows, rest, file_rows = box[0], box[1:], stored_shape[0]
+        kept = stored[min(rows.start, file_rows) : min(rows.stop, file_rows), *rest]
+        added = rows.stop - max(rows.start, file_rows)
+        if added <= 0:
+            return kept
+        mean = _mean_rows(stored, file_rows, rest)
+        return torch.cat([kept, mean.expand(added, *mean.shape[1:]).to(kept.dtype)])
+
+
+def _mean_rows(stored, rows: int, rest: tuple[slice, ...], chunk: int = 4096) -> torch.Tensor:
+    """The mean of a stored tensor's rows (over `rest`'s columns), summed in fp32 a chunk of rows at a time."""
+    total = sum(stored[i : min(i + chunk, rows), *rest].float().sum(0, keepdim=True) for i in range(0, rows, chunk))
+    return total / rows
+
+
+@torch.no_grad()
+def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: str = "") -> None:
+    """Copy a local checkpoint in the given layout into the model part (an LLM, VisionEncoder or AudioEncoder);
+    nothing is copied unless every tensor fits (`checked_tensors`)."""
+    located = checked_tensors(module, path, layout, prefix)
     for name, target in _stored(module).items():
-        target.copy_(tensors[spec.hf_name(name)].reshape(target.shape))
+        file, key = located[name]
+        target.copy_(read_shard(file, key, target.shape, None))
 
 
 PARTS = ("llm", "vision", "audio")
+PartArgs = LLMArgs | VisionArgs | AudioArgs
+
+
+def part_args(directory: str | Path, part: str) -> tuple[PartArgs, str, str]:
+    """The args of the part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, from its
+    config.json, with the layout its weights are in and their prefix. Raises `ConfigRefused` naming the key for
+    a setting omni cannot honour, FileNotFoundError for a missing config.json."""
+    config, source = hf_config.read_config(directory)
+    if part == "llm":
+        llm_args, layout = hf_config.llm_args_from_config(config, source)
+        return llm_args, layout, ""
+    if part == "vision":
+        vision_args, prefix = hf_config.vision_args_from_config(config, source)
+        return vision_args, "siglip", prefix
+    if part == "audio":
+        audio_args, prefix = hf_config.audio_args_from_config(config, source)
+        return audio_args, "whisper", prefix
+    raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")
+
+
+def part_module(args: PartArgs) -> nn.Module:
+    """The module a part's args build (on the current default device)."""
+    if isinstance(args, LLMArgs):
+        return LLM(args)
+    return VisionEncoder(args) if isinstance(args, VisionArgs) else AudioEncoder(args)
 
 
 def load_pretrained(directory: str | Path, part: str) -> tuple[nn.Module, str]:
     """The model part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, built from its
     config.json and filled from its safetensors; with the layout it was read in. Raises `ConfigRefused`
     naming the key for a setting omni cannot honour, ValueError naming the tensor for weights that do not fit."""
-    config, source = hf_config.read_config(directory)
-    module: nn.Module
-    if part == "llm":
-        llm_args, layout = hf_config.llm_args_from_config(config, source)
-        module, prefix = LLM(llm_args), ""
-    elif part == "vision":
-        vision_args, prefix = hf_config.vision_args_from_config(config, source)
-        module, layout = VisionEncoder(vision_args), "siglip"
-    elif part == "audio":
-        audio_args, prefix = hf_config.audio_args_from_config(config, source)
-        module, layout = AudioEncoder(audio_args), "whisper"
-    else:
-        raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")
+    args, layout, prefix = part_args(directory, part)
+    module = part_module(args)
     load_safetensors(module, directory, layout, prefix)
     return module, layout
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, NamedTuple
+
 import torch
 from torch import nn
 
@@ -172,21 +174,14 @@ class OmniModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic for a seed on a given device type: N(0, 0.02) weights, zero biases, unit norms.
+        """Deterministic for a seed on a given device type: N(0, 0.02) weights, zero biases, unit norms
+        (`init_specs`, drawn in their order).
 
         Works after `to_empty()` on a model built on the meta device.
         """
         generator = torch.Generator(device=self.llm.output.weight.device).manual_seed(seed)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=generator)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                nn.init.ones_(module.weight)
-            else:
-                continue
-            bias = getattr(module, "bias", None)
-            if bias is not None:
-                nn.init.zeros_(bias)
+        for spec in init_specs(self):
+            self.get_parameter(spec.name).copy_(initial_value(spec, generator))
 
     def num_params(self) -> int:
         """Counted from the modules; equals `flops.omni_params(args)["total"]` (a tested invariant)."""
@@ -209,6 +204,48 @@ def anchor_embeddings(
         return embeds
     slots = batch.input_ids == PLACEHOLDER_IDS[modality]
     return embeds.masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
+
+
+WEIGHTED = (nn.Linear, nn.Conv1d, nn.Embedding, nn.LayerNorm, nn.RMSNorm)  # what init_weights sets
+
+
+class InitSpec(NamedTuple):
+    """One parameter's initial value: its name, how it is drawn, its shape and dtype."""
+
+    name: str
+    kind: Literal["normal", "ones", "zeros"]
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def init_specs(model: nn.Module) -> list[InitSpec]:
+    """The initial value of every parameter of `model`, in the order `init_weights` draws them from its one
+    generator. A sharded build (`runtime.model_init`) replays this list on a meta model's shapes, so each rank
+    computes the same values one tensor at a time and keeps its shard. A tied head appears twice (its module
+    and the embedding's); the later draw wins, as it does in place."""
+    specs = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        weight = module.weight if isinstance(module, WEIGHTED) else None
+        if weight is None:
+            continue
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
+            specs.append(InitSpec(prefix + "weight", "normal", weight.shape, weight.dtype))
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            specs.append(InitSpec(prefix + "weight", "ones", weight.shape, weight.dtype))
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            specs.append(InitSpec(prefix + "bias", "zeros", bias.shape, bias.dtype))
+    return specs
+
+
+def initial_value(spec: InitSpec, generator: torch.Generator) -> torch.Tensor:
+    """The spec's whole tensor on the generator's device (a normal draw advances the generator)."""
+    device = generator.device
+    if spec.kind == "normal":
+        return torch.empty(spec.shape, dtype=spec.dtype, device=device).normal_(0.0, 0.02, generator=generator)
+    fill = torch.ones if spec.kind == "ones" else torch.zeros
+    return fill(spec.shape, dtype=spec.dtype, device=device)
 
 
 def build_model(flavor: str, *, patch_size: int, n_mels: int, seed: int) -> OmniModel:

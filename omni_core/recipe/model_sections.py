@@ -38,14 +38,6 @@ class ModelConfig(Strict):
         "flex_attention with a block-sparse document mask (CUDA); auto: varlen where it runs, else sdpa",
     )
 
-    @field_validator("pretrained")
-    @classmethod
-    def _pretrained_not_built(cls, pretrained: PretrainedParts) -> PretrainedParts:
-        chosen = [part for part, folder in pretrained.model_dump().items() if folder is not None]
-        if chosen:
-            raise ValueError(f"model.pretrained.{chosen[0]}: starting from a checkpoint is not built yet")
-        return pretrained
-
     @field_validator("freeze")
     @classmethod
     def _something_to_train(cls, freeze: list[str]) -> list[str]:

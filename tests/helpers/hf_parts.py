@@ -1,0 +1,57 @@
+"""Tiny pretrained parts for the tests, written by transformers from configs with random weights: a Qwen2 (or
+Llama) LLM, a SigLIP vision tower and a Whisper encoder (saved inside a whole Whisper model, as the hub ships
+them), each a checkpoint directory that `recipe.model.pretrained` can name. Their input widths fit the tests'
+recipes (tests.helpers.models: 8-pixel patches, 32 mel bins) and their vocabulary the byte tokenizer's ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
+
+from tests.helpers.models import N_MELS, PATCH_SIZE
+
+LLM_SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+def write_llm(folder: Path, *, kind: str = "qwen2", tied: bool = False, seed: int = 0, vocab_size: int = 320) -> Path:
+    torch.manual_seed(seed)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[kind]
+    config = config_cls(**{**LLM_SHAPE, "vocab_size": vocab_size}, tie_word_embeddings=tied)
+    model_cls(config).save_pretrained(folder)
+    return folder
+
+
+def write_vision(folder: Path, *, seed: int = 1) -> Path:
+    torch.manual_seed(seed)
+    config = SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=8 * PATCH_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
+    SiglipVisionModel(config).save_pretrained(folder)
+    return folder
+
+
+def write_audio(folder: Path, *, seed: int = 2) -> Path:
+    torch.manual_seed(seed)
+    config = WhisperConfig(d_model=48, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=96,
+                           decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=32, vocab_size=64,
+                           pad_token_id=1, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                           num_mel_bins=N_MELS, max_source_positions=1500)
+    WhisperForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+def write_parts(root: Path, **llm: object) -> dict[str, str]:
+    """All three parts under `root`, as `model.pretrained` names them (`llm`: `write_llm`'s options)."""
+    return {"llm": str(write_llm(root / "llm", **llm)),  # type: ignore[arg-type]
+            "vision": str(write_vision(root / "vision")), "audio": str(write_audio(root / "audio"))}

@@ -1,0 +1,63 @@
+"""The model built on the meta device and filled where it lives (`runtime.model_init`): a flavor's weights are
+those of the whole model's `init_weights` on the CPU, pretrained parts are their files' tensors, projectors
+start from the seed, and an LLM whose tokenizer added tokens gets rows at the mean of the file's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_core.common.plan import ParallelPlan
+from omni_core.models.hf_import import load_pretrained, read_shard
+from omni_core.models.omni import build_model
+from omni_core.models.pretrained import omni_args
+from omni_core.runtime.dist import DistInfo
+from omni_core.runtime.replica import build_replica
+from tests.helpers.hf_parts import write_llm, write_parts
+from tests.helpers.models import N_MELS, PATCH_SIZE
+from tests.helpers.recipes import build_recipe
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe"])
+def test_a_flavor_built_on_meta_has_the_cpu_builds_weights(flavor: str, tmp_path: Path) -> None:
+    recipe = build_recipe(tmp_path, {"model.flavor": flavor, "experiment.seed": 11})
+    built = build_replica(recipe, ParallelPlan(), CPU, torch.float32).parts[0].state_dict()
+    reference = build_model(flavor, patch_size=PATCH_SIZE, n_mels=N_MELS, seed=11).state_dict()
+    assert built.keys() == reference.keys()
+    assert all(torch.equal(built[name], value) for name, value in reference.items())
+
+
+def test_pretrained_parts_are_their_files_and_projectors_the_seeds(tmp_path: Path) -> None:
+    parts = write_parts(tmp_path / "parts")
+    models = [build_replica(build_recipe(tmp_path, {"model.pretrained": parts, "experiment.seed": seed}),
+                            ParallelPlan(), CPU, torch.float32).parts[0] for seed in (1, 1, 2)]
+    model = models[0]
+    for part, folder in parts.items():
+        reference, _ = load_pretrained(folder, part)
+        ours = getattr(model, part).state_dict()
+        assert all(torch.equal(ours[name], value) for name, value in reference.state_dict().items()), part
+    assert model.args.vision.dim == 48 and model.args.llm.dim == 64  # the configs', not the flavor's
+    assert model.projectors["image"].fc1.in_features == 48 and model.projectors["audio"].fc2.out_features == 64
+    same, other = models[1].projectors.state_dict(), models[2].projectors.state_dict()
+    for name, value in model.projectors.state_dict().items():
+        assert torch.equal(value, same[name]), name
+        assert name.endswith("bias") or not torch.equal(value, other[name]), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_added_tokens_get_the_mean_of_the_files_rows(tied: bool, tmp_path: Path) -> None:
+    folder = write_llm(tmp_path / "llm", tied=tied)
+    args, _ = omni_args("debug", {"llm": str(folder)}, patch_size=PATCH_SIZE, n_mels=N_MELS, vocab_size=330)
+    assert args.llm.vocab_size == 330 and args.llm.tied_embeddings == tied
+    stored, _ = load_pretrained(folder, "llm")
+    rows = read_shard(folder / "model.safetensors", "model.embed_tokens.weight", torch.Size([330, 64]), None)
+    old = stored.tok_embeddings.weight
+    assert torch.equal(rows[:320], old)
+    torch.testing.assert_close(rows[320:], old.mean(0, keepdim=True).expand(10, -1), rtol=0, atol=1e-7)
+    box = (slice(300, 325), slice(16, 32))  # a shard across the boundary: the file's rows, then the mean's
+    torch.testing.assert_close(read_shard(folder / "model.safetensors", "model.embed_tokens.weight",
+                                          torch.Size([330, 64]), box), rows[box], rtol=0, atol=1e-7)

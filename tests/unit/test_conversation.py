@@ -13,7 +13,10 @@ import pytest
 from omni_core.common.tokenizer import EOS_ID, IMAGE_ID, ByteTokenizer, HFTokenizer
 from omni_core.data.conversation import NoRenderer, parse_conversation
 from omni_core.data.dataset import ManifestDataset, open_source
+from omni_core.data.flops import FlopModel
+from omni_core.data.loader import PackedLoader
 from omni_core.data.packing import IGNORE, collate
+from omni_core.data.profile import profile_source
 from omni_core.data.sample import record_fields, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, View
 from omni_core.recipe.data_sections import DataConfig
@@ -191,3 +194,21 @@ def test_the_data_docs_examples_parse():
     llava, share, oai, sized = (parse_conversation(e) for e in examples if "segments" not in e)
     assert llava.messages == share.messages == oai.messages and llava.media == share.media == oai.media
     assert sized.media[0].sizes == {"width": 640, "height": 480} and sized.messages[0]["role"] == "system"
+
+
+def test_the_profile_and_the_loader_read_conversations(tmp_path):
+    write_llava(tmp_path, 12)
+    good = json.loads((tmp_path / "llava.json").read_text())
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*BAD.values(), *good]))
+    cfg = DataConfig(source="jsonl", seq_len=256, heldout_fraction=0.01)
+    dataset = ManifestDataset(tmp_path / "mixed.jsonl", cfg)
+    dataset.source.render = byte_chatml
+    flops = FlopModel.for_flavor("debug", patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    columns = profile_source(dataset, cfg, 0, flops)
+    assert columns.total_samples == 12 and columns.skipped == dict.fromkeys(BAD, 1)
+    assert columns.model_dump_json() == profile_source(dataset, cfg, 0, flops, by_record=True).model_dump_json()
+    batch = next(iter(PackedLoader(dataset, cfg, "train")))
+    targets = batch.labels[batch.labels != IGNORE].tolist()
+    replies = {t["value"] + "\n" for r in good for t in r["conversations"] if t["from"] == "gpt"}
+    trained = BYTES.decode(targets).splitlines(keepends=True)
+    assert trained and set(trained) <= replies and targets.count(EOS_ID) == batch.num_samples

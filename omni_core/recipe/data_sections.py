@@ -185,8 +185,8 @@ class DataConfig(Strict):
     )
     media_root: NoCredentials = Field(
         "",
-        description="Conversations in .json/.jsonl: the folder their media paths are relative to, local or s3:// "
-        "(empty: the manifest's folder); absolute paths and paths climbing out of it are skipped as unsafe_path",
+        description="The folder the media paths of .json/.jsonl records are relative to, local or s3:// (empty: "
+        "the manifest's folder); absolute paths, URLs and paths climbing out of it are skipped as unsafe_path",
     )
     heldout_fraction: StrictFloat = Field(0.05, gt=0, lt=1, description="Share of samples kept for evaluation")
     seq_len: StrictInt = Field(512, ge=16, le=MAX_SEQ_LEN, description="Token budget of one packed sequence")

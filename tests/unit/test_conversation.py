@@ -212,3 +212,15 @@ def test_the_profile_and_the_loader_read_conversations(tmp_path):
     replies = {t["value"] + "\n" for r in good for t in r["conversations"] if t["from"] == "gpt"}
     trained = BYTES.decode(targets).splitlines(keepends=True)
     assert trained and set(trained) <= replies and targets.count(EOS_ID) == batch.num_samples
+
+
+def test_media_paths_are_relative_to_the_media_root(tmp_path):
+    write_llava(tmp_path / "media", 3)
+    (tmp_path / "manifests").mkdir()
+    (tmp_path / "manifests" / "x.json").write_text((tmp_path / "media" / "llava.json").read_text())
+    missing, skips, _ = read(tmp_path / "manifests" / "x.json")
+    assert not missing and skips == Counter(missing_file=3)
+    got, skips, src = read(tmp_path / "manifests" / "x.json", media_root=str(tmp_path / "media"))
+    assert len(got) == 3 and not skips
+    segment = src.sample(got[0]).segments[0]
+    assert src.media(got[0], segment).size == (segment.width, segment.height) == (24, 16)

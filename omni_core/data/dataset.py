@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from omni_core.common.tokenizer import PAD_ID, Tokenizer
+from omni_core.common.tokenizer import BYTE_TOKENIZER, PAD_ID, Tokenizer, tokenizer_for
 from omni_core.data.audio import log_mel, resample
 from omni_core.data.conversation import chat_renderer
 from omni_core.data.dynamic_source import DynamicSource
@@ -46,17 +46,26 @@ class DecodedSample:
     trainable: list[bool] | None = None  # a conversation's targets (sample.trainable_mask); None: every text token
 
     @classmethod
-    def padding(cls, length: int) -> DecodedSample:
-        return cls([PAD_ID] * length, is_padding=True)
+    def padding(cls, length: int, pad_id: int = PAD_ID) -> DecodedSample:
+        """`length` tokens of nothing (collate lays them out as padding documents of the batch's pad id)."""
+        return cls([pad_id] * length, is_padding=True)
 
 
-def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Source:
-    """The source at `location`; conversation records render with `tokenizer`'s chat template."""
+def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> Source:
+    """The source at `location`, counting text in `tokenizer`'s tokens; conversation records render with its
+    chat template."""
     kind = cfg.synthetic.format if cfg.source == "synthetic" else cfg.source
     if kind == "dynamic":
+        if tokenizer is not BYTE_TOKENIZER:
+            raise ValueError(
+                f"data.source=dynamic draws its text's length in bytes, which {tokenizer.name}'s tokens are not: "
+                "with model.pretrained.llm, write the synthetic data (data.synthetic.format: jsonl or wds) or "
+                "give data.path"
+            )
         return DynamicSource(cfg)
     source = (JsonlSource if kind == "jsonl" else WdsSource)(location, cfg)
-    source.render = chat_renderer(tokenizer, cfg.train_on_prompt) if tokenizer is not None else None
+    source.tokenizer = tokenizer
+    source.render = chat_renderer(tokenizer, cfg.train_on_prompt)
     return source
 
 
@@ -65,9 +74,9 @@ class ManifestDataset:
     shards, local or on S3, or the dynamic generator. (The name is data v0's, when a manifest was the only
     source; the runtime constructs it as ManifestDataset(location, recipe.data).)"""
 
-    def __init__(self, location: str | Path, cfg: DataConfig) -> None:
-        self.location, self.cfg = str(location), cfg
-        self.source = open_source(self.location, cfg)
+    def __init__(self, location: str | Path, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> None:
+        self.location, self.cfg, self.tokenizer = str(location), cfg, tokenizer
+        self.source = open_source(self.location, cfg, tokenizer)
 
     def __repr__(self) -> str:
         return f"ManifestDataset({self.location!r})"
@@ -75,8 +84,8 @@ class ManifestDataset:
     def decode(self, record: Record) -> DecodedSample:
         """Reads and featurises a record's media; raises CorruptSample instead of any I/O or format error."""
         sample = self.source.sample(record)
-        doc = DecodedSample(token_ids(sample, record.segment_tokens), sample.modality)
-        doc.trainable = trainable_mask(sample, record.segment_tokens)
+        doc = DecodedSample(token_ids(sample, record.segment_tokens, self.tokenizer), sample.modality)
+        doc.trainable = trainable_mask(sample, record.segment_tokens, self.tokenizer)
         for seg in sample.segments:
             if seg.kind == "text":
                 continue
@@ -125,4 +134,4 @@ class ManifestDataset:
 
 def open_dataset(recipe: Recipe) -> ManifestDataset:
     """The recipe's dataset, generated first when it is synthetic and not on disk yet (`ensure_dataset`)."""
-    return ManifestDataset(ensure_dataset(recipe), recipe.data)
+    return ManifestDataset(ensure_dataset(recipe), recipe.data, tokenizer_for(recipe))

@@ -106,7 +106,8 @@ class ConsumerStream:
         sequences = self.next_sequences()
         if sequences is None:
             return None
-        batch = collate([[self._decode(record) for record in seq] for seq in sequences], self.cfg)
+        docs = [[self._decode(record) for record in seq] for seq in sequences]
+        batch = collate(docs, self.cfg, self.dataset.tokenizer)
         if self.balance.cost is not None:
             costs = self.balance.cost.of_records([record for seq in sequences for record in seq])
             batch.predicted_flops = (float(costs[:, 0].sum()), float(costs[:, 1].sum()))
@@ -120,7 +121,7 @@ class ConsumerStream:
         except CorruptSample as err:
             self._count(err.reason)
             log.warning("skipping %s", err)
-            return DecodedSample.padding(record.tokens)
+            return DecodedSample.padding(record.tokens, self.dataset.tokenizer.pad_id)
 
     def state(self) -> dict[str, Any]:
         return {

@@ -12,7 +12,7 @@ from typing import Generic, NamedTuple, TypeVar
 import torch
 
 from omni_core.common.batch import MODALITY_IDS, PackedBatch
-from omni_core.common.tokenizer import EOS_ID, NUM_BYTES
+from omni_core.common.tokenizer import BYTE_TOKENIZER, Tokenizer, never_predicted
 from omni_core.data.dataset import DecodedSample
 from omni_core.recipe.data_sections import DataConfig
 
@@ -143,34 +143,34 @@ def fullest_subset(sizes: list[int], room: int) -> set[int]:
     return chosen
 
 
-def document_labels(ids: torch.Tensor) -> torch.Tensor:
-    """Next-token targets inside one document: only text bytes and EOS are predicted; placeholders, padding
-    and the last token get IGNORE (the first caption byte after an image IS a target)."""
+def document_labels(ids: torch.Tensor, tokenizer: Tokenizer, trainable: list[bool] | None = None) -> torch.Tensor:
+    """Next-token targets inside one document: every next token but placeholders, BOS and padding
+    (`tokenizer.never_predicted`) and, where the document marks its targets (`trainable`: a conversation's
+    replies, unless data.train_on_prompt), only those; the last token gets IGNORE (the first caption token after an
+    image IS a target)."""
     labels = torch.full_like(ids, IGNORE)
     nxt = ids[1:]
-    labels[:-1] = torch.where((nxt < NUM_BYTES) | (nxt == EOS_ID), nxt, IGNORE)
-    return labels
-
-
-def masked_labels(ids: torch.Tensor, trainable: list[bool]) -> torch.Tensor:
-    """Next-token targets of a conversation: only the ids its mask marks (the replies, data.train_on_prompt
-    aside) are predicted."""
-    labels = torch.full_like(ids, IGNORE)
-    labels[:-1] = torch.where(torch.tensor(trainable[1:], dtype=torch.bool), ids[1:], IGNORE)
+    keep = ~torch.isin(nxt, torch.tensor(sorted(never_predicted(tokenizer)), dtype=ids.dtype))
+    if trainable is not None:
+        keep &= torch.tensor(trainable[1:], dtype=torch.bool)
+    labels[:-1] = torch.where(keep, nxt, IGNORE)
     return labels
 
 
 PAD_DOC = 128  # tokens per padding document at most
 
 
-def _split_padding(tokens: int) -> list[DecodedSample]:
-    return [DecodedSample.padding(min(PAD_DOC, tokens - start)) for start in range(0, tokens, PAD_DOC)]
+def _split_padding(tokens: int, pad_id: int) -> list[DecodedSample]:
+    return [DecodedSample.padding(min(PAD_DOC, tokens - start), pad_id) for start in range(0, tokens, PAD_DOC)]
 
 
-def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatch:
+def collate(
+    sequences: list[list[DecodedSample]], cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER
+) -> PackedBatch:
     """Lays sequences end to end, each filled to exactly cfg.seq_len by trailing padding documents of at most
     PAD_DOC tokens: attention runs within each document, so padding costs attention linear in its length
-    (PAD_DOC x padding), not its square, and no real token ever sees it."""
+    (PAD_DOC x padding), not its square, and no real token ever sees it (nor is any padding a target). The
+    documents' ids are `tokenizer`'s."""
     docs: list[DecodedSample] = []
     for seq in sequences:
         used = sum(len(d.input_ids) for d in seq)
@@ -178,14 +178,17 @@ def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatc
             raise ValueError(f"sequence holds {used} tokens, more than seq_len={cfg.seq_len}")
         filled = [*seq, DecodedSample.padding(cfg.seq_len - used)] if used < cfg.seq_len else seq
         for doc in filled:  # a sample that failed to decode is padding too
-            docs.extend(_split_padding(len(doc.input_ids)) if doc.is_padding else [doc])
+            docs.extend(_split_padding(len(doc.input_ids), tokenizer.pad_id) if doc.is_padding else [doc])
     ids = [torch.tensor(d.input_ids, dtype=torch.long) for d in docs]
     lengths = torch.tensor([len(d.input_ids) for d in docs], dtype=torch.int32)
     patch_dim = 3 * cfg.patch_size**2
     return PackedBatch(
         input_ids=torch.cat(ids),
         labels=torch.cat(
-            [document_labels(x) if d.trainable is None else masked_labels(x, d.trainable) for x, d in zip(ids, docs)]
+            [
+                torch.full_like(x, IGNORE) if d.is_padding else document_labels(x, tokenizer, d.trainable)
+                for x, d in zip(ids, docs)
+            ]
         ),
         position_ids=torch.cat([torch.arange(len(x)) for x in ids]),
         cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0)),
@@ -197,4 +200,5 @@ def collate(sequences: list[list[DecodedSample]], cfg: DataConfig) -> PackedBatc
         video_patches=torch.cat([p for d in docs for p in d.video_patches] + [torch.empty(0, patch_dim)]),
         video_grids=torch.tensor([g for d in docs for g in d.video_grids], dtype=torch.long).reshape(-1, 3),
         num_samples=sum(not d.is_padding for d in docs),
+        tokenizer=tokenizer,
     )

@@ -9,8 +9,9 @@ Media segments name their file by `path`: relative to the manifest's folder in a
 extension ("png", "0.jpg", "txt") in a WebDataset sample. Audio carries "num_samples" and "sample_rate",
 video (an animated GIF/WebP: sampled frames) "width", "height" and "num_frames".
 
-A sample's sequence is BOS + segments + EOS: text as tokenizer ids, every image patch, audio embedding or
-video embedding (sampled frames merged in time and space, `batch.video_tokens`) as one placeholder of its kind.
+A sample's sequence is BOS (where the tokenizer has one) + segments + EOS: text as the recipe's tokenizer's ids,
+every image patch, audio embedding or video embedding (sampled frames merged in time and space,
+`batch.video_tokens`) as one placeholder of its kind.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from omni_core.common.batch import audio_tokens, video_tokens
-from omni_core.common.tokenizer import BOS_ID, EOS_ID, PLACEHOLDER_IDS, ByteTokenizer
+from omni_core.common.tokenizer import BYTE_TOKENIZER, Tokenizer
 from omni_core.data.audio import mel_frames, resampled_length
 from omni_core.data.image import patch_grid, sampled_frames
 from omni_core.models.args import OmniModelArgs
@@ -39,7 +40,6 @@ _SIZES = {
     "audio": ((5, "num_samples", 0), (6, "sample_rate", 1)),  # an empty clip is skipped later: empty_audio
     "video": ((3, "width", 1), (4, "height", 1), (7, "num_frames", 1)),
 }
-TOKENIZER = ByteTokenizer()
 # The model's merges that a video's placeholders count by. DataConfig names no flavor, so these are OmniModelArgs'
 # defaults, which the flavors that train on data keep (debug, debug-moe, small); images likewise take one
 # placeholder per patch, spatial_merge 1. A flavor that differs fails at its first batch, in OmniModel.embed.
@@ -171,11 +171,11 @@ class Segments:
     num_samples: np.ndarray
     sample_rate: np.ndarray
     num_frames: np.ndarray
-    text_bytes: np.ndarray  # tokens of text segments under the byte tokenizer
+    text_tokens: np.ndarray  # tokens of text segments under the tokenizer
 
     @classmethod
-    def of(cls, samples: Sequence[Sample]) -> Segments:
-        rows = SegmentRows()
+    def of(cls, samples: Sequence[Sample], tokenizer: Tokenizer = BYTE_TOKENIZER) -> Segments:
+        rows = SegmentRows(tokenizer)
         for sample in samples:
             rows.add([seg.fields() for seg in sample.segments])
         return rows.segments()
@@ -183,16 +183,23 @@ class Segments:
 
 class SegmentRows:
     """`Segments` gathered sample by sample as one flat int64 buffer: a source adds each parsed record's
-    segment fields, without keeping a Segment (or a tuple) per segment."""
+    segment fields, without keeping a Segment (or a tuple) per segment. Texts are counted in `tokenizer`'s
+    tokens all at once, when the columns are built."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
         self.flat = array("q")
         self.samples = 0
+        self.texts: list[str] = []  # texts still to count, and where their counts go in `flat`
+        self.text_slots: list[int] = []
 
     def add(self, fields: Iterable[SegmentFields], text_tokens: int | None = None) -> None:
         """`text_tokens`: the text's tokens, counted already (a rendered conversation's one text segment)."""
         owner = self.samples
         for kind, text, _, width, height, num_samples, sample_rate, num_frames in fields:
+            if kind == "text" and text_tokens is None:
+                self.texts.append(text)
+                self.text_slots.append(len(self.flat) + 7)
             self.flat.extend(
                 (
                     owner,
@@ -202,13 +209,15 @@ class SegmentRows:
                     num_samples,
                     sample_rate,
                     num_frames,
-                    (text_length(text) if text_tokens is None else text_tokens) if kind == "text" else 0,
+                    (text_tokens or 0) if kind == "text" else 0,
                 )
             )
         self.samples += 1
 
     def segments(self) -> Segments:
-        return Segments(*np.array(self.flat, dtype=np.int64).reshape(-1, 8).T)
+        flat = np.array(self.flat, dtype=np.int64)
+        flat[self.text_slots] = self.tokenizer.lengths(self.texts)
+        return Segments(*flat.reshape(-1, 8).T)
 
 
 @dataclass
@@ -262,16 +271,11 @@ SIZE_FIELDS = (
 )
 
 
-def text_length(text: str) -> int:
-    """Tokens of a text under the byte tokenizer, without encoding ASCII text."""
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
-def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
+def measure(segs: Segments, size: int, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> Measures:
     """Token counts of the chunk's `size` samples, vectorized: the one token rule that packing, profiling and
-    decoding share."""
+    decoding share (`segs` counted text in `tokenizer`'s tokens; its BOS, if any, and EOS frame each sample)."""
     w, h, n, f = segs.width, segs.height, segs.num_samples, segs.num_frames
-    llm = segs.text_bytes.copy()
+    llm = segs.text_tokens.copy()
     vision, vision_sq, aud, aud_sq, mels, shown = (np.zeros_like(llm) for _ in range(6))
 
     img = segs.kind == KIND_CODE["image"]
@@ -300,7 +304,7 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"
     return Measures(
-        tokens=2 + per_sample(llm),
+        tokens=(tokenizer.bos_id is not None) + 1 + per_sample(llm),
         vision_tokens=per_sample(vision),
         vision_sq=per_sample(vision_sq),
         audio_tokens=per_sample(aud),
@@ -319,27 +323,31 @@ def measure(segs: Segments, size: int, cfg: DataConfig) -> Measures:
     )
 
 
-def token_ids(sample: Sample, segment_tokens: Sequence[int]) -> list[int]:
-    """BOS + text ids / placeholders + EOS: the sample's input ids, given its measured segment sizes."""
+def token_ids(sample: Sample, segment_tokens: Sequence[int], tokenizer: Tokenizer = BYTE_TOKENIZER) -> list[int]:
+    """BOS (if the tokenizer has one) + text ids / placeholders + EOS: the sample's input ids, given its measured
+    segment sizes."""
+    ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     if sample.rendered is not None:
-        return [BOS_ID, *_expanded(sample, segment_tokens, sample.rendered.ids), EOS_ID]
-    ids = [BOS_ID]
+        return [*ids, *_expanded(sample, segment_tokens, sample.rendered.ids), tokenizer.eos_id]
     for seg, count in zip(sample.segments, segment_tokens, strict=True):
         if seg.kind == "text":
-            ids.extend(TOKENIZER.encode(seg.text))
+            ids.extend(tokenizer.encode(seg.text))
         else:
-            ids.extend([PLACEHOLDER_IDS[seg.kind]] * count)
-    ids.append(EOS_ID)
+            ids.extend([tokenizer.placeholder_ids[seg.kind]] * count)
+    ids.append(tokenizer.eos_id)
     return ids
 
 
-def trainable_mask(sample: Sample, segment_tokens: Sequence[int]) -> list[bool] | None:
+def trainable_mask(
+    sample: Sample, segment_tokens: Sequence[int], tokenizer: Tokenizer = BYTE_TOKENIZER
+) -> list[bool] | None:
     """Per id of `token_ids`, whether it is a training target; None for a segment sample (every text token and
     EOS is, packing.document_labels). BOS and placeholders never are; EOS is when the rendering ends trained."""
     if sample.rendered is None:
         return None
     trainable = sample.rendered.trainable
-    return [False, *_expanded(sample, segment_tokens, trainable, placeholder_value=False), trainable[-1]]
+    bos = [] if tokenizer.bos_id is None else [False]
+    return [*bos, *_expanded(sample, segment_tokens, trainable, placeholder_value=False), trainable[-1]]
 
 
 def _expanded(

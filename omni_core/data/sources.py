@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from omni_core.common.tokenizer import BYTE_TOKENIZER, Tokenizer
 from omni_core.data.conversation import MediaRef, NoRenderer, Render, media_segment, parse_conversation
 from omni_core.data.sample import (
     KIND_CODE,
@@ -155,6 +156,7 @@ class ShardedSource(Source):
         self.held: dict[str, int] = {}  # samples per shard, where an index says (a truncated shard's lost ones)
         # conversation records' renderer (messages -> Rendered): the recipe's tokenizer and chat template
         self.render: Render | None = None
+        self.tokenizer: Tokenizer = BYTE_TOKENIZER  # what text is counted in: the recipe's (dataset.open_source)
 
     def _shards(self, location: str) -> list[str]:
         return self.storage.shards(location, self.suffix)
@@ -255,13 +257,13 @@ class ShardedSource(Source):
         a time; samples go into columns as they are parsed."""
         entries: list[tuple[Entry | None, int, Any]] = []
         modalities: list[int] = []
-        rows = SegmentRows()
+        rows = SegmentRows(self.tokenizer)
         logged = 0
 
         def flush() -> _Parsed:
             nonlocal entries, modalities, rows
-            parsed = _Parsed(entries, modalities, measure(rows.segments(), rows.samples, self.cfg))
-            entries, modalities, rows = [], [], SegmentRows()
+            parsed = _Parsed(entries, modalities, measure(rows.segments(), rows.samples, self.cfg, self.tokenizer))
+            entries, modalities, rows = [], [], SegmentRows(self.tokenizer)
             return parsed
 
         for raw in self._entries(shard, offset, index):

@@ -251,5 +251,5 @@ def segments_of(specs: Specs, sample_rate: int) -> Segments:
         num_samples=n_samples,
         sample_rate=rate,
         num_frames=frames,
-        text_bytes=text,
+        text_tokens=text,
     )

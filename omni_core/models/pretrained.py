@@ -44,12 +44,12 @@ def omni_args(
         source = Path(directory) / "config.json"
         if isinstance(part_args, VisionArgs) and part_args.patch_dim != 3 * patch_size * patch_size:
             raise ValueError(
-                f"model.pretrained.vision: {source} has patch_size {round((part_args.patch_dim // 3) ** 0.5)}, "
+                f"{source} has patch_size {round((part_args.patch_dim // 3) ** 0.5)}, "
                 f"but data.patch_size is {patch_size}: set data.patch_size to the tower's"
             )
         if isinstance(part_args, AudioArgs) and part_args.n_mels != n_mels:
             raise ValueError(
-                f"model.pretrained.audio: {source} has num_mel_bins {part_args.n_mels}, "
+                f"{source} has num_mel_bins {part_args.n_mels}, "
                 f"but data.n_mels is {n_mels}: set data.n_mels to the encoder's"
             )
         if isinstance(part_args, LLMArgs):

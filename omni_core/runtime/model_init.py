@@ -13,12 +13,30 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from omni_core.common.tokenizer import tokenizer_for
 from omni_core.common.torch_compat import local_box, local_shard
 from omni_core.models import hf_import
 from omni_core.models.args import OmniModelArgs
+from omni_core.models.hf_import import PARTS
 from omni_core.models.llm import LLM
 from omni_core.models.omni import InitSpec, initial_value
-from omni_core.models.pretrained import PretrainedPart
+from omni_core.models.pretrained import PretrainedPart, omni_args
+from omni_core.recipe.schema import Recipe
+
+
+def recipe_args(recipe: Recipe, parts: Sequence[str] = PARTS) -> tuple[OmniModelArgs, dict[str, PretrainedPart]]:
+    """The recipe's model args and its pretrained parts (`parts` of `model.pretrained`: all by default). An LLM
+    gets the rows of the tokens its tokenizer adds (the media placeholders) beyond its config's vocabulary."""
+    pretrained = recipe.model.pretrained.model_dump()
+    vocab = tokenizer_for(recipe).vocab_size if pretrained["llm"] is not None and "llm" in parts else 0
+    return omni_args(
+        recipe.model.flavor,
+        {part: folder for part, folder in pretrained.items() if part in parts},
+        patch_size=recipe.data.patch_size,
+        n_mels=recipe.data.n_mels,
+        vocab_size=vocab,
+    )
+
 
 # Module names that wrappers insert between a model's own (activation checkpointing, torch.compile)
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")

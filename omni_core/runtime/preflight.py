@@ -114,9 +114,38 @@ def _launcher(recipe: Recipe) -> list[Finding]:
 
 def _model(recipe: Recipe) -> tuple[OmniModelArgs | None, list[Finding]]:
     try:
-        return get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels), []
+        args = get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
     except ValueError as error:
         return None, [Finding("model.flavor", str(error))]
+    given = [part for part, folder in recipe.model.pretrained.model_dump().items() if folder is not None]
+    if not given:
+        return args, []
+    findings = [finding for part in given for finding in _pretrained(recipe, part)]
+    if findings:
+        return None, findings
+    from omni_core.runtime.model_init import recipe_args  # torch: only for a model with pretrained parts
+
+    return recipe_args(recipe)[0], []
+
+
+def _pretrained(recipe: Recipe, part: str) -> list[Finding]:
+    """A pretrained part's folder, its config.json (every key honoured, `hf_config`), its inputs against the
+    data settings and its tensors' names and shapes (the files' headers), as the build will read them."""
+    from omni_core.models.pretrained import check_weights
+    from omni_core.runtime.model_init import recipe_args
+
+    field, folder = f"model.pretrained.{part}", Path(getattr(recipe.model.pretrained, part))
+    if not folder.is_dir():
+        return [
+            Finding(
+                field, f"{folder}: no such folder (a transformers checkpoint directory: config.json and safetensors)"
+            )
+        ]
+    try:
+        check_weights(*recipe_args(recipe, parts=(part,)))
+    except (OSError, ValueError) as error:  # hf_config.ConfigRefused is a ValueError
+        return [Finding(field, str(error))]
+    return []
 
 
 def _plan(recipe: Recipe) -> list[Finding]:

@@ -16,11 +16,10 @@ from omni_core.data.balance_groups import balance_group_size
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.attention import set_attention
 from omni_core.models.omni import OmniModel, init_specs
-from omni_core.models.pretrained import omni_args
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
-from omni_core.runtime.model_init import materialize
+from omni_core.runtime.model_init import materialize, recipe_args
 from omni_core.runtime.plan_rules import check_buildable, shards_per_node
 
 if TYPE_CHECKING:
@@ -83,12 +82,7 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
         made_group = info.world_size == 1 and one_rank_group(info.device)
         meshes = build_meshes(plan, info.device.type, shard_params=bf16_params)
         meshes.owns_default_group = made_group
-    args, pretrained = omni_args(
-        recipe.model.flavor,
-        recipe.model.pretrained.model_dump(),
-        patch_size=recipe.data.patch_size,
-        n_mels=recipe.data.n_mels,
-    )
+    args, pretrained = recipe_args(recipe)
     with torch.device("meta"):  # allocated where it lives, after the plan has cut it (`model_init`)
         model = OmniModel(args)
     specs = init_specs(model)

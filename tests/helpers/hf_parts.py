@@ -1,7 +1,7 @@
 """Tiny pretrained parts for the tests, written by transformers from configs with random weights: a Qwen2 (or
 Llama) LLM, a SigLIP vision tower and a Whisper encoder (saved inside a whole Whisper model, as the hub ships
 them), each a checkpoint directory that `recipe.model.pretrained` can name. Their input widths fit the tests'
-recipes (tests.helpers.models: 8-pixel patches, 32 mel bins) and their vocabulary the byte tokenizer's ids."""
+recipes (tests.helpers.models: 8-pixel patches, 32 mel bins); the LLM comes with its tokenizer."""
 
 from __future__ import annotations
 
@@ -19,13 +19,20 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
+from tests.helpers.hf_tokenizer import write_tokenizer
 from tests.helpers.models import N_MELS, PATCH_SIZE
 
-LLM_SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+LLM_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 
-def write_llm(folder: Path, *, kind: str = "qwen2", tied: bool = False, seed: int = 0, vocab_size: int = 320) -> Path:
+def write_llm(folder: Path, *, kind: str = "qwen2", tied: bool = False, seed: int = 0, vocab_size: int = 0) -> Path:
+    """An LLM with its tokenizer (tests.helpers.hf_tokenizer, ChatML); its vocabulary is the tokenizer's
+    (`vocab_size`: another), without omni's media placeholders, which the recipe's tokenizer adds."""
+    from tokenizers import Tokenizer
+
+    write_tokenizer(folder)
+    vocab_size = vocab_size or Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
     torch.manual_seed(seed)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[kind]
     config = config_cls(**{**LLM_SHAPE, "vocab_size": vocab_size}, tie_word_embeddings=tied)
@@ -55,3 +62,9 @@ def write_parts(root: Path, **llm: object) -> dict[str, str]:
     """All three parts under `root`, as `model.pretrained` names them (`llm`: `write_llm`'s options)."""
     return {"llm": str(write_llm(root / "llm", **llm)),  # type: ignore[arg-type]
             "vision": str(write_vision(root / "vision")), "audio": str(write_audio(root / "audio"))}
+
+
+def with_added_rows(stored: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A file's tensor as a model whose tokenizer added tokens holds it: the added rows the mean of the file's."""
+    extra = shape[0] - stored.shape[0]
+    return torch.cat([stored, stored.mean(0, keepdim=True).expand(extra, *stored.shape[1:])]) if extra else stored

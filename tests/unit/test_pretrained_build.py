@@ -4,6 +4,7 @@ start from the seed, and an LLM whose tokenizer added tokens gets rows at the me
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from omni_core.models.omni import build_model
 from omni_core.models.pretrained import omni_args
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.replica import build_replica
-from tests.helpers.hf_parts import write_llm, write_parts
+from tests.helpers.hf_parts import with_added_rows, write_llm, write_parts
 from tests.helpers.models import N_MELS, PATCH_SIZE
 from tests.helpers.recipes import build_recipe
 
@@ -39,7 +40,9 @@ def test_pretrained_parts_are_their_files_and_projectors_the_seeds(tmp_path: Pat
     for part, folder in parts.items():
         reference, _ = load_pretrained(folder, part)
         ours = getattr(model, part).state_dict()
-        assert all(torch.equal(ours[name], value) for name, value in reference.state_dict().items()), part
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(ours[name], with_added_rows(value, ours[name].shape), rtol=0, atol=1e-7)
+    assert model.args.llm.vocab_size == reference_vocab(parts["llm"]) + 3  # <image>, <audio>, <video> added
     assert model.args.vision.dim == 48 and model.args.llm.dim == 64  # the configs', not the flavor's
     assert model.projectors["image"].fc1.in_features == 48 and model.projectors["audio"].fc2.out_features == 64
     same, other = models[1].projectors.state_dict(), models[2].projectors.state_dict()
@@ -48,9 +51,13 @@ def test_pretrained_parts_are_their_files_and_projectors_the_seeds(tmp_path: Pat
         assert name.endswith("bias") or not torch.equal(value, other[name]), name
 
 
+def reference_vocab(folder: str) -> int:
+    return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_added_tokens_get_the_mean_of_the_files_rows(tied: bool, tmp_path: Path) -> None:
-    folder = write_llm(tmp_path / "llm", tied=tied)
+    folder = write_llm(tmp_path / "llm", tied=tied, vocab_size=320)
     args, _ = omni_args("debug", {"llm": str(folder)}, patch_size=PATCH_SIZE, n_mels=N_MELS, vocab_size=330)
     assert args.llm.vocab_size == 330 and args.llm.tied_embeddings == tied
     stored, _ = load_pretrained(folder, "llm")

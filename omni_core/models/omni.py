@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 
-from omni_core.common.batch import PLACEHOLDER_IDS, PackedBatch
-from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID, VIDEO_ID
+from omni_core.common.batch import PLACEHOLDER_KINDS, PackedBatch
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.feed_forward import MoE
@@ -36,7 +36,7 @@ class OmniModel(nn.Module):
         self.projectors = nn.ModuleDict({name: Projector(*dims) for name, dims in projector_dims(args).items()})
         self.llm = LLM(args.llm)
         self._token_index: torch.Tensor | None = None
-        self._token_positions: frozenset[int] = frozenset()
+        self._token_positions: dict[int, int] = {}  # packed position -> its place among this rank's tokens
         self._device_token_index: torch.Tensor | None = None
 
     @property
@@ -49,7 +49,7 @@ class OmniModel(nn.Module):
         # Read on the host once, where the plan is applied, so that each step counts this rank's placeholders
         # without reading the device.
         self._token_index, self._device_token_index = index, None
-        self._token_positions = frozenset() if index is None else frozenset(int(i) for i in index.tolist())
+        self._token_positions = {} if index is None else {int(p): j for j, p in enumerate(index.tolist())}
 
     def token_index_on(self, device: torch.device) -> torch.Tensor | None:
         """`token_index` on `device`, copied once: indexing device tensors with a host index copies it (and
@@ -123,15 +123,15 @@ class OmniModel(nn.Module):
         index = self.token_index_on(batch.input_ids.device)
         ids = batch.input_ids if index is None else batch.input_ids[index]
         embeds = self.llm.embed(ids)
-        positions = [p for kind in PLACEHOLDER_IDS for p in batch.layout.placeholder_positions[kind]]
-        mine = len(positions) if index is None else sum(p in self._token_positions for p in positions)
-        if mine != encoded.shape[0]:
+        positions = [p for kind in PLACEHOLDER_KINDS for p in batch.layout.placeholder_positions[kind]]
+        local = self._token_positions
+        mine = positions if index is None else [local[p] for p in positions if p in local]
+        if len(mine) != encoded.shape[0]:
             raise ValueError(
-                f"{mine} image, video and audio placeholders on this rank, but "
+                f"{len(mine)} image, video and audio placeholders on this rank, but "
                 f"{encoded.shape[0]} encoded rows were handed to it"
             )
-        slots = (ids == IMAGE_ID) | (ids == VIDEO_ID) | (ids == AUDIO_ID)
-        return embeds.masked_scatter(slots.unsqueeze(-1), encoded.to(embeds.dtype))
+        return scatter_rows(embeds, sorted(mine), encoded)
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
@@ -154,7 +154,7 @@ class OmniModel(nn.Module):
     def encode_video(self, patches: torch.Tensor, video_grids: Shapes) -> torch.Tensor:
         """Videos (patches frame after frame, `video_grids` [N, 3] of frames, rows, cols) -> LLM embeddings:
         the vision encoder per frame, `temporal_merge` frames averaged, then the image projector: rows in the
-        order of the videos' VIDEO_ID placeholders, `batch.video_tokens` per video."""
+        order of the videos' placeholders, `batch.video_tokens` per video."""
         return self.project_video(self.vision(patches, self.vision.frame_grids(video_grids)), video_grids)
 
     def project_video(self, features: torch.Tensor, video_grids: Shapes) -> torch.Tensor:
@@ -202,8 +202,14 @@ def anchor_embeddings(
         )
     if features is None:
         return embeds
-    slots = batch.input_ids == PLACEHOLDER_IDS[modality]
-    return embeds.masked_scatter(slots.unsqueeze(-1), features.to(embeds.dtype))
+    return scatter_rows(embeds, batch.layout.placeholder_positions[modality], features)
+
+
+def scatter_rows(embeds: torch.Tensor, positions: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
+    """`embeds` with `rows` at `positions` (ascending host ints, from the batch's layout: the placeholders of
+    whatever tokenizer made the batch), out of place so gradients reach both."""
+    index = torch.tensor(positions, dtype=torch.long).to(embeds.device, non_blocking=True)
+    return embeds.index_put((index,), rows.to(embeds.dtype))
 
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Embedding, nn.LayerNorm, nn.RMSNorm)  # what init_weights sets

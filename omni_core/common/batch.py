@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "video": 3}
 PLACEHOLDER_KINDS = ("image", "video", "audio")  # the order encoder outputs are laid out in (OmniModel.embed)
-PLACEHOLDER_IDS = {kind: BYTE_TOKENIZER.placeholder_ids[kind] for kind in PLACEHOLDER_KINDS}  # until omni.py reads
-#                                                                             placeholder positions from the layout
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from itertools import groupby, pairwise
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,25 @@ def test_media_paths_are_relative_to_the_media_root(tmp_path):
     assert len(got) == 3 and not skips
     segment = src.sample(got[0]).segments[0]
     assert src.media(got[0], segment).size == (segment.width, segment.height) == (24, 16)
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama"])
+def test_a_pretrained_tokenizers_batch_trains_only_on_the_replies(llava, tmp_path, style):
+    """Through the loader with the LLM's tokenizer: the targets, decoded, are exactly the replies (each with the
+    end-of-turn tokens its template writes), one document's EOS aside; the images' placeholders are in place."""
+    tokenizer = HFTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", style))
+    cfg = DataConfig(source="jsonl", seq_len=1024, heldout_fraction=0.01)
+    dataset = ManifestDataset(llava["json"], cfg, tokenizer)
+    batch = next(iter(PackedLoader(dataset, cfg, "train")))
+    image = tokenizer.placeholder_ids["image"]
+    assert (batch.input_ids == image).sum() == batch.image_patches.shape[0] > 0
+    bounds = batch.cu_seqlens.tolist()
+    records = json.loads(llava["json"].read_text())
+    replies = {t["value"] for r in records for t in r["conversations"] if t["from"] == "gpt"}
+    for a, b in pairwise(bounds[: batch.num_samples + 1]):  # one sequence: its samples come first
+        labels, ids = batch.labels[a:b].tolist(), batch.input_ids[a:b].tolist()
+        assert [t for t in labels if t != IGNORE][-1] == tokenizer.eos_id
+        assert ids.count(tokenizer.bos_id) == (tokenizer.bos_id is not None) == (ids[0] == tokenizer.bos_id)
+        runs = [list(run) for target, run in groupby(labels, key=lambda t: t != IGNORE) if target]
+        said = [tokenizer.decode(run, skip_special_tokens=True).strip() for run in runs]
+        assert len(said) == 2 and set(said) <= replies, said

@@ -44,7 +44,7 @@ def render_conversation(
     or does not write each media part as its placeholder token."""
     if not messages:
         raise ValueError("a conversation needs at least one message")
-    chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    chat = [_aliased({key: value for key, value in message.items() if value is not None}) for message in messages]
     render = _renderer(tokenizer)
     text = render(chat, add_generation_prompt)
     ids, offsets = tokenizer.encode_with_offsets(text)
@@ -53,6 +53,15 @@ def render_conversation(
         return RenderedConversation(text, ids, [True] * len(ids))
     spans = [_reply_span(render, chat, i, text, tokenizer.name) for i, m in enumerate(chat) if m["role"] == "assistant"]
     return RenderedConversation(text, ids, _overlapping(offsets, spans))
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates read
+
+
+def _aliased(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under every name templates read it by, as transformers passes it."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _renderer(tokenizer: Tokenizer) -> Callable[[list[dict[str, Any]], bool], str]:

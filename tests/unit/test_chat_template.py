@@ -208,3 +208,21 @@ def test_templates_that_cannot_be_masked_or_lose_media_are_refused(folders, tmp_
     (folder / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ValueError, match="chat template failed on 3 messages: roles must alternate"):
         render_conversation(HFTokenizer.from_pretrained(folder), CONVERSATION[:3])
+
+
+def test_reasoning_fields_and_generation_tags_render_as_transformers_renders_them(folders, tmp_path):
+    folder = copy_of(folders["chatml", False], tmp_path)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}"
+        "{% if m.reasoning_content %}{{ 'think: ' + m.reasoning_content + '\\n' }}{% endif %}"
+        "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tokenizer = HFTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "what colour?"}, {"role": "assistant", "content": "red.", "thinking": "hmm"}]
+    rendered = render_conversation(tokenizer, messages)
+    assert rendered.ids == transformers_ids(folder, tokenizer.added_tokens, messages, False)
+    trained = [token for token, keep in zip(rendered.ids, rendered.trainable, strict=True) if keep]
+    assert tokenizer.decode(trained, skip_special_tokens=False) == "think: hmm\nred.<|im_end|>\n"

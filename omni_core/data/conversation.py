@@ -62,9 +62,9 @@ def chat_renderer(tokenizer: Tokenizer, train_on_prompt: bool) -> Render | None:
     return render
 
 
-class NoRenderer(Exception):
-    """Conversation records met by a source that has no chat template to render them with: a setup error,
-    never a skipped record."""
+class NoRenderer(ValueError):
+    """Conversation records met by a source that has no chat template to render them with: a setup error
+    (a launch check's finding), never a skipped record."""
 
 
 @dataclass(frozen=True, slots=True)

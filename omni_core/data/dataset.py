@@ -15,7 +15,7 @@ import torch
 
 from omni_core.common.tokenizer import BYTE_TOKENIZER, PAD_ID, Tokenizer, tokenizer_for
 from omni_core.data.audio import log_mel, resample
-from omni_core.data.conversation import chat_renderer
+from omni_core.data.conversation import NoRenderer, chat_renderer
 from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.image import patchify
 from omni_core.data.jsonl_source import JsonlSource
@@ -66,6 +66,8 @@ def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKE
     source = (JsonlSource if kind == "jsonl" else WdsSource)(location, cfg)
     source.tokenizer = tokenizer
     source.render = chat_renderer(tokenizer, cfg.train_on_prompt)
+    if cfg.format == "conversation" and source.render is None:
+        raise NoRenderer(f"data.format is conversation, but {tokenizer.name} has no chat template to render it")
     return source
 
 

@@ -286,6 +286,8 @@ class ShardedSource(Source):
                 continue
             try:
                 sample_id, modality, fields, payload, text_tokens = self._parse(shard, raw, build)
+            except NoRenderer:
+                raise
             except (CorruptSample, ValueError) as err:
                 reason = err.reason if isinstance(err, CorruptSample) else "bad_record"
                 if logged < LOGGED_PER_SHARD:

@@ -15,11 +15,13 @@ from omni_core.common.tokenizer import EOS_ID, IMAGE_ID, ByteTokenizer, HFTokeni
 from omni_core.data.conversation import NoRenderer, parse_conversation
 from omni_core.data.dataset import ManifestDataset, open_source
 from omni_core.data.flops import FlopModel
+from omni_core.data.jsonl_source import JsonlSource
 from omni_core.data.loader import PackedLoader
 from omni_core.data.packing import IGNORE, collate
 from omni_core.data.profile import profile_source
 from omni_core.data.sample import record_fields, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, View
+from omni_core.data.wds_source import WdsSource
 from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
 from tests.helpers.data_sources import records as helper_records
@@ -30,7 +32,7 @@ BYTES = ByteTokenizer()
 
 def read(location: Path, source: str = "jsonl", **settings) -> tuple[list[Record], Counter[str], object]:
     cfg = DataConfig(source=source, **settings)
-    src = open_source(str(location), cfg)
+    src = (WdsSource if source == "wds" else JsonlSource)(str(location), cfg)  # open_source, with byte_chatml
     src.render = byte_chatml
     skipped: list[str] = []
     stream = src.stream(View(0, 1, "all", 0, one_pass=True, shuffle=False), None, skipped.append)
@@ -247,3 +249,15 @@ def test_a_pretrained_tokenizers_batch_trains_only_on_the_replies(llava, tmp_pat
         runs = [list(run) for target, run in groupby(labels, key=lambda t: t != IGNORE) if target]
         said = [tokenizer.decode(run, skip_special_tokens=True).strip() for run in runs]
         assert len(said) == 2 and set(said) <= replies, said
+
+
+def test_data_format_reads_every_record_as_it_says(llava, tmp_path):
+    with pytest.raises(NoRenderer, match=r"data\.format is conversation"):
+        open_source(str(llava["jsonl"]), DataConfig(source="jsonl", format="conversation"))
+    segment = {"id": "s", "segments": [{"type": "text", "text": "plain text."}]}
+    conversation = json.loads(llava["jsonl"].read_text().splitlines()[0])
+    (tmp_path / "both.jsonl").write_text(f"{json.dumps(segment)}\n{json.dumps(conversation)}\n")
+    for fmt, kept in (("auto", ["s", "conv-0000"]), ("segments", ["s"]), ("conversation", ["conv-0000"])):
+        got, skips, _ = read(tmp_path / "both.jsonl", format=fmt, media_root=str(llava["jsonl"].parent))
+        assert [r.id for r in got] == kept and sum(skips.values()) == 2 - len(kept), fmt
+        assert set(skips) <= {"bad_record"}

@@ -1,5 +1,6 @@
-"""The `model` and `parallel` sections of a recipe: the flavor and its frozen parts, the LLM's 5D degrees
-and where the encoders run (`encoder_layout_problems` is shared with `common.plan.EncoderPlan`)."""
+"""The `model` and `parallel` sections of a recipe: the flavor, its pretrained parts and starting weights, its
+frozen parts, the LLM's 5D degrees and where the encoders run (`encoder_layout_problems` is shared with
+`common.plan.EncoderPlan`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ class ModelConfig(Strict):
         default_factory=PretrainedParts,
         description="Parts started from transformers checkpoints: each part's architecture from its config.json "
         "(the flavor's is replaced), its weights from its files; the projectors start fresh",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from these weights only (no optimizer state, step or data position; saved under any "
+        "plan): a checkpoint step folder (…/step_NNNNNN), a checkpoint folder (its newest complete step), or "
+        "models:/NAME@ALIAS from the MLflow registry. How a stage starts from the one before it. A run's own "
+        "checkpoint wins: a resumed run (train.resume) continues from it instead",
     )
     freeze: list[ModelPart] = Field(default_factory=list)
     # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)

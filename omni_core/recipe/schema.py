@@ -72,6 +72,18 @@ class Recipe(Strict):
             raise ValueError("replan.enabled is for one job; a recipe with `jobs` is re-planned by its scheduler")
         return self
 
+    @model_validator(mode="after")
+    def _tuned_parts_train(self) -> Recipe:
+        tuned = {
+            f"train.{field}.{part}"
+            for field in ("lr_by_part", "weight_decay_by_part")
+            for part in getattr(self.train, field)
+            if part in self.model.freeze
+        }
+        if tuned:
+            raise ValueError(f"{', '.join(sorted(tuned))}: the part is frozen (model.freeze), so it is never stepped")
+        return self
+
     def data_dir(self) -> str:
         return self.data.path or f"{self.experiment.output_dir}/data/{self.experiment.name}"
 

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from omni_core.recipe.base import NoCredentials, Strict
+from omni_core.recipe.model_sections import ModelPart
 
 MAX_STEPS = 100_000_000  # optimizer steps at most: ~100x the longest published pre-training run; more is a typo
 
@@ -19,6 +20,15 @@ class TrainConfig(Strict):
     min_lr_ratio: StrictFloat = Field(0.1, ge=0, le=1, description="Cosine floor as a share of lr")
     warmup_steps: StrictInt = Field(10, ge=0)
     weight_decay: StrictFloat = Field(0.01, ge=0)
+    lr_by_part: dict[ModelPart, Annotated[StrictFloat, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="Peak learning rate per part of the model (vision, audio, projectors, llm), e.g. "
+        "{projectors: 1e-3, llm: 2e-5}; the parts not named take train.lr. Beside model.freeze",
+    )
+    weight_decay_by_part: dict[ModelPart, Annotated[StrictFloat, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="Weight decay of a part's matrices; the parts not named take train.weight_decay",
+    )
     betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
     grad_clip: StrictFloat = Field(1.0, ge=0, description="0 disables clipping")
     grad_accum: StrictInt = Field(1, ge=1)

@@ -153,12 +153,7 @@ def load_checkpoint(
     world that is the state of a rank that read the same `data_shard` ([data rank, dp]), so a re-planned job
     keeps its data order; None when no rank did (the data order restarts).
     """
-    root, step = split_location(location)
-    store = open_store(root, cache)
-    if info.local_rank == 0:
-        store.fetch(step)
-    barrier()
-    ckpt = store.local_dir(step)
+    ckpt = _fetched(location, cache, info)
     manifest = Manifest.read(ckpt)
     state = _state(parts, optimizers)
     dcp.load(state, checkpoint_id=str(ckpt))
@@ -189,3 +184,54 @@ def load_checkpoint(
         if state.get("data_shard") == data_shard:
             return manifest, state
     return manifest, None
+
+
+def _fetched(location: str, cache: Path, info: DistInfo) -> Path:
+    """The local folder of a checkpoint step (an S3 one downloaded once per machine into `cache`)."""
+    root, step = split_location(location)
+    store = open_store(root, cache)
+    if info.local_rank == 0:
+        store.fetch(step)
+    barrier()
+    return store.local_dir(step)
+
+
+def init_location(recipe: Recipe, info: DistInfo) -> str:
+    """The checkpoint `model.init_from` names: a step folder (a local folder holding a manifest, such as a
+    registered checkpoint downloaded from MLflow, or …/step_NNNNNN, local or S3), or a checkpoint folder's
+    newest complete step. Raises CheckpointError naming the field when it holds none."""
+    source = recipe.model.init_from
+    assert source is not None
+    cache = checkpoint_cache(recipe)
+    if source.startswith("models:/"):
+        from omni_core.tracking import resolve_tracking_uri
+        from omni_core.tracking.models import registered_checkpoint
+
+        uri = resolve_tracking_uri(recipe)
+        if info.local_rank == 0:
+            registered_checkpoint(source, uri, cache / "init_from", download=True)
+        barrier()
+        source = registered_checkpoint(source, uri, cache / "init_from", download=False)
+    if (Path(source) / MANIFEST).is_file():
+        return source
+    try:
+        split_location(source)
+        return source
+    except CheckpointError:
+        newest = latest_checkpoint(open_store(source, cache))
+    if newest is None:
+        raise CheckpointError(f"model.init_from: {source} holds no complete checkpoint (a step with {MANIFEST})")
+    return newest
+
+
+def load_weights(location: str, *, cache: Path, parts: Sequence[nn.Module], info: DistInfo) -> Manifest:
+    """Only the model's weights from a checkpoint saved under any plan (DCP reshards them): no optimizer
+    state, step, schedule or data position. How a stage starts from another (`model.init_from`)."""
+    ckpt = Path(location) if (Path(location) / MANIFEST).is_file() else _fetched(location, cache, info)
+    manifest = Manifest.read(ckpt)
+    state = _state(parts, None)
+    dcp.load(state, checkpoint_id=str(ckpt))
+    for part in parts:
+        names = set(get_model_state_dict(part, options=OPTIONS))
+        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names}, options=OPTIONS)
+    return manifest

@@ -1,5 +1,6 @@
 """This rank's optimizers: AdamW per model part (fused on CUDA, foreach elsewhere), its parameters grouped by kind,
-with the LR schedule (`runtime.lr_schedule`) each part steps by, held together as torchtitan's container."""
+each part of the model at its own learning rate where the recipe says, with the LR schedule
+(`runtime.lr_schedule`) each part steps by, held together as torchtitan's container."""
 
 from __future__ import annotations
 
@@ -12,26 +13,36 @@ from torch import nn
 
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.lr_schedule import build_lr_scheduler
+from omni_core.runtime.model_init import own_name
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions).
+    """AdamW with weight decay on matrices only (not on norms, biases, or 1-D embeddings of positions), each
+    part of the model (its top-level module: vision, audio, projectors, llm) at its own peak learning rate and
+    decay where `train.lr_by_part` / `train.weight_decay_by_part` name it.
 
     The implementation is `adamw_implementation`'s. Either kind runs one group's tensors through batched
-    operators, so a group must be homogeneous: parameters are grouped by decay and by kind, plain tensors or
-    DTensors of one mesh (FSDP's, the experts', TP's)."""
+    operators, so a group must be homogeneous: parameters are grouped by part, decay and kind, plain tensors
+    or DTensors of one mesh (FSDP's, the experts', TP's)."""
     from torch.distributed.tensor import DTensor
 
+    train = recipe.train
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
             mesh = param.device_mesh if isinstance(param, DTensor) else None
-            groups[(param.ndim >= 2, mesh)].append(param)
-    decay = recipe.train.weight_decay
+            groups[(own_name(name).split(".", 1)[0], param.ndim >= 2, mesh)].append(param)
     return torch.optim.AdamW(
-        [{"params": params, "weight_decay": decay if matrix else 0.0} for (matrix, _), params in groups.items()],
-        lr=recipe.train.lr,
-        betas=recipe.train.betas,
+        [
+            {
+                "params": params,
+                "lr": train.lr_by_part.get(part, train.lr),
+                "weight_decay": train.weight_decay_by_part.get(part, train.weight_decay) if matrix else 0.0,
+            }
+            for (part, matrix, _), params in groups.items()
+        ],
+        lr=train.lr,
+        betas=train.betas,
         **adamw_implementation([p for params in groups.values() for p in params]),
     )
 
@@ -74,10 +85,14 @@ class Optimizers:
         return self.schedulers[0].state_dict()
 
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
-        """Every group of every part shares one base LR and one schedule, but how many groups there are
-        depends on the plan (`build_optimizer`): the saved per-group lists are resized to this plan's."""
+        """The saved step; each group keeps the peak learning rate this run gives it (`build_optimizer`: per
+        part), since how many groups there are depends on the plan. Call it after the optimizers' state is
+        loaded: the groups' current lrs are then the saved ones."""
         for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
-            groups = len(opt.param_groups)
             sched.load_state_dict(
-                {**state, "base_lrs": state["base_lrs"][:1] * groups, "_last_lr": state["_last_lr"][:1] * groups}
+                {
+                    **state,
+                    "base_lrs": [group["initial_lr"] for group in opt.param_groups],
+                    "_last_lr": [group["lr"] for group in opt.param_groups],
+                }
             )

@@ -29,7 +29,13 @@ from omni_core.data.loader import PackedLoader
 from omni_core.data.source_base import SKIP_REASONS
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe, recipe_hash
-from omni_core.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from omni_core.runtime.checkpoint import (
+    init_location,
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
 from omni_core.runtime.ckpt_store import CheckpointStore, checkpoint_cache, checkpoint_store
 from omni_core.runtime.dist import DistInfo, all_reduce_sum, barrier, on_device
 from omni_core.runtime.optimizer import Optimizers
@@ -199,6 +205,11 @@ def resume(run: TrainingRun) -> tuple[int, RunHistory, str | None]:
             "belong to an earlier run; this run's saves replace them"
         )
     if resume_from is None:
+        if run.recipe.model.init_from is not None:  # a fresh run of a stage that starts from another's weights
+            location = init_location(run.recipe, run.info)
+            cache = checkpoint_cache(run.recipe)
+            manifest = load_weights(location, cache=cache, parts=run.replica.parts, info=run.info)
+            log(f"weights from {location} (step {manifest.step}, plan {manifest.plan}); optimizer and data start anew")
         return 0, RunHistory(), None
     manifest, rank_state = load_checkpoint(
         resume_from,

@@ -38,3 +38,32 @@ def register_checkpoint(run: MlflowTracker, *, name: str, source: str, alias: st
     client.set_registered_model_alias(name, alias, version)
     run.set_tags({"registered_model": f"models:/{name}@{alias}", "registered_model.version": version})
     return str(version)
+
+
+def registered_checkpoint(uri: str, tracking_uri: str, download_to: Path, download: bool) -> str:
+    """The checkpoint a `models:/NAME@ALIAS` (or `models:/NAME/VERSION`) URI names: an S3 location as
+    registered, or (a checkpoint copied into a run's artifacts) the local folder it is downloaded into under
+    `download_to` when `download` (one process per machine downloads; the others get the same folder)."""
+    from mlflow.exceptions import MlflowException
+
+    name, sep, alias = uri.removeprefix("models:/").partition("@")
+    if not uri.startswith("models:/") or not name:
+        raise ValueError(f"{uri!r}: a registered model is named models:/NAME@ALIAS or models:/NAME/VERSION")
+    client = mlflow_client(tracking_uri)
+    try:
+        if sep:
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = name.partition("/")
+            version = client.get_model_version(name, number)
+    except MlflowException as error:
+        raise ValueError(f"{uri}: not in the registry at {tracking_uri} ({error.message})") from error
+    source = str(version.source)
+    if not source.startswith("runs:/"):
+        return source
+    target = download_to / f"{name}-v{version.version}"
+    if download and not (target / source.rstrip("/").rsplit("/", 1)[-1]).is_dir():
+        import mlflow.artifacts
+
+        mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(target), tracking_uri=tracking_uri)
+    return str(target / source.rstrip("/").rsplit("/", 1)[-1])

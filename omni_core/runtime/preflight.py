@@ -261,10 +261,11 @@ def _data(recipe: Recipe) -> list[Finding]:
 def _check_usable(location: str, recipe: Recipe) -> None:
     """The launch's reader of the dataset at `location` meets a usable sample (ValueError otherwise). Imported
     here: the readers bring the media decoders and torch, which a dataset still to be generated does not need."""
+    from omni_core.common.tokenizer import tokenizer_for
     from omni_core.data.dataset import open_source
     from omni_core.data.sources import ShardedSource
 
-    source = open_source(location, recipe.data)
+    source = open_source(location, recipe.data, tokenizer_for(recipe))  # conversations render with its template
     assert isinstance(source, ShardedSource)  # every location but the dynamic generator's is sharded
     source.check_usable()
 

@@ -26,6 +26,7 @@ from omni_core.recipe.data_sections import DataConfig
 from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
 from tests.helpers.data_sources import records as helper_records
 from tests.helpers.hf_tokenizer import write_tokenizer
+from tests.helpers.recipes import build_recipe
 
 BYTES = ByteTokenizer()
 
@@ -261,3 +262,14 @@ def test_data_format_reads_every_record_as_it_says(llava, tmp_path):
         got, skips, _ = read(tmp_path / "both.jsonl", format=fmt, media_root=str(llava["jsonl"].parent))
         assert [r.id for r in got] == kept and sum(skips.values()) == 2 - len(kept), fmt
         assert set(skips) <= {"bad_record"}
+
+
+def test_the_launch_check_reads_conversations_with_the_llms_tokenizer(llava, tmp_path):
+    from omni_core.runtime.preflight import _check_usable
+
+    folder = write_tokenizer(tmp_path / "tok", "chatml")
+    path = str(llava["json"])
+    with_llm = build_recipe(tmp_path, {"data.source": "jsonl", "data.path": path, "model.pretrained.llm": str(folder)})
+    _check_usable(path, with_llm)  # meets a usable conversation
+    with pytest.raises(NoRenderer, match="chat template"):
+        _check_usable(path, build_recipe(tmp_path, {"data.source": "jsonl", "data.path": path}))

@@ -29,7 +29,7 @@ from omni_core.models.args import OmniModelArgs
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_params
 from omni_core.recipe import Locations, Recipe, RecipeError, located_problem
-from omni_core.runtime.ckpt_store import CheckpointError, S3Store, checkpoint_store
+from omni_core.runtime.ckpt_store import MANIFEST, CheckpointError, LocalStore, S3Store, checkpoint_store
 from omni_core.runtime.plan_rules import check_buildable, resolve_plan, shards_per_node
 from omni_core.runtime.slurm import unknown_nodes
 from omni_core.runtime.supervisor import LaunchError
@@ -74,6 +74,7 @@ def _launch_findings(recipe: Recipe, written: Collection[str] = ()) -> tuple[lis
         *(_attention(recipe, args) if args else []),
         *_data(recipe),
         *_checkpoints(recipe, args),
+        *_init_from(recipe),
         *_tracking(recipe),
         *_launcher(recipe),
     ]
@@ -293,6 +294,23 @@ def _checkpoints(recipe: Recipe, args: OmniModelArgs | None) -> list[Finding]:
     local = store.cache if isinstance(store, S3Store) else store.root
     problem = _unwritable(local, _checkpoint_bytes(recipe, args))
     return [Finding(field, f"checkpoints go to {local}, but {problem}")] if problem else []
+
+
+def _init_from(recipe: Recipe) -> list[Finding]:
+    """A local `model.init_from` holds a complete checkpoint (registry and S3 ones are looked up at launch)."""
+    source = recipe.model.init_from
+    if source is None or source.startswith(("models:/", "s3://")):
+        return []
+    folder = Path(source)
+    if not folder.is_dir():
+        return [
+            Finding(
+                "model.init_from", f"{folder}: no such checkpoint folder (has the stage it starts from saved one yet?)"
+            )
+        ]
+    if (folder / MANIFEST).is_file() or LocalStore(folder).steps():
+        return []
+    return [Finding("model.init_from", f"{folder} holds no complete checkpoint (a step folder with {MANIFEST})")]
 
 
 def _checkpoint_bytes(recipe: Recipe, args: OmniModelArgs | None) -> int:

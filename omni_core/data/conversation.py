@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -111,8 +111,10 @@ def record_id(obj: dict[str, Any]) -> str:
     return "sha1-" + hashlib.sha1(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def parse_conversation(obj: Any) -> Conversation:
-    """The record as messages and media; raises CorruptSample (its reason) for one that cannot be trained on."""
+def parse_conversation(obj: Any, unlisted: Mapping[str, list[str]] | None = None) -> Conversation:
+    """The record as messages and media; raises CorruptSample (its reason) for one that cannot be trained on.
+    `unlisted`: per kind, the paths its markers take when the record lists no media of that kind (a WebDataset
+    sample's members), any left over being no mismatch."""
     if type(obj) is not dict:
         raise ValueError("record is not a JSON object")
     sample_id = record_id(obj)
@@ -124,7 +126,12 @@ def parse_conversation(obj: Any) -> Conversation:
     if not turns:
         raise CorruptSample(sample_id, key, "empty_conversation")
     listed = {kind: _listed_media(sample_id, obj, kind) for kind in MEDIA_KINDS}
-    reader = _Reader(sample_id, listed)
+    fallback = {
+        kind: [MediaRef(kind, path) for path in paths]
+        for kind, paths in (unlisted or {}).items()
+        if kind not in obj and f"{kind}s" not in obj
+    }
+    reader = _Reader(sample_id, listed, fallback)
     system = obj.get("system")
     messages = [{"role": "system", "content": system}] if type(system) is str and system else []
     for i, turn in enumerate(turns):
@@ -142,8 +149,8 @@ def parse_conversation(obj: Any) -> Conversation:
 class _Reader:
     """Turns one record's turns into messages, taking listed media as their markers come."""
 
-    def __init__(self, sample_id: str, listed: dict[str, list[MediaRef]]) -> None:
-        self.sample_id, self.listed = sample_id, listed
+    def __init__(self, sample_id: str, listed: dict[str, list[MediaRef]], fallback: dict[str, list[MediaRef]]) -> None:
+        self.sample_id, self.listed, self.fallback = sample_id, listed, fallback
         self.media: list[MediaRef] = []
 
     def message(self, turn: Any, where: str) -> dict[str, Any]:
@@ -179,10 +186,11 @@ class _Reader:
         return parts
 
     def _take(self, kind: str, where: str) -> dict[str, Any]:
-        """A marker's media: the next one the record lists."""
-        if not self.listed[kind]:
+        """A marker's media: the next one the record lists (or, listing none, the next fallback)."""
+        queue = self.listed[kind] or self.fallback.get(kind, [])
+        if not queue:
             raise CorruptSample(self.sample_id, where, "media_marker_mismatch", f"a <{kind}> marker without its {kind}")
-        self.media.append(self.listed[kind].pop(0))
+        self.media.append(queue.pop(0))
         return {"type": kind}
 
     def _part(self, part: Any, where: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -214,15 +214,22 @@ class ShardedSource(Source):
         """The entry parsed: the payload (sample, where its media are) only if `build` (else None, or whatever
         the source had to build anyway); raises CorruptSample (reason) or ValueError (a bad record)."""
 
-    def _conversation(self, obj: Any, where: Any, media: Callable[[str, MediaRef], tuple[str, bytes | None]]) -> Parsed:
+    def _conversation(
+        self,
+        obj: Any,
+        where: Any,
+        media: Callable[[str, MediaRef], tuple[str, bytes | None]],
+        unlisted: Mapping[str, list[str]] | None = None,
+    ) -> Parsed:
         """A conversation record as a rendered sample. `media(id, ref)` is (the segment's path, the file's bytes
-        when the record gives no sizes, else None): the sizes come from the record, or from the file's header."""
+        when the record gives no sizes, else None): the sizes come from the record, or from the file's header.
+        `unlisted`: per kind, paths its markers take when the record lists none of that kind."""
         if self.render is None:
             raise NoRenderer(
                 f"{self.location}: conversation records need a tokenizer with a chat template "
                 "(model.pretrained.llm's tokenizer_config.json chat_template)"
             )
-        conv = parse_conversation(obj)
+        conv = parse_conversation(obj, unlisted)
         segments = [media_segment(conv.id, ref, *media(conv.id, ref)) for ref in conv.media]
         rendered = self.render(conv.messages)
         sample = Sample(conv.id, conv.modality, [*segments, Segment("text")], rendered)

@@ -101,7 +101,11 @@ class WdsSource(ShardedSource):
             if isinstance(obj, dict):
                 obj.setdefault("id", key)
             if record_format(obj, self.cfg.format) == "conversation":
-                return self._conversation(obj, (where, members), _MemberPicker(where, members).pick)
+                unlisted = {
+                    kind: [ext for ext in sorted(members) if ext.rsplit(".", 1)[-1] in exts]
+                    for kind, exts in MEDIA_EXTS.items()
+                }
+                return self._conversation(obj, (where, members), _MemberPicker(where, members).pick, unlisted)
             sample = Sample.from_json(obj)
         elif self.cfg.format == "conversation":
             raise ValueError(f"{key}: data.format is conversation but the sample has no {key}.json")

@@ -3,13 +3,17 @@ WebDataset shards, loss only on the replies, and bad records skipped and counted
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import tarfile
 from collections import Counter
 from itertools import groupby, pairwise
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile as sf
 
 from omni_core.common.tokenizer import EOS_ID, IMAGE_ID, ByteTokenizer, HFTokenizer
 from omni_core.data.conversation import NoRenderer, parse_conversation
@@ -23,7 +27,7 @@ from omni_core.data.sample import record_fields, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, View
 from omni_core.data.wds_source import WdsSource
 from omni_core.recipe.data_sections import DataConfig
-from tests.helpers.conversations import byte_chatml, llava_records, openai, sharegpt, write_llava
+from tests.helpers.conversations import byte_chatml, llava_records, openai, png, sharegpt, write_llava
 from tests.helpers.data_sources import records as helper_records
 from tests.helpers.hf_tokenizer import write_tokenizer
 from tests.helpers.recipes import build_recipe
@@ -273,3 +277,40 @@ def test_the_launch_check_reads_conversations_with_the_llms_tokenizer(llava, tmp
     _check_usable(path, with_llm)  # meets a usable conversation
     with pytest.raises(NoRenderer, match="chat template"):
         _check_usable(path, build_recipe(tmp_path, {"data.source": "jsonl", "data.path": path}))
+
+
+def test_a_shards_members_are_the_media_its_records_leave_unlisted(tmp_path):
+    wave = io.BytesIO()
+    sf.write(wave, np.zeros(8000), 16000, format="FLAC")
+    samples = {
+        "a": {
+            "flac": wave.getvalue(),
+            "json": {
+                "messages": [
+                    {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": "Silence."},
+                ]
+            },
+        },
+        "b": {
+            "png": png("red", (16, 16)),
+            "json": {
+                "conversations": [{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "Red."}]
+            },
+        },
+        "c": {
+            "png": png("red", (16, 16)),
+            "json": {"conversations": [{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "Two?"}]},
+        },
+    }
+    with tarfile.open(tmp_path / "s-0.tar", "w") as tar:
+        for key, members in samples.items():
+            for ext, data in members.items():
+                body = json.dumps(data).encode() if ext == "json" else data
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    got, skips, _ = read(tmp_path / "s-0.tar", "wds")
+    summary = [(r.id, r.modality, r.audio_items, r.image_items) for r in got]
+    assert summary == [("a", "audio", 1, 0), ("b", "image", 0, 1)]
+    assert skips == Counter(media_marker_mismatch=1)  # c: two markers, one image

@@ -12,6 +12,7 @@ from torch import nn
 from omni_core.common.batch import PLACEHOLDER_KINDS, PackedBatch
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.audio import AudioEncoder
+from omni_core.models.documents import host_to_device
 from omni_core.models.feed_forward import MoE
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_train_flops, projector_dims
@@ -207,8 +208,9 @@ def anchor_embeddings(
 
 def scatter_rows(embeds: torch.Tensor, positions: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
     """`embeds` with `rows` at `positions` (ascending host ints, from the batch's layout: the placeholders of
-    whatever tokenizer made the batch), out of place so gradients reach both."""
-    index = torch.tensor(positions, dtype=torch.long).to(embeds.device, non_blocking=True)
+    whatever tokenizer made the batch), out of place so gradients reach both. The positions go to the device
+    from pinned memory, so the host does not wait for the GPU."""
+    index = host_to_device(torch.tensor(positions, dtype=torch.long), embeds.device)
     return embeds.index_put((index,), rows.to(embeds.dtype))
 
 

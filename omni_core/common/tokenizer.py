@@ -84,14 +84,13 @@ class Tokenizer(Protocol):
 
 
 def never_predicted(tokenizer: Tokenizer) -> frozenset[int]:
-    """Ids that are never a training target: placeholders (encoder outputs sit there), BOS, and padding where it
-    is not also EOS (when pad is EOS, EOS stays a target; padding documents get no targets at all)."""
-    ids = set(tokenizer.placeholder_ids.values())
+    """Ids that are never a training target: placeholders (encoder outputs sit there), BOS and padding, except
+    where one is also EOS (GPT-2's BOS, a vocabulary that pads with EOS): EOS stays a target, and padding
+    documents get no targets at all."""
+    ids = {*tokenizer.placeholder_ids.values(), tokenizer.pad_id}
     if tokenizer.bos_id is not None:
         ids.add(tokenizer.bos_id)
-    if tokenizer.pad_id != tokenizer.eos_id:
-        ids.add(tokenizer.pad_id)
-    return frozenset(ids)
+    return frozenset(ids - {tokenizer.eos_id})
 
 
 _BYTE_SPECIALS = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"} | {
@@ -192,6 +191,12 @@ class HFTokenizer:
         wanted = PLACEHOLDER_TOKENS | dict(placeholders or {})
         if unknown := sorted(set(wanted) - set(PLACEHOLDER_TOKENS)):
             raise ValueError(f"placeholder tokens for {unknown}: only {sorted(PLACEHOLDER_TOKENS)} have encoders")
+        named = set(tokens.values())
+        if len(set(wanted.values())) < len(wanted) or named & set(wanted.values()):
+            raise ValueError(
+                f"placeholder tokens {wanted} must differ from each other and from the named special tokens "
+                "(an encoder's rows would land on another's, or on text)"
+            )
         added = [token for token in wanted.values() if backend.token_to_id(token) is None]
         if added:
             from tokenizers import AddedToken

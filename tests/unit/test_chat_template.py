@@ -83,6 +83,10 @@ def test_placeholders_added_past_the_base_vocabulary(folders):
     assert qwen_audio.added_tokens == ("<|AUDIO|>", "<video>") and qwen_audio.encode("<|AUDIO|>") == [BASE_VOCAB]
     with pytest.raises(ValueError, match="placeholder tokens for \\['speech'\\]"):
         HFTokenizer.from_pretrained(folders["chatml", True], placeholders={"speech": "<s>"})
+    with pytest.raises(ValueError, match="must differ from each other and from the named special tokens"):
+        HFTokenizer.from_pretrained(folders["chatml", True], placeholders={"audio": "<image>"})
+    with pytest.raises(ValueError, match="must differ from each other and from the named special tokens"):
+        HFTokenizer.from_pretrained(folders["chatml", True], placeholders={"video": "<|im_end|>"})
 
 
 def test_special_tokens_and_padding(folders):

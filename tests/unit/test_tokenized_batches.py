@@ -11,7 +11,15 @@ import torch
 from PIL import Image
 
 from omni_core.common.batch import PackedBatch
-from omni_core.common.tokenizer import BOS_ID, BYTE_TOKENIZER, EOS_ID, IMAGE_ID, HFTokenizer, Tokenizer
+from omni_core.common.tokenizer import (
+    BOS_ID,
+    BYTE_TOKENIZER,
+    EOS_ID,
+    IMAGE_ID,
+    HFTokenizer,
+    Tokenizer,
+    never_predicted,
+)
 from omni_core.data.dataset import ManifestDataset, open_source
 from omni_core.data.packing import collate, document_labels
 from omni_core.recipe.data_sections import DataConfig
@@ -96,3 +104,15 @@ def test_labels_skip_placeholders_bos_and_pad_and_follow_a_mask():
     assert document_labels(ids, BYTE_TOKENIZER).tolist() == [*b"hi", -100, *b"!", EOS_ID, -100]
     mask = [False, False, False, False, True, True]
     assert document_labels(ids, BYTE_TOKENIZER, mask).tolist() == [-100, -100, -100, *b"!", EOS_ID, -100]
+
+
+def test_an_id_that_is_also_eos_stays_a_target(chatml, tmp_path):
+    """GPT-2 names one token BOS and EOS; Qwen2 pads with EOS: EOS is still predicted where a document ends."""
+    folder = write_tokenizer(tmp_path / "gpt2", "chatml")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": config["eos_token"]}))
+    gpt2 = HFTokenizer.from_pretrained(folder)
+    assert gpt2.bos_id == gpt2.eos_id == gpt2.pad_id and gpt2.eos_id not in never_predicted(gpt2)
+    assert never_predicted(chatml) == set(chatml.placeholder_ids.values())
+    ids = torch.tensor([gpt2.eos_id, *gpt2.encode("hi"), gpt2.eos_id])
+    assert document_labels(ids, gpt2).tolist()[-2] == gpt2.eos_id

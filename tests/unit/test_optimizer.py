@@ -65,3 +65,23 @@ def test_fused_adamw_steps_fsdp_dtensor_parameters_as_foreach_does():
             torch.testing.assert_close(fused, foreach)
     finally:
         dist.destroy_process_group()
+
+
+def test_each_part_steps_at_its_own_rate_and_decay_and_keeps_them_on_resume():
+    model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
+    recipe = build_recipe(None, {"train.lr": 3e-3, "train.weight_decay": 0.01, "train.warmup_steps": 0,
+                                 "train.lr_by_part": {"projectors": 1e-3, "llm": 2e-5},
+                                 "train.weight_decay_by_part": {"llm": 0.1}})
+    optimizers = Optimizers([model], recipe)
+    group_of = {id(p): group for group in optimizers.optimizers[0].param_groups for p in group["params"]}
+    for name, param in model.named_parameters():
+        part, group = name.split(".", 1)[0], group_of[id(param)]
+        assert group["lr"] == {"projectors": 1e-3, "llm": 2e-5}.get(part, 3e-3), name
+        assert group["weight_decay"] == ({"llm": 0.1}.get(part, 0.01) if param.ndim >= 2 else 0.0), name
+    optimizers.step()
+    saved = optimizers.scheduler_state()
+    again = Optimizers([model], recipe)
+    again.load_scheduler_state(saved)
+    assert again.schedulers[0].last_epoch == 1
+    assert again.schedulers[0].base_lrs == [group["initial_lr"] for group in again.optimizers[0].param_groups]
+    assert set(again.schedulers[0].base_lrs) == {1e-3, 2e-5, 3e-3}

@@ -197,9 +197,11 @@ class _Reader:
         kind = part.get("type") if type(part) is dict else None
         if kind == "text" and type(part.get("text")) is str:
             return {"type": "text", "text": part["text"]}
-        if kind == "image_url" and type(part.get("image_url")) is dict:
-            part = {"type": "image", "path": part["image_url"].get("url")}
-            kind = "image"
+        if kind == "image_url":  # OpenAI's form; the url is a path here (a web or data: url is unsafe_path)
+            url = part["image_url"].get("url") if type(part.get("image_url")) is dict else None
+            if type(url) is not str:
+                raise CorruptSample(self.sample_id, where, "bad_record", "an image_url part needs an 'image_url.url'")
+            part, kind = {"type": "image", "path": url}, "image"
         if kind not in MEDIA_KINDS:
             raise CorruptSample(self.sample_id, where, "bad_record", "a part's type is text, image, audio or video")
         path = part.get("path", part.get(kind))

@@ -314,3 +314,30 @@ def test_a_shards_members_are_the_media_its_records_leave_unlisted(tmp_path):
     summary = [(r.id, r.modality, r.audio_items, r.image_items) for r in got]
     assert summary == [("a", "audio", 1, 0), ("b", "image", 0, 1)]
     assert skips == Counter(media_marker_mismatch=1)  # c: two markers, one image
+
+
+@pytest.mark.parametrize(
+    ("part", "reason"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "unsafe_path"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}, "unsafe_path"),
+        ({"type": "image_url", "image_url": {}}, "bad_record"),
+        ({"type": "image", "image": "/etc/passwd"}, "unsafe_path"),
+        ({"type": "image"}, "media_marker_mismatch"),
+        ({"type": "tool_call"}, "bad_record"),
+        ({"type": "image", "image": "a.png", "width": 4}, "bad_record"),  # sizes: all or none
+    ],
+)
+def test_typed_parts_that_cannot_be_read_are_refused_by_reason(part, reason):
+    record = {"messages": [{"role": "user", "content": [part]}, {"role": "assistant", "content": "ok"}]}
+    with pytest.raises(CorruptSample, match=reason):
+        parse_conversation(record)
+    ok = parse_conversation(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x/a.png"}}]},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+    )
+    assert ok.media[0].path == "x/a.png" and ok.id.startswith("sha1-")

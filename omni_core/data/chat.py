@@ -51,7 +51,8 @@ def render_conversation(
     _check_placeholders(tokenizer, chat, ids)
     if train_on_prompt:
         return RenderedConversation(text, ids, [True] * len(ids))
-    spans = [_reply_span(render, chat, i, text, tokenizer.name) for i, m in enumerate(chat) if m["role"] == "assistant"]
+    replies = [i for i, message in enumerate(chat) if message.get("role") == "assistant"]
+    spans = [_reply_span(render, chat, i, text, tokenizer.name) for i in replies]
     return RenderedConversation(text, ids, _overlapping(offsets, spans))
 
 

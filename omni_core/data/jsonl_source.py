@@ -29,6 +29,7 @@ class JsonlSource(ShardedSource):
     demand; text is inline. Records are omni's segment records or conversations (data.format)."""
 
     suffix = ".jsonl"
+    _kept: tuple[str, bytes] | None = None  # the .json array file last read, and its bytes
 
     def _shards(self, location: str) -> list[str]:
         if location.endswith(ARRAY_SUFFIX):
@@ -39,7 +40,7 @@ class JsonlSource(ShardedSource):
 
     def _entries(self, shard: str, offset: int, index: int) -> Iterator[Entry]:
         if shard.endswith(ARRAY_SUFFIX):
-            yield from _array_entries(shard, self.storage.read(shard), offset, index)
+            yield from _array_entries(shard, self._array(shard), offset, index)
             return
         body = self.storage.open(shard, offset)
         try:
@@ -56,6 +57,17 @@ class JsonlSource(ShardedSource):
                 yield Entry(index, offset, offset + len(rest), rest)
         finally:
             body.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Sent to a loader worker without the kept array: the worker reads it once itself."""
+        return {key: value for key, value in self.__dict__.items() if key != "_kept"}
+
+    def _array(self, shard: str) -> bytes:
+        """A `.json` array file's bytes, kept while it is the one read: every epoch and every refetched record
+        (a resumed loader's pending ones) would read it whole again."""
+        if self._kept is None or self._kept[0] != shard:
+            self._kept = (shard, self.storage.read(shard))
+        return self._kept[1]
 
     def _parse(self, shard: str, raw: Entry, build: bool) -> Parsed:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
 import tarfile
 from collections import Counter
@@ -150,7 +151,13 @@ def test_an_array_resumes_at_a_saved_position(llava):
     resumed = src.stream(view, stream.position(), lambda reason: None)
     rest = list(iter(lambda: resumed.next(0), None))
     assert [r.id for r in first + rest] == [f"conv-{i:04d}" for i in range(12)]
-    assert src.refetch(view, first[3].ref).id == first[3].id
+    reads = Counter()
+    read_file = src.storage.read
+    src.storage.read = lambda location: reads.update([location]) or read_file(location)
+    src._kept = None
+    assert [src.refetch(view, r.ref).id for r in first] == [r.id for r in first]
+    assert reads[str(llava["json"])] == 1  # read once, not once per refetched record
+    assert "_kept" not in pickle.loads(pickle.dumps(src)).__dict__
 
 
 def test_conversations_need_a_renderer(llava):

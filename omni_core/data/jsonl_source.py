@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from omni_core.data.conversation import MediaRef, record_format
+from omni_core.data.image import image_header
 from omni_core.data.media_decode import DECODE_ERRORS, decode_media, media_error
 from omni_core.data.sample import Sample, Segment, record_fields
 from omni_core.data.source_base import CorruptSample, Record, leaves_folder
@@ -18,6 +19,7 @@ from omni_core.data.sources import Entry, Parsed, ShardedSource
 from omni_core.data.storage import join, parent
 
 ARRAY_SUFFIX = ".json"
+IMAGE_HEADER_BYTES = 1 << 16  # read to size an image whose record gives no width/height (a PNG needs 33)
 # what a JSON array's top level is scanned by: whole strings (skipped over), brackets and commas
 _ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
 _SPACE = b" \t\r\n"
@@ -91,6 +93,14 @@ class JsonlSource(ShardedSource):
             return ref.path, None
         where = join(self._root(shard), ref.path)
         try:
+            if ref.kind == "image":  # its size is in its first bytes (unless a large metadata block comes first)
+                body = self.storage.open(where)
+                try:
+                    head = body.read(IMAGE_HEADER_BYTES)
+                finally:
+                    body.close()
+                if _sized_image(head):
+                    return ref.path, head
             return ref.path, self.storage.read(where)
         except DECODE_ERRORS as err:
             raise media_error(sample_id, where, err) from err
@@ -108,6 +118,15 @@ class JsonlSource(ShardedSource):
 
     def where(self, record: Record, seg: Segment) -> str:
         return join(self._root(record.payload[1]), seg.path)
+
+
+def _sized_image(head: bytes) -> bool:
+    """Whether an image's first bytes hold its size."""
+    try:
+        image_header(head)
+    except DECODE_ERRORS:
+        return False
+    return True
 
 
 def _array_entries(shard: str, data: bytes, offset: int, index: int) -> Iterator[Entry]:

@@ -348,3 +348,23 @@ def test_typed_parts_that_cannot_be_read_are_refused_by_reason(part, reason):
         }
     )
     assert ok.media[0].path == "x/a.png" and ok.id.startswith("sha1-")
+
+
+def test_an_image_is_sized_from_its_first_bytes_or_else_whole(tmp_path):
+    from PIL import Image
+
+    big_icc = tmp_path / "late.jpg"  # a 150 kB ICC profile before the frame header
+    Image.new("RGB", (40, 24), (1, 2, 3)).save(big_icc, "JPEG", icc_profile=b"\0" * 150_000)
+    (tmp_path / "early.png").write_bytes(png("red", (16, 32)))
+    turns = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]
+    records = [{"id": name, "image": name, "conversations": turns} for name in ("late.jpg", "early.png")]
+    (tmp_path / "m.json").write_text(json.dumps(records))
+    reads: Counter[str] = Counter()
+    source = JsonlSource(str(tmp_path / "m.json"), DataConfig(source="jsonl"))
+    source.render = byte_chatml
+    read_file = source.storage.read
+    source.storage.read = lambda location: reads.update([Path(location).name]) or read_file(location)
+    stream = source.stream(View(0, 1, "all", 0, one_pass=True, shuffle=False), None, print)
+    got = list(iter(lambda: stream.next(0), None))
+    assert [source.sample(r).segments[0].width for r in got] == [40, 16]
+    assert reads == Counter({"m.json": 1, "late.jpg": 1})  # the PNG's first bytes were enough

@@ -182,7 +182,7 @@ class OmniModel(nn.Module):
         """
         generator = torch.Generator(device=self.llm.output.weight.device).manual_seed(seed)
         for spec in init_specs(self):
-            self.get_parameter(spec.name).copy_(initial_value(spec, generator))
+            initial_value(spec, generator, out=self.get_parameter(spec.name))
 
     def num_params(self) -> int:
         """Counted from the modules; equals `flops.omni_params(args)["total"]` (a tested invariant)."""
@@ -247,13 +247,14 @@ def init_specs(model: nn.Module) -> list[InitSpec]:
     return specs
 
 
-def initial_value(spec: InitSpec, generator: torch.Generator) -> torch.Tensor:
-    """The spec's whole tensor on the generator's device (a normal draw advances the generator)."""
-    device = generator.device
+def initial_value(spec: InitSpec, generator: torch.Generator, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec's whole tensor (a normal draw advances the generator), written into `out` (of the spec's shape)
+    when given, else into a new tensor on the generator's device."""
+    if out is None:
+        out = torch.empty(spec.shape, dtype=spec.dtype, device=generator.device)
     if spec.kind == "normal":
-        return torch.empty(spec.shape, dtype=spec.dtype, device=device).normal_(0.0, 0.02, generator=generator)
-    fill = torch.ones if spec.kind == "ones" else torch.zeros
-    return fill(spec.shape, dtype=spec.dtype, device=device)
+        return out.normal_(0.0, 0.02, generator=generator)
+    return out.fill_(1.0 if spec.kind == "ones" else 0.0)
 
 
 def build_model(flavor: str, *, patch_size: int, n_mels: int, seed: int) -> OmniModel:

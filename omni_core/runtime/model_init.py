@@ -74,9 +74,12 @@ def materialize(
     for spec in specs:
         if spec.name.split(".", 1)[0] in pretrained:
             continue
-        value = initial_value(spec, generator)  # drawn on every rank, held here or not
-        for param in targets.get(spec.name, []):
-            _write(param, value)
+        held = targets.get(spec.name, [])
+        whole = next((param for param in held if not isinstance(param, DTensor)), None)
+        value = initial_value(spec, generator, out=whole)  # drawn on every rank, held here or not
+        for param in held:
+            if param is not whole:
+                _write(param, value)
     for part_name, where in pretrained.items():
         with torch.device("meta"):  # names the part's tensors in its files
             module = hf_import.part_module(getattr(args, part_name))

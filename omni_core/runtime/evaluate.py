@@ -13,12 +13,13 @@ from omni_core.common.results import EvalReport, ModalityScore, TaskScore
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.models.flops import merged_grid
-from omni_core.models.omni import OmniModel, build_model
+from omni_core.models.omni import OmniModel
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.checkpoint import Manifest, latest_checkpoint, load_checkpoint
 from omni_core.runtime.ckpt_store import CheckpointError, checkpoint_cache, checkpoint_store
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
+from omni_core.runtime.model_init import unfilled_model
 
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalReport:
@@ -47,12 +48,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
 def load_model(recipe: Recipe, ckpt: str) -> tuple[OmniModel, Manifest]:
     """The recipe's whole model on this process's CPU, its weights restored from `ckpt`, in eval mode."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model = build_model(
-        recipe.model.flavor,
-        patch_size=recipe.data.patch_size,
-        n_mels=recipe.data.n_mels,
-        seed=recipe.experiment.seed,
-    )
+    model = unfilled_model(recipe, info.device)  # pretrained parts' architectures included
     manifest, _ = load_checkpoint(ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info)
     model.eval()
     return model, manifest

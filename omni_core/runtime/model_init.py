@@ -19,7 +19,7 @@ from omni_core.models import hf_import
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.hf_import import PARTS
 from omni_core.models.llm import LLM
-from omni_core.models.omni import InitSpec, initial_value
+from omni_core.models.omni import InitSpec, OmniModel, initial_value
 from omni_core.models.pretrained import PretrainedPart, omni_args
 from omni_core.recipe.schema import Recipe
 
@@ -36,6 +36,16 @@ def recipe_args(recipe: Recipe, parts: Sequence[str] = PARTS) -> tuple[OmniModel
         n_mels=recipe.data.n_mels,
         vocab_size=vocab,
     )
+
+
+def unfilled_model(recipe: Recipe, device: torch.device) -> OmniModel:
+    """The recipe's whole model allocated on `device` with no values yet: for weights a checkpoint then loads
+    (evaluation), so nothing is drawn or read for them first."""
+    with torch.device("meta"):
+        model = OmniModel(recipe_args(recipe)[0])
+    model.to_empty(device=device)
+    _tie_heads(model)
+    return model
 
 
 # Module names that wrappers insert between a model's own (activation checkpointing, torch.compile)

@@ -1,10 +1,11 @@
 """The shipped MLLM stages (recipes/mllm_align.yaml, recipes/mllm_sft.yaml) on tiny generated parts, in one
 process: alignment trains the projectors only and the loss of the image and audio documents falls; SFT starts
 from alignment's weights (weights only: step 0, fresh optimizer) with its per-part learning rates, and its
-loss falls. Before any of that, `omni recipe check` names the folders a user fills."""
+loss falls, and its checkpoint evaluates. Before any of that, `omni recipe check` names the folders a user fills."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from flows.cli import main
 from omni_core.recipe import load_recipe
 from omni_core.runtime.checkpoint import latest_checkpoint
 from omni_core.runtime.ckpt_store import LocalStore
+from omni_core.runtime.evaluate import evaluate_checkpoint
 from omni_core.runtime.trainer import resume, set_up, train
 from tests.helpers.hf_parts import write_parts
 from tests.helpers.models import N_MELS, PATCH_SIZE
@@ -91,3 +93,5 @@ def test_alignment_then_sft_from_its_weights(tmp_path: Path) -> None:
     print("sft losses", [round(x, 3) for x in second])
     assert falls(second), second
     assert second[0] < first[0]  # it starts where alignment left off, not from the fresh projectors
+    report = evaluate_checkpoint(sft)  # the pretrained parts' architectures, built for the checkpoint
+    assert report.step == 12 and math.isfinite(report.loss)

@@ -68,3 +68,11 @@ def test_added_tokens_get_the_mean_of_the_files_rows(tied: bool, tmp_path: Path)
     box = (slice(300, 325), slice(16, 32))  # a shard across the boundary: the file's rows, then the mean's
     torch.testing.assert_close(read_shard(folder / "model.safetensors", "model.embed_tokens.weight",
                                           torch.Size([330, 64]), box), rows[box], rtol=0, atol=1e-7)
+
+
+def test_the_training_hash_follows_the_starting_weights(tmp_path: Path) -> None:
+    """A checkpoint folder belongs to what was trained: other pretrained folders or another init_from start
+    afresh instead of resuming a foreign run."""
+    hashes = {build_recipe(tmp_path, overrides).training_hash() for overrides in (
+        {}, {"model.pretrained.llm": "a"}, {"model.pretrained.llm": "b"}, {"model.init_from": "c"})}
+    assert len(hashes) == 4

@@ -1,12 +1,14 @@
-"""Pretrained parts loaded shard by shard at world 2: under FSDP (dp2, the encoders in the quickstart's omni
-layout and coupled) and TP (dp1-tp2) each rank's local tensors are the slices its plan gives it of the files'
-tensors, cut by DTensor itself from the whole file, and the whole parameters are the files'. Each rank's peak
-host memory (RSS) is printed: the benchmark measures it at scale."""
+"""Pretrained parts loaded shard by shard: at world 2 under FSDP (dp2, the encoders in the quickstart's omni
+layout and coupled) and TP (dp1-tp2), at world 4 under FSDP over TP (dp2-tp2, whose FSDP shards stride TP's
+rows), each rank's local tensors are the slices its plan gives it of the files' tensors, cut by DTensor itself
+from the whole file, and the whole parameters are the files'. Each rank's peak host memory (RSS) is printed:
+the benchmark measures it at scale."""
 
 from __future__ import annotations
 
 import resource
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -19,14 +21,14 @@ from omni_core.runtime.replica import build_replica
 from tests.helpers.hf_parts import with_added_rows, write_parts
 from tests.helpers.recipes import build_recipe
 
-PLANS = ("dp2+omni", "dp2", "dp1-tp2")
+PLANS = {2: ("dp2+omni", "dp2", "dp1-tp2"), 4: ("dp2-tp2",)}  # world -> plans; FSDP over TP strides its rows
 
 
 def _worker(rank: int, world: int, root: str, parts: dict[str, str]) -> dict[str, tuple[int, int, int]]:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     files = {part: load_pretrained(folder, part)[0].state_dict() for part, folder in parts.items()}
     results = {}
-    for name in PLANS:
+    for name in PLANS[world]:
         recipe = build_recipe(root, {"model.pretrained": parts})
         replica = build_replica(recipe, ParallelPlan.parse(name), info, torch.float32)
         sharded = compared = 0
@@ -50,10 +52,11 @@ def _worker(rank: int, world: int, root: str, parts: dict[str, str]) -> dict[str
     return results
 
 
-def test_each_rank_holds_its_slices_of_the_files(tmp_path):
+@pytest.mark.parametrize("world", sorted(PLANS))
+def test_each_rank_holds_its_slices_of_the_files(tmp_path, world):
     parts = write_parts(tmp_path / "parts")
-    per_rank = run_ranks(_worker, 2, str(tmp_path), parts)
-    for name in PLANS:
+    per_rank = run_ranks(_worker, world, str(tmp_path), parts)
+    for name in PLANS[world]:
         for rank, results in enumerate(per_rank):
             sharded, compared, peak_kib = results[name]
             print(f"{name} rank {rank}: {compared} pretrained tensors, {sharded} sharded; "

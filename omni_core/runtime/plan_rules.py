@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 from omni_core.common.plan import ParallelPlan, PlanError
+from omni_core.models import hf_config
+from omni_core.models.args import LLMArgs
 from omni_core.models.flavors import get_flavor
 from omni_core.recipe.schema import Recipe
 
@@ -15,10 +17,18 @@ from omni_core.recipe.schema import Recipe
 def resolve_plan(recipe: Recipe, world_size: int) -> ParallelPlan:
     """The recipe's plan on this world, checked against the model and the packed sequence length."""
     plan = ParallelPlan.from_config(recipe.parallel, world_size)
-    llm = get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels).llm
-    plan.check_model(llm.shape(seq_len=recipe.data.seq_len * recipe.data.micro_batch))
+    plan.check_model(recipe_llm(recipe).shape(seq_len=recipe.data.seq_len * recipe.data.micro_batch))
     plan.check_microbatches(recipe.train.grad_accum)
     return plan
+
+
+def recipe_llm(recipe: Recipe) -> LLMArgs:
+    """The LLM the recipe trains: the pretrained one's config (`model.pretrained.llm`, read without torch), else
+    the flavor's. Raises what `hf_config` raises for a config it cannot read or honour."""
+    folder = recipe.model.pretrained.llm
+    if folder is None:
+        return get_flavor(recipe.model.flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels).llm
+    return hf_config.llm_args_from_config(*hf_config.read_config(folder))[0]
 
 
 def check_buildable(plan: ParallelPlan, compile: bool = False) -> None:

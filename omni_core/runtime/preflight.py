@@ -158,7 +158,8 @@ def _plan(recipe: Recipe) -> list[Finding]:
         plan = resolve_plan(recipe, recipe.parallel.nproc)
         check_buildable(plan, recipe.train.compile)
     except PlanError as error:
-        return [Finding("parallel", f"{error} (model {recipe.model.flavor}, {recipe.parallel.nproc} ranks)")]
+        model = recipe.model.pretrained.llm or recipe.model.flavor
+        return [Finding("parallel", f"{error} (model {model}, {recipe.parallel.nproc} ranks)")]
     return _balance(recipe, plan)
 
 

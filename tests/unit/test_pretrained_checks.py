@@ -64,3 +64,11 @@ def test_an_llm_without_its_tokenizer_is_named(tmp_path: Path) -> None:
 def test_good_parts_pass(tmp_path: Path) -> None:
     write_llm(tmp_path / "llm")
     check_launch(build_recipe(tmp_path, {"model.pretrained.llm": str(tmp_path / "llm")}))
+
+
+def test_the_plan_is_checked_against_the_pretrained_llm(tmp_path: Path) -> None:
+    """The flavor's LLM (debug: untied) would take pp=2; the pretrained one's tied head cannot be split from it."""
+    write_llm(tmp_path / "llm", tied=True)
+    found = problems(tmp_path, {"model.pretrained.llm": str(tmp_path / "llm"), "parallel.nproc": 2, "parallel.pp": 2})
+    assert "parallel: plan dp1-pp2 does not fit the model: pp=2 would put the tied embedding" in found
+    assert f"(model {tmp_path / 'llm'}, 2 ranks)" in found

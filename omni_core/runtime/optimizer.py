@@ -65,6 +65,7 @@ class Optimizers:
 
     def __init__(self, parts: Sequence[nn.Module], recipe: Recipe):
         cfg = recipe.train
+        self.peak_lr = cfg.lr
         self.optimizers = [build_optimizer(part, recipe) for part in parts]
         self.schedulers = [
             build_lr_scheduler(opt, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.min_lr_ratio)
@@ -79,7 +80,10 @@ class Optimizers:
 
     @property
     def lr(self) -> float:
-        return float(self.schedulers[0].get_last_lr()[0])
+        """train.lr as the schedule has it now (the parts with peaks of their own, `train.lr_by_part`, follow
+        the same schedule from theirs)."""
+        scheduler = self.schedulers[0]
+        return float(self.peak_lr * scheduler.get_last_lr()[0] / scheduler.base_lrs[0])
 
     def scheduler_state(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()

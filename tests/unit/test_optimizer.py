@@ -85,3 +85,14 @@ def test_each_part_steps_at_its_own_rate_and_decay_and_keeps_them_on_resume():
     assert again.schedulers[0].last_epoch == 1
     assert again.schedulers[0].base_lrs == [group["initial_lr"] for group in again.optimizers[0].param_groups]
     assert set(again.schedulers[0].base_lrs) == {1e-3, 2e-5, 3e-3}
+
+
+def test_the_logged_lr_is_train_lr_as_scheduled_whatever_the_first_group():
+    model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
+    recipe = build_recipe(None, {"train.lr": 3e-3, "train.warmup_steps": 4, "model.freeze": ["vision", "audio"],
+                                 "train.lr_by_part": {"projectors": 1e-3, "llm": 2e-5}})
+    for part in (model.vision, model.audio):
+        part.requires_grad_(False)  # as the replica freezes them
+    optimizers = Optimizers([model], recipe)
+    assert optimizers.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
+    assert optimizers.lr == pytest.approx(3e-3 / 4)  # the first warmup step; the first group is the projectors'

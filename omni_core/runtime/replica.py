@@ -1,6 +1,8 @@
-"""This rank's share of the model under a plan: the whole model built from the seed on every rank, then cut
-into the parts this rank holds (pipeline stage chunks, or the encoders on the encoders' own ranks) and
-parallelized, with the pipeline runner and encoder step that the training step drives them through."""
+"""This rank's share of the model under a plan: the whole model built on the meta device on every rank (the
+flavor's architecture, pretrained parts' from their configs), cut into the parts this rank holds (pipeline
+stage chunks, or the encoders on the encoders' own ranks), parallelized, and only then allocated and filled
+with this rank's shards (`model_init`); with the pipeline runner and encoder step that the training step
+drives them through."""
 
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ class ModelReplica:
 
 
 def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dtype: torch.dtype) -> ModelReplica:
-    """Build the full model from the seed (identical on every rank), then split and parallelize it. On one
+    """Build the full model on the meta device, split and parallelize it, then fill this rank's shards from the
+    seed (the values of a whole model's `init_weights`) and the pretrained parts' files. On one
     process `omni` is the same placement as `coupled` (the encoders on the one rank) and runs as it. Under
     `disaggregated` the encoders' own ranks keep only the encoders, the LLM ranks only the LLM. bf16 shards
     the parameters at every world size (`parallel.parallelize`), so one process builds meshes then too."""

@@ -152,7 +152,7 @@ def _rank(rank: int, world: int, root: str, policy: str, steps: tuple[int, int])
 
 
 def launch(root: Path, world: int, policy: str, steps: tuple[int, int]) -> dict:
-    ranks = run_ranks(_rank, world, str(root), policy, steps)
+    ranks = run_ranks(_rank, world, str(root), policy, steps, backend="auto")
     result = {}
     for mix in MIXES:
         per_step = list(zip(*(r[mix] for r in ranks), strict=True))

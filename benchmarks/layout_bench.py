@@ -142,7 +142,7 @@ def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int]) -
 def launch(root: Path, name: str, steps: tuple[int, int]) -> dict:
     """One launch of `name` (all mixes): per mix the step-level figures over its ranks."""
     world = ParallelPlan.parse(name).world_size
-    ranks = run_ranks(_rank, world, str(root), name, steps)
+    ranks = run_ranks(_rank, world, str(root), name, steps, backend="auto")
     result = {}
     for mix in MIXES:
         per_step = list(zip(*(r[mix]["records"] for r in ranks), strict=True))

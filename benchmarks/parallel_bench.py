@@ -37,7 +37,7 @@ from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.data.synthetic import ensure_dataset
 from omni_core.recipe.schema import Recipe
-from omni_core.runtime.dist import DistInfo, shutdown
+from omni_core.runtime.dist import DistInfo, process_group_backend, shutdown
 from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.ranks import preimport
 from omni_core.runtime.optimizer import Optimizers
@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, root: str, out_dir: str, flavor: str, name: str
         torch.set_num_threads(1)
     if world > 1:
         store = dist.FileStore(str(Path(out_dir, "store")), world)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+        dist.init_process_group(process_group_backend("auto"), store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=TIMEOUT_S))
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=device)
     plan = ParallelPlan.parse(name)

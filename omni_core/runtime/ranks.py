@@ -90,11 +90,15 @@ def preimport() -> None:
 def run_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
 ) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` ranks on loopback; the ranks' results in rank order. gloo ranks are
-    forked; NCCL ranks (rank r on GPU r) are spawned, since a forked process cannot initialise CUDA.
+    """`fn(rank, world, *args)` on `world` ranks on loopback; the ranks' results in rank order. `backend` is
+    `parallel.backend`'s (`dist.process_group_backend` decides the group): ranks that take a GPU each (rank r on
+    GPU r: "auto" or "nccl" where there are GPUs) are spawned, since a forked process cannot initialise CUDA;
+    CPU ranks are forked.
 
     `fn` must be a module-level function and its arguments and results picklable."""
     import torch.multiprocessing as mp
+
+    from omni_core.runtime.dist import uses_cuda
 
     with tempfile.TemporaryDirectory() as out_dir:
         with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own traceback, written below, says more
@@ -102,7 +106,7 @@ def run_ranks(
                 _rank_main,
                 args=(world, free_port(), out_dir, timeout_s, fn, args, backend),
                 nprocs=world,
-                start_method="spawn" if backend == "nccl" else "fork",
+                start_method="spawn" if uses_cuda(backend) else "fork",
             )
         results, failures = [], []
         for rank in range(world):

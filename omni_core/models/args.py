@@ -180,6 +180,9 @@ class VisionArgs:
     max_grid: int = 64
     activation: EncoderActivation = "gelu"
     norm_eps: float = 1e-5
+    # The features the projector reads pass the tower's final LayerNorm (SigLIP's post_layernorm); False: the
+    # last block's output, LLaVA's hidden_states[-1] (what `omni export` can express).
+    final_norm: bool = True
 
     def __post_init__(self) -> None:
         _check_heads("VisionArgs", self.dim, self.n_heads)

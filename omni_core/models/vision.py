@@ -61,7 +61,7 @@ class VisionEncoder(nn.Module):
         x, cu_seqlens = self.embed(patches, grids, shard)
         for layer in self.layers:
             x = layer(x, cu_seqlens, shard)
-        return self.norm(x)
+        return self.norm(x) if self.args.final_norm else x
 
     def embed(
         self, patches: torch.Tensor, grids: Shapes, shard: EncoderShard | None = None

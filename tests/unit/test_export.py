@@ -1,0 +1,123 @@
+"""`hf_export`: an omni vision + LLM model built from tiny pretrained parts, exported as a LLaVA directory, loads
+in transformers (`LlavaForConditionalGeneration`, `LlavaProcessor`) and gives omni's logits for the same
+conversation with an image, inputs made by the exported processor; what LLaVA cannot express is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from omni_core.common.batch import MODALITY_IDS, PackedBatch
+from omni_core.common.tokenizer import HFTokenizer
+from omni_core.data.tower_processors import SiglipImageProcessing
+from omni_core.models import hf_import
+from omni_core.models.hf_export import ExportRefused, export_llava
+from omni_core.models.omni import OmniModel
+from omni_core.models.pretrained import omni_args
+from tests.helpers.hf_parts import write_llm, write_vision
+from tests.helpers.models import N_MELS, PATCH_SIZE
+
+IMAGE_SIDE = 8 * PATCH_SIZE  # write_vision's image_size: an 8 x 8 patch grid, 64 image tokens
+
+
+def parts(root: Path, tied: bool = False, side: int = IMAGE_SIDE) -> tuple[Path, Path]:
+    from transformers import SiglipImageProcessor
+
+    llm, vision = write_llm(root / "llm", tied=tied), write_vision(root / "vision")
+    SiglipImageProcessor(size={"height": side, "width": side}).save_pretrained(vision)
+    return llm, vision
+
+
+def llava_ready(llm: Path, vision: Path, **changes: object) -> OmniModel:
+    """The model a recipe with these pretrained parts builds, with LLaVA's feature layer, filled from the files
+    (the projectors: torch's default init, biases nonzero)."""
+    vocab = HFTokenizer.from_pretrained(llm).vocab_size
+    args, found = omni_args(
+        "debug", {"llm": str(llm), "vision": str(vision)}, patch_size=PATCH_SIZE, n_mels=N_MELS, vocab_size=vocab
+    )
+    args = replace(args, vision=replace(args.vision, final_norm=False), spatial_merge=1, projector_mult=1)
+    model = OmniModel(replace(args, **changes))
+    for part, where in found.items():
+        hf_import.load_safetensors(getattr(model, part), where.directory, where.layout, where.prefix)
+    return model.eval()
+
+
+def omni_batch(ids: torch.Tensor, patches: torch.Tensor, grid: tuple[int, int], tokenizer: HFTokenizer) -> PackedBatch:
+    n = ids.numel()
+    return PackedBatch(
+        input_ids=ids,
+        labels=torch.full_like(ids, -100),
+        position_ids=torch.arange(n),
+        cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+        loss_modality=torch.full_like(ids, MODALITY_IDS["text"]),
+        image_patches=patches,
+        image_grids=torch.tensor([grid]),
+        audio_mels=torch.zeros(0, N_MELS),
+        audio_frames=torch.zeros(0, dtype=torch.long),
+        video_patches=torch.zeros(0, patches.shape[1]),
+        video_grids=torch.zeros(0, 3, dtype=torch.long),
+        num_samples=1,
+        tokenizer=tokenizer,
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_exported_llava_gives_omnis_logits(tmp_path: Path, tied: bool) -> None:
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    llm, vision = parts(tmp_path / "parts", tied=tied)
+    model = llava_ready(llm, vision)
+    out = export_llava(model, llm, vision, tmp_path / "export")
+
+    processor = LlavaProcessor.from_pretrained(out)
+    exported = LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    messages = [
+        {"role": "user", "content": "<image>\nwhat colour is the box?"},
+        {"role": "assistant", "content": "the box is red"},
+    ]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+    image = Image.new("RGB", (37, 23), (200, 30, 40))
+    image.paste((20, 90, 220), (5, 4, 20, 18))
+    inputs = processor(text=text, images=image, return_tensors="pt")
+
+    tokenizer = HFTokenizer.from_pretrained(llm)
+    ids = inputs["input_ids"][0]
+    assert int((ids == tokenizer.placeholder_ids["image"]).sum()) == (IMAGE_SIDE // PATCH_SIZE) ** 2
+    ours = SiglipImageProcessing.from_pretrained(vision)
+    torch.testing.assert_close(torch.from_numpy(ours.pixels(image)), inputs["pixel_values"][0], atol=1e-5, rtol=0)
+    patches, grid = ours.patches(image, PATCH_SIZE)
+    with torch.no_grad():
+        theirs = exported(**inputs).logits[0]
+        mine = model(omni_batch(ids, patches, grid, tokenizer))
+    assert mine.shape == theirs.shape
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"spatial_merge": 2}, "spatial_merge=2"),
+        ({"projector_mult": 2}, "projector hidden width 128 != LLM dim 64"),
+        ({"vision_final_norm": True}, "vision final_norm=True"),
+        ({"vision_pos_embed": "factorized"}, "vision pos_embed='factorized'"),
+    ],
+)
+def test_what_llava_cannot_express_is_refused_by_name(tmp_path: Path, change: dict, named: str) -> None:
+    llm, vision = parts(tmp_path / "parts")
+    vision_changes = {k.removeprefix("vision_"): v for k, v in change.items() if k.startswith("vision_")}
+    model = llava_ready(llm, vision, **{k: v for k, v in change.items() if not k.startswith("vision_")})
+    if vision_changes:
+        model = OmniModel(replace(model.args, vision=replace(model.args.vision, **vision_changes)))
+    with pytest.raises(ExportRefused, match=named):
+        export_llava(model, llm, vision, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def test_a_processor_size_other_than_the_towers_is_refused(tmp_path: Path) -> None:
+    llm, vision = parts(tmp_path / "parts", side=IMAGE_SIDE // 2)
+    with pytest.raises(ExportRefused, match=r"preprocessor_config\.json: size .* is not the tower's image_size 64"):
+        export_llava(llava_ready(llm, vision), llm, vision, tmp_path / "export")

@@ -22,6 +22,8 @@ def eval_metrics(report: EvalReport) -> dict[str, float]:
     for modality, task in report.task.items():
         metrics[f"eval/{modality}/word_accuracy"] = task.word_accuracy
         metrics[f"eval/{modality}/exact_match"] = task.exact_match
+        metrics[f"eval/{modality}/answer_exact_match"] = task.answer_exact_match
+        metrics[f"eval/{modality}/answer_token_f1"] = task.answer_token_f1
     return metrics
 
 

@@ -79,6 +79,8 @@ class TaskScore(Result):
     samples: int
     word_accuracy: float  # share of reference words (attributes) reproduced at their position
     exact_match: float
+    answer_exact_match: float  # equal once whitespace and case are normalised
+    answer_token_f1: float  # SQuAD-style F1 of the normalised words
     examples: list[tuple[str, str]]  # a few (decoded, reference) pairs, for people reading the report
 
 

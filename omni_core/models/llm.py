@@ -7,6 +7,7 @@ import math
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_core.common.batch import BatchLayout
@@ -14,6 +15,7 @@ from omni_core.models.args import LLMArgs, RopeScaling
 from omni_core.models.attention import DocumentAttention
 from omni_core.models.documents import PackedDocuments
 from omni_core.models.feed_forward import FeedForward, MoE
+from omni_core.models.kv_cache import KVCache
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, float]:
@@ -101,6 +103,22 @@ class Attention(DocumentAttention):
         out = self.attention(q, k, v, docs, causal=True, window=self.window)
         return self.wo(out.flatten(1))
 
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: str
+    ) -> torch.Tensor:
+        """[B, S, dim] new tokens of left-padded rows -> [B, S, dim], attending to `cache`'s columns and to
+        themselves; their keys and values join the cache."""
+        rows, new = x.shape[:2]
+        q = apply_rope(self.wq(x).view(rows, new, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(rows, new, -1, self.head_dim), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(rows, new, -1, self.head_dim).transpose(1, 2)
+        k, v = cache.append(layer, k, v)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # SDPA's enable_gqa needs torch 2.5 and not every backend takes it; repeating is exact
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(new, self.window))
+        return self.wo(out.transpose(1, 2).flatten(2))
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: LLMArgs, layer: int = 0):
@@ -117,6 +135,13 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: PackedDocuments) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, docs)
         return x + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: str
+    ) -> torch.Tensor:
+        x = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return x + ffn(self.ffn_norm(x).flatten(0, 1)).view_as(x)  # MoE routes flat [T, dim] tokens
 
 
 class LLM(nn.Module):
@@ -170,6 +195,21 @@ class LLM(nn.Module):
         self.aux_loss = moe.aux_loss_coef * torch.stack(aux).sum() if moe is not None and aux else h.new_zeros(())
         if self.output is None:  # a pipeline stage before the last one hands on hidden states
             return h
+        return self.output(self.norm(h))
+
+    def forward_cached(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Decoding: [B, S, dim] embeddings of the next S columns of `cache`'s left-padded rows -> logits
+        [B, S, vocab]. The packed `forward` stays the training path; this one serves generation, where each
+        step's keys and values are kept rather than recomputed. The whole model on one device only."""
+        if self.output is None or self.norm is None or len(self.layers) != self.args.n_layers:
+            raise ValueError("cached decoding needs the whole LLM (not a pipeline stage)")
+        rows, new = inputs_embeds.shape[:2]
+        cos, sin = rope_cos_sin(cache.positions(new).flatten(), self.args)
+        cos, sin = cos.view(rows, new, 1, -1), sin.view(rows, new, 1, -1)
+        h = inputs_embeds
+        for name, layer in self.layers.items():
+            h = cast(TransformerBlock, layer).forward_cached(h, cos, sin, cache, name)
+        cache.length += new
         return self.output(self.norm(h))
 
     def moe_aux_losses(self) -> list[torch.Tensor]:

@@ -124,6 +124,10 @@ class EvalConfig(Strict):
     max_batches: StrictInt = Field(50, ge=1, description="Held-out packed sequences per rank to evaluate")
     generate_samples: StrictInt = Field(16, ge=0, description="Held-out documents per modality captioned greedily")
     max_new_tokens: StrictInt = Field(64, ge=1, description="Decoding budget per caption/transcript")
+    batch_size: StrictInt = Field(8, ge=1, description="Held-out prompts decoded together (one KV cache)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where evaluation runs; auto: the GPU where there is one, else the CPU"
+    )
 
 
 class TrackingConfig(Strict):

@@ -10,6 +10,7 @@ import torch
 from omni_core.common.batch import MODALITY_IDS, video_tokens
 from omni_core.common.loss import summarize, token_loss_sums
 from omni_core.common.results import EvalReport, ModalityScore, TaskScore
+from omni_core.common.tokenizer import tokenizer_for
 from omni_core.data.dataset import open_dataset
 from omni_core.data.loader import PackedLoader
 from omni_core.models.flops import merged_grid
@@ -18,7 +19,14 @@ from omni_core.recipe.schema import Recipe
 from omni_core.runtime.checkpoint import Manifest, latest_checkpoint, load_checkpoint
 from omni_core.runtime.ckpt_store import CheckpointError, checkpoint_cache, checkpoint_store
 from omni_core.runtime.dist import DistInfo
-from omni_core.runtime.generate import documents, greedy_caption, word_accuracy
+from omni_core.runtime.generate import (
+    Document,
+    answer_documents,
+    answer_exact_match,
+    answer_token_f1,
+    documents,
+    word_accuracy,
+)
 from omni_core.runtime.model_init import unfilled_model
 
 
@@ -46,12 +54,23 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
 
 
 def load_model(recipe: Recipe, ckpt: str) -> tuple[OmniModel, Manifest]:
-    """The recipe's whole model on this process's CPU, its weights restored from `ckpt`, in eval mode."""
+    """The recipe's whole model, its weights restored from `ckpt` on this process's CPU, in eval mode on
+    `eval_device(recipe)`."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = unfilled_model(recipe, info.device)  # pretrained parts' architectures included
     manifest, _ = load_checkpoint(ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info)
-    model.eval()
+    model.to(eval_device(recipe)).eval()
     return model, manifest
+
+
+def eval_device(recipe: Recipe) -> torch.device:
+    """`eval.device`; auto: the GPU where there is one (training ran there), else the CPU."""
+    wanted = recipe.eval.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("eval.device=cuda: this machine has no CUDA device")
+    return torch.device(wanted)
 
 
 Captions = dict[str, list[tuple[str, str]]]  # modality -> (decoded, reference) pairs
@@ -67,22 +86,27 @@ def heldout_pass(recipe: Recipe, model: OmniModel, loader: PackedLoader) -> tupl
     def tokens_per_video(frames: int, rows: int, cols: int) -> int:
         return video_tokens(frames, rows, cols, model.args.temporal_merge, model.args.spatial_merge)
 
+    tokenizer = tokenizer_for(recipe)
+    device = next(model.parameters()).device
     stats = None
     samples = 0
-    captions: Captions = {}
+    prompts: dict[str, list[Document]] = {}
     with torch.no_grad():
         for index, batch in enumerate(loader):
             if index >= recipe.eval.max_batches:
                 break
-            sums = token_loss_sums(model(batch), batch).stats()
+            sums = token_loss_sums(model(batch.to(device)), batch.to(device)).stats().cpu()
             stats = sums if stats is None else stats + sums
             samples += batch.num_samples
-            for doc in documents(batch, tokens_per_image, tokens_per_video):
-                done = captions.setdefault(doc.modality, [])
-                if len(done) < recipe.eval.generate_samples:
-                    pair = greedy_caption(model, doc, recipe.eval.max_new_tokens, recipe.data.seq_len)
-                    if pair is not None:
-                        done.append(pair)
+            for doc in documents(batch, tokenizer, tokens_per_image, tokens_per_video):
+                chosen = prompts.setdefault(doc.modality, [])
+                if len(chosen) < recipe.eval.generate_samples:
+                    chosen.append(doc)
+    ev = recipe.eval
+    captions = {
+        modality: answer_documents(model, docs, tokenizer, ev.max_new_tokens, recipe.data.seq_len, ev.batch_size)
+        for modality, docs in prompts.items()
+    }
     return stats, samples, captions
 
 
@@ -99,12 +123,15 @@ def modality_scores(stats: torch.Tensor, means: dict[str, float]) -> dict[str, M
 
 
 def task_scores(captions: Captions) -> dict[str, TaskScore]:
-    """Word accuracy and exact matches of each modality's greedy captions against their references."""
+    """Word accuracy, exact matches (as decoded, and normalised) and token F1 of each modality's greedy
+    answers against their references."""
     return {
         modality: TaskScore(
             samples=len(pairs),
             word_accuracy=sum(word_accuracy(*pair) for pair in pairs) / len(pairs),
             exact_match=sum(decoded == reference for decoded, reference in pairs) / len(pairs),
+            answer_exact_match=sum(answer_exact_match(*pair) for pair in pairs) / len(pairs),
+            answer_token_f1=sum(answer_token_f1(*pair) for pair in pairs) / len(pairs),
             examples=pairs[:3],
         )
         for modality, pairs in captions.items()

@@ -47,14 +47,16 @@ def test_loss_sums_equal_token_mean_and_split_by_modality():
 
 
 def test_documents_of_a_batch_own_exactly_their_media(tmp_path):
-    from omni_core.common.tokenizer import AUDIO_ID, IMAGE_ID
+    from omni_core.common.tokenizer import AUDIO_ID, BYTE_TOKENIZER, IMAGE_ID
     from omni_core.data.dataset import open_dataset
     from omni_core.data.loader import PackedLoader
     from omni_core.runtime.generate import documents
 
     recipe = build_recipe(tmp_path)
     batch = next(iter(PackedLoader(open_dataset(recipe), recipe.data, "train")))
-    docs = list(documents(batch, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, *MERGES)))
+    docs = list(
+        documents(batch, BYTE_TOKENIZER, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, *MERGES))
+    )
     assert len(docs) == batch.num_samples
     assert {d.modality for d in docs} == {"text", "image", "audio"}
     for doc in docs:
@@ -118,6 +120,7 @@ def test_training_lowers_loss_and_evaluates(tmp_path):
     assert report.task and set(report.task) <= {"image", "audio"}
     for score in report.task.values():
         assert 0 < score.samples <= recipe.eval.generate_samples and 0 <= score.word_accuracy <= 1
+        assert score.answer_exact_match >= score.exact_match and 0 <= score.answer_token_f1 <= 1
         assert score.examples and all(reference for _, reference in score.examples)
 
 

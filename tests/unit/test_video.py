@@ -130,13 +130,17 @@ def test_the_profile_counts_videos_next_to_images_and_audio(tmp_path):
 
 
 def test_evaluation_splits_a_batch_into_documents_with_their_own_videos():
-    from omni_core.runtime.generate import documents, greedy_caption
+    from omni_core.common.tokenizer import BYTE_TOKENIZER
+    from omni_core.runtime.generate import answer_documents, documents
 
     model = build_model("debug", patch_size=PATCH_SIZE, n_mels=N_MELS, seed=0)
     batch = make_batch(MIXED_DOCS[:1] + VIDEO_DOCS)
-    docs = list(documents(batch, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, 2, 1)))
+    docs = list(
+        documents(batch, BYTE_TOKENIZER, lambda rows, cols: rows * cols, lambda *grid: video_tokens(*grid, 2, 1))
+    )
     assert [d.video_grids.tolist() for d in docs] == [[], [[3, 2, 3]], [[2, 3, 2]]]
     assert torch.equal(torch.cat([d.video_patches for d in docs]), batch.video_patches)
-    assert greedy_caption(model, docs[2], max_new=2) is not None  # a media document: prompted to its last VIDEO_ID
+    assert len(answer_documents(model, docs[2:], BYTE_TOKENIZER, 2, 1000, 1)) == 1  # prompted to its last VIDEO_ID
     prompt = int((docs[2].input_ids == VIDEO_ID).nonzero()[-1]) + 1
-    assert greedy_caption(model, docs[2], max_new=8, max_len=prompt)[0] == ""  # never past training's seq_len
+    decoded, _ = answer_documents(model, docs[2:], BYTE_TOKENIZER, 8, prompt, 1)[0]
+    assert decoded == ""  # never past training's seq_len

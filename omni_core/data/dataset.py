@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from PIL import Image
 
 from omni_core.common.tokenizer import BYTE_TOKENIZER, PAD_ID, Tokenizer, tokenizer_for
 from omni_core.data.audio import log_mel, resample
@@ -22,6 +23,7 @@ from omni_core.data.jsonl_source import JsonlSource
 from omni_core.data.sample import Segment, token_ids, trainable_mask
 from omni_core.data.source_base import CorruptSample, Record, Source
 from omni_core.data.synthetic import ensure_dataset
+from omni_core.data.tower_processors import TowerInputs
 from omni_core.data.wds_source import WdsSource
 from omni_core.recipe.data_sections import DataConfig
 from omni_core.recipe.schema import Recipe
@@ -51,9 +53,11 @@ class DecodedSample:
         return cls([pad_id] * length, is_padding=True)
 
 
-def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> Source:
-    """The source at `location`, counting text in `tokenizer`'s tokens; conversation records render with its
-    chat template."""
+def open_source(
+    location: str, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER, towers: TowerInputs | None = None
+) -> Source:
+    """The source at `location`, counting text in `tokenizer`'s tokens (conversation records render with its
+    chat template) and media as the pretrained `towers` take them."""
     kind = cfg.synthetic.format if cfg.source == "synthetic" else cfg.source
     if kind == "dynamic":
         if tokenizer is not BYTE_TOKENIZER:
@@ -62,8 +66,11 @@ def open_source(location: str, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKE
                 "with model.pretrained.llm, write the synthetic data (data.synthetic.format: jsonl or wds) or "
                 "give data.path"
             )
-        return DynamicSource(cfg)
+        dynamic = DynamicSource(cfg)
+        dynamic.towers = towers
+        return dynamic
     source = (JsonlSource if kind == "jsonl" else WdsSource)(location, cfg)
+    source.towers = towers
     source.tokenizer = tokenizer
     source.render = chat_renderer(tokenizer, cfg.train_on_prompt)
     if cfg.format == "conversation" and source.render is None:
@@ -76,9 +83,15 @@ class ManifestDataset:
     shards, local or on S3, or the dynamic generator. (The name is data v0's, when a manifest was the only
     source; the runtime constructs it as ManifestDataset(location, recipe.data).)"""
 
-    def __init__(self, location: str | Path, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> None:
-        self.location, self.cfg, self.tokenizer = str(location), cfg, tokenizer
-        self.source = open_source(self.location, cfg, tokenizer)
+    def __init__(
+        self,
+        location: str | Path,
+        cfg: DataConfig,
+        tokenizer: Tokenizer = BYTE_TOKENIZER,
+        towers: TowerInputs | None = None,
+    ) -> None:
+        self.location, self.cfg, self.tokenizer, self.towers = str(location), cfg, tokenizer, towers
+        self.source = open_source(self.location, cfg, tokenizer, towers)
 
     def __repr__(self) -> str:
         return f"ManifestDataset({self.location!r})"
@@ -94,9 +107,7 @@ class ManifestDataset:
             media = self.source.media(record, seg)
             if seg.kind == "image":
                 self._check(record, seg, f"{media.width}x{media.height}", f"{seg.width}x{seg.height}")
-                patches, grid = patchify(
-                    media, self.cfg.patch_size, self.cfg.max_image_patches, self.cfg.min_image_patches
-                )
+                patches, grid = self._patches(media, self.cfg.max_image_patches, self.cfg.min_image_patches)
                 doc.image_patches.append(patches)
                 doc.image_grids.append(grid)
             elif seg.kind == "video":
@@ -107,7 +118,7 @@ class ManifestDataset:
                     f"{frames[0].width}x{frames[0].height}, {total} frames",
                     f"{seg.width}x{seg.height}, {seg.num_frames} frames",
                 )
-                per_frame = [patchify(frame, self.cfg.patch_size, self.cfg.video_frame_patches) for frame in frames]
+                per_frame = [self._patches(frame, self.cfg.video_frame_patches) for frame in frames]
                 doc.video_patches.append(torch.cat([p for p, _ in per_frame]))
                 doc.video_grids.append((len(frames), *per_frame[0][1]))  # frames of one clip share their size
             else:
@@ -118,10 +129,23 @@ class ManifestDataset:
                     f"{len(wave)} samples at {rate} Hz",
                     f"{seg.num_samples} samples at {seg.sample_rate} Hz",
                 )
-                doc.audio_mels.append(
-                    log_mel(resample(wave, rate, self.cfg.sample_rate), self.cfg.sample_rate, self.cfg.n_mels)
-                )
+                doc.audio_mels.append(self._features(resample(wave, rate, self.cfg.sample_rate)))
         return doc
+
+    def _patches(
+        self, img: Image.Image, max_patches: int, min_patches: int = 1
+    ) -> tuple[torch.Tensor, tuple[int, int]]:
+        """An image's (or video frame's) patches and grid: as the vision tower's processor makes them, where
+        the recipe has one, else omni's NaViT patches; `sample.measure` counts the same grid."""
+        if self.towers is not None and self.towers.vision is not None:
+            return self.towers.vision.patches(img, self.cfg.patch_size)
+        return patchify(img, self.cfg.patch_size, max_patches, min_patches)
+
+    def _features(self, wave: torch.Tensor) -> torch.Tensor:
+        """A clip's features at data.sample_rate (which `TowerInputs.check_data` holds to the audio tower's)."""
+        if self.towers is not None and self.towers.audio is not None:
+            return self.towers.audio.features(wave)
+        return log_mel(wave, self.cfg.sample_rate, self.cfg.n_mels)
 
     def _check(self, record: Record, seg: Segment, actual: str, expected: str) -> None:
         """The packer trusted the metadata's sizes; a file that disagrees would break the placeholder count."""
@@ -136,4 +160,4 @@ class ManifestDataset:
 
 def open_dataset(recipe: Recipe) -> ManifestDataset:
     """The recipe's dataset, generated first when it is synthetic and not on disk yet (`ensure_dataset`)."""
-    return ManifestDataset(ensure_dataset(recipe), recipe.data, tokenizer_for(recipe))
+    return ManifestDataset(ensure_dataset(recipe), recipe.data, tokenizer_for(recipe), TowerInputs.of_recipe(recipe))

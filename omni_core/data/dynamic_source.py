@@ -106,7 +106,7 @@ class _DynamicStream(Stream):
         modality = pick_modality(self.u[i], self._shares(step))
         if modality not in self.variants:
             drawn = draw_specs(syn, view.seed, self.stream, self.index, np.full(DRAW_CHUNK, modality))
-            sizes = measure(segments_of(drawn, cfg.sample_rate), DRAW_CHUNK, cfg)
+            sizes = measure(segments_of(drawn, cfg.sample_rate), DRAW_CHUNK, cfg, towers=self.source.towers)
             columns = [getattr(sizes, name).tolist() for name in SIZE_FIELDS]
             self.variants[modality] = (drawn.rows(), columns, sizes)
         specs, columns, sizes = self.variants[modality]

@@ -29,6 +29,7 @@ from omni_core.common.batch import audio_tokens, video_tokens
 from omni_core.common.tokenizer import BYTE_TOKENIZER, Tokenizer
 from omni_core.data.audio import mel_frames, resampled_length
 from omni_core.data.image import patch_grid, sampled_frames
+from omni_core.data.tower_processors import TowerInputs
 from omni_core.models.args import OmniModelArgs
 from omni_core.recipe.data_sections import MODALITIES, DataConfig
 
@@ -271,27 +272,61 @@ SIZE_FIELDS = (
 )
 
 
-def measure(segs: Segments, size: int, cfg: DataConfig, tokenizer: Tokenizer = BYTE_TOKENIZER) -> Measures:
+def _grid(
+    towers: TowerInputs | None,
+    width: np.ndarray,
+    height: np.ndarray,
+    cfg: DataConfig,
+    max_patches: int,
+    min_patches: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) of images (or video frames) of these sizes: the vision tower's fixed grid where there is one
+    (`tower_processors.SiglipImageProcessing.patches`), else omni's NaViT grid (`image.patchify`)."""
+    if towers is None or towers.vision is None:
+        return patch_grid(width, height, cfg.patch_size, max_patches, min_patches)
+    rows, cols = towers.vision.grid(cfg.patch_size)
+    return np.full_like(width, rows), np.full_like(width, cols)
+
+
+def _audio_frames(
+    towers: TowerInputs | None, num_samples: np.ndarray, rates: np.ndarray, cfg: DataConfig
+) -> np.ndarray:
+    """Feature frames of clips resampled to data.sample_rate: the audio tower's extractor's where there is one
+    (`WhisperFeatures.features`, which cuts a clip at its chunk), else `audio.log_mel`'s."""
+    resampled = resampled_length(num_samples, rates, cfg.sample_rate)
+    if towers is None or towers.audio is None:
+        return mel_frames(resampled, cfg.sample_rate)
+    return towers.audio.feature_frames(resampled)
+
+
+def measure(
+    segs: Segments,
+    size: int,
+    cfg: DataConfig,
+    tokenizer: Tokenizer = BYTE_TOKENIZER,
+    towers: TowerInputs | None = None,
+) -> Measures:
     """Token counts of the chunk's `size` samples, vectorized: the one token rule that packing, profiling and
-    decoding share (`segs` counted text in `tokenizer`'s tokens; its BOS, if any, and EOS frame each sample)."""
+    decoding share (`segs` counted text in `tokenizer`'s tokens; its BOS, if any, and EOS frame each sample;
+    images and audio as the pretrained `towers` take them, where the recipe has any)."""
     w, h, n, f = segs.width, segs.height, segs.num_samples, segs.num_frames
     llm = segs.text_tokens.copy()
     vision, vision_sq, aud, aud_sq, mels, shown = (np.zeros_like(llm) for _ in range(6))
 
     img = segs.kind == KIND_CODE["image"]
-    rows, cols = patch_grid(w[img], h[img], cfg.patch_size, cfg.max_image_patches, cfg.min_image_patches)
+    rows, cols = _grid(towers, w[img], h[img], cfg, cfg.max_image_patches, cfg.min_image_patches)
     llm[img] = vision[img] = rows * cols
     vision_sq[img] = (rows * cols) ** 2
 
     vid = segs.kind == KIND_CODE["video"]
-    rows, cols = patch_grid(w[vid], h[vid], cfg.patch_size, cfg.video_frame_patches)
+    rows, cols = _grid(towers, w[vid], h[vid], cfg, cfg.video_frame_patches)
     shown[vid] = sampled_frames(f[vid], cfg.video_max_frames)
     vision[vid] = shown[vid] * rows * cols
     vision_sq[vid] = shown[vid] * (rows * cols) ** 2
     llm[vid] = video_tokens(shown[vid], rows, cols, TEMPORAL_MERGE, SPATIAL_MERGE)
 
     au = segs.kind == KIND_CODE["audio"]
-    mels[au] = mel_frames(resampled_length(n[au], segs.sample_rate[au], cfg.sample_rate), cfg.sample_rate)
+    mels[au] = _audio_frames(towers, n[au], segs.sample_rate[au], cfg)
     llm[au] = aud[au] = audio_tokens(mels[au])
     aud_sq[au] = aud[au] ** 2
 
@@ -299,7 +334,8 @@ def measure(segs: Segments, size: int, cfg: DataConfig, tokenizer: Tokenizer = B
         return np.bincount(segs.owner, weights=values, minlength=size).astype(np.int64)
 
     oversized = per_sample(((img | vid) & (w * h > cfg.max_image_pixels)).astype(np.int64)) > 0
-    empty = per_sample((au & (n == 0)).astype(np.int64)) > 0
+    # no frames: an empty clip, or one too short for the tower's extractor (under two hops)
+    empty = per_sample((au & ((n == 0) | (mels == 0))).astype(np.int64)) > 0
     problem = [""] * size
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"

@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from omni_core.data.sample import Sample, Segment
+from omni_core.data.tower_processors import TowerInputs
 
 Split = Literal["train", "heldout", "all"]
 SKIP_REASONS = {
@@ -135,6 +136,8 @@ class Source(ABC):
     """Where samples come from. `identity` is what a saved loader position must match."""
 
     identity: str
+    # the recipe's pretrained towers' inputs, which `sample.measure` prices media by (dataset.open_source)
+    towers: TowerInputs | None = None
 
     @abstractmethod
     def stream(self, view: View, position: list[int] | None, on_skip: Callable[[str], None]) -> Stream: ...

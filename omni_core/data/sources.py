@@ -269,7 +269,9 @@ class ShardedSource(Source):
 
         def flush() -> _Parsed:
             nonlocal entries, modalities, rows
-            parsed = _Parsed(entries, modalities, measure(rows.segments(), rows.samples, self.cfg, self.tokenizer))
+            parsed = _Parsed(
+                entries, modalities, measure(rows.segments(), rows.samples, self.cfg, self.tokenizer, self.towers)
+            )
             entries, modalities, rows = [], [], SegmentRows(self.tokenizer)
             return parsed
 

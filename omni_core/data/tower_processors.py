@@ -13,13 +13,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from PIL import Image
 
 if TYPE_CHECKING:
     import torch
+
+    from omni_core.recipe.data_sections import DataConfig
+    from omni_core.recipe.schema import Recipe
 
 CONFIG_FILE = "preprocessor_config.json"
 _NAMING_KEYS = frozenset({"image_processor_type", "feature_extractor_type", "processor_class", "auto_map"})
@@ -28,7 +31,12 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
 
 
 class ProcessorConfigError(ValueError):
-    """A preprocessor config omni cannot honour: names the file and the field."""
+    """A preprocessor config omni cannot honour: names the file and the field. `field`: the recipe field to
+    change, where one is known (a launch check reports it there)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _read_config(folder: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -109,6 +117,10 @@ class SiglipImageProcessing:
         if self.do_normalize:
             values = (values - np.asarray(self.image_mean)) / np.asarray(self.image_std)
         return values.astype(np.float32).transpose(2, 0, 1)
+
+    def grid(self, patch_size: int) -> tuple[int, int]:
+        """(rows, cols) of every image's patches: the size is fixed, so the grid does not depend on the image."""
+        return self.height // patch_size, self.width // patch_size
 
     def patches(self, img: Image.Image, patch_size: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """The image's patches in `data.image.patchify`'s layout ([rows*cols, 3*p*p], (channel, y, x) each, rows
@@ -193,14 +205,88 @@ class WhisperFeatures:
         mel = torch.maximum(mel, mel.max() - 8.0)
         return ((mel + 4.0) / 4.0).T.contiguous()
 
+    def feature_frames(self, num_samples):
+        """Frames `features` yields for clips of num_samples (scalar or array): `valid_frames` rounded down to
+        even. A clip longer than the chunk is cut to it, as the extractor does; one under two hops has none."""
+        clipped = np.minimum(np.asarray(num_samples, dtype=np.int64), self.chunk_samples)
+        frames = -(-clipped // self.hop_length)
+        frames = frames - frames % 2
+        return int(frames) if frames.ndim == 0 else frames
+
     def features(self, wave: torch.Tensor) -> torch.Tensor:
         """[frames, feature_size]: the chunk's features cut to the clip's own frames, rounded down to even (the
         encoder subsamples by 2, `common.batch.audio_tokens`)."""
-        frames = self.valid_frames(len(wave))
-        return self.chunk_features(wave)[: frames - frames % 2]
+        return self.chunk_features(wave)[: self.feature_frames(len(wave))]
 
     def mel_filters(self) -> torch.Tensor:
         return _slaney_filters(self.sampling_rate, self.n_fft, self.feature_size)
+
+
+_Processor = TypeVar("_Processor", SiglipImageProcessing, WhisperFeatures)
+
+
+@dataclass(frozen=True)
+class TowerInputs:
+    """The inputs of the recipe's pretrained towers: a part is None where its tower is omni's own, whose inputs
+    stay `data.image.patchify` and `data.audio.log_mel`. Decoding and the token rule (`sample.measure`) both
+    follow it, so they agree under either regime."""
+
+    vision: SiglipImageProcessing | None = None
+    audio: WhisperFeatures | None = None
+
+    @classmethod
+    def of_recipe(cls, recipe: Recipe) -> TowerInputs | None:
+        """The processors in `model.pretrained`'s vision and audio folders, checked against `recipe.data`
+        (`check_data`); None when the recipe has neither."""
+        vision_dir, audio_dir = recipe.model.pretrained.vision, recipe.model.pretrained.audio
+        if vision_dir is None and audio_dir is None:
+            return None
+        made = cls(_load(SiglipImageProcessing, vision_dir, "vision"), _load(WhisperFeatures, audio_dir, "audio"))
+        made.check_data(recipe.data)
+        return made
+
+    def check_data(self, cfg: DataConfig) -> None:
+        """Refuses, naming the data field, settings the towers' inputs cannot honour."""
+        refusals: list[tuple[bool, str, str]] = []  # (refused, field, why)
+        if self.vision is not None:
+            vision, p = self.vision, cfg.patch_size
+            size = f"{vision.height}x{vision.width}"
+            patches = (vision.height // p) * (vision.width // p)
+            every = f"the vision tower's images are always {patches} patches ({size} pixels)"
+            refusals += [
+                (bool(vision.height % p or vision.width % p), "patch_size", f"does not divide its image size {size}"),
+                (cfg.max_image_patches < patches, "max_image_patches", f"is below {every}"),
+                (cfg.video_frame_patches < patches, "video_frame_patches", f"is below {every}"),
+                (cfg.min_image_patches > patches, "min_image_patches", f"is above {every}"),
+            ]
+        if self.audio is not None:
+            audio = self.audio
+            refusals += [
+                (
+                    cfg.n_mels != audio.feature_size,
+                    "n_mels",
+                    f"must be the audio extractor's {audio.feature_size} bins",
+                ),
+                (
+                    cfg.sample_rate != audio.sampling_rate,
+                    "sample_rate",
+                    f"must be the audio extractor's {audio.sampling_rate} Hz (its sampling_rate)",
+                ),
+            ]
+        for refused, field, why in refusals:
+            if refused:
+                value = getattr(cfg, field)
+                raise ProcessorConfigError(f"data.{field} {value} {why}", f"data.{field}")
+
+
+def _load(kind: type[_Processor], folder: str | None, part: str) -> _Processor | None:
+    """`kind` read from a tower's folder (None where the recipe names none), its errors placed at the field."""
+    if folder is None:
+        return None
+    try:
+        return kind.from_pretrained(folder)
+    except ProcessorConfigError as error:
+        raise ProcessorConfigError(str(error), f"model.pretrained.{part}") from error
 
 
 def _hz_to_slaney_mel(hz: np.ndarray) -> np.ndarray:

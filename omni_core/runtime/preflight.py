@@ -121,7 +121,7 @@ def _model(recipe: Recipe) -> tuple[OmniModelArgs | None, list[Finding]]:
     given = [part for part, folder in recipe.model.pretrained.model_dump().items() if folder is not None]
     if not given:
         return args, []
-    findings = [finding for part in given for finding in _pretrained(recipe, part)]
+    findings = [finding for part in given for finding in _pretrained(recipe, part)] or _tower_inputs(recipe)
     if findings:
         return None, findings
     from omni_core.runtime.model_init import recipe_args  # torch: only for a model with pretrained parts
@@ -146,6 +146,18 @@ def _pretrained(recipe: Recipe, part: str) -> list[Finding]:
         check_weights(*recipe_args(recipe, parts=(part,)))
     except (OSError, ValueError) as error:  # hf_config.ConfigRefused is a ValueError
         return [Finding(field, str(error))]
+    return []
+
+
+def _tower_inputs(recipe: Recipe) -> list[Finding]:
+    """The towers' processor configs (preprocessor_config.json) are honoured and the data settings fit them, as
+    the data path will prepare their inputs (`TowerInputs.of_recipe`)."""
+    from omni_core.data.tower_processors import ProcessorConfigError, TowerInputs
+
+    try:
+        TowerInputs.of_recipe(recipe)
+    except ProcessorConfigError as error:
+        return [Finding(error.field or "model.pretrained", str(error))]
     return []
 
 
@@ -266,8 +278,10 @@ def _check_usable(location: str, recipe: Recipe) -> None:
     from omni_core.common.tokenizer import tokenizer_for
     from omni_core.data.dataset import open_source
     from omni_core.data.sources import ShardedSource
+    from omni_core.data.tower_processors import TowerInputs
 
-    source = open_source(location, recipe.data, tokenizer_for(recipe))  # conversations render with its template
+    # conversations render with its template; media are measured as the towers take them
+    source = open_source(location, recipe.data, tokenizer_for(recipe), TowerInputs.of_recipe(recipe))
     assert isinstance(source, ShardedSource)  # every location but the dynamic generator's is sharded
     source.check_usable()
 

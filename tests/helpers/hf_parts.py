@@ -1,7 +1,8 @@
 """Tiny pretrained parts for the tests, written by transformers from configs with random weights: a Qwen2 (or
 Llama) LLM, a SigLIP vision tower and a Whisper encoder (saved inside a whole Whisper model, as the hub ships
 them), each a checkpoint directory that `recipe.model.pretrained` can name. Their input widths fit the tests'
-recipes (tests.helpers.models: 8-pixel patches, 32 mel bins); the LLM comes with its tokenizer."""
+recipes (tests.helpers.models: 8-pixel patches, 32 mel bins); the LLM comes with its tokenizer, the towers with
+the processor config (preprocessor_config.json) that their data is prepared by."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from transformers import (
     SiglipVisionConfig,
     SiglipVisionModel,
     WhisperConfig,
+    WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
 )
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from tests.helpers.hf_tokenizer import write_tokenizer
 from tests.helpers.models import N_MELS, PATCH_SIZE
@@ -45,6 +48,8 @@ def write_vision(folder: Path, *, seed: int = 1) -> Path:
     config = SiglipVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=8 * PATCH_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
     SiglipVisionModel(config).save_pretrained(folder)
+    size = {"height": config.image_size, "width": config.image_size}
+    SiglipImageProcessorPil(size=size).save_pretrained(folder)
     return folder
 
 
@@ -55,6 +60,7 @@ def write_audio(folder: Path, *, seed: int = 2) -> Path:
                            pad_token_id=1, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
                            num_mel_bins=N_MELS, max_source_positions=1500)
     WhisperForConditionalGeneration(config).save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=N_MELS).save_pretrained(folder)
     return folder
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from flows.commands import data, deployments, planning, recipe, render, stages
+from flows.commands import data, deployments, export, planning, recipe, render, stages
 from flows.commands.common import USAGE_ERROR
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     recipe.add_recipe,
     deployments.add_serve_and_deploy,
     render.add_render,
+    export.add_export,
 )
 
 

@@ -38,6 +38,11 @@ class ModelConfig(Strict):
         "checkpoint wins: a resumed run (train.resume) continues from it instead",
     )
     freeze: list[ModelPart] = Field(default_factory=list)
+    vision_final_norm: bool = Field(
+        True,
+        description="The image projector reads the vision tower's output after its final LayerNorm (SigLIP's "
+        "post_layernorm); false: the last block's output, as LLaVA does (needed by `omni export`)",
+    )
     # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
         "auto",

@@ -197,11 +197,15 @@ def _fetched(location: str, cache: Path, info: DistInfo) -> Path:
 
 
 def init_location(recipe: Recipe, info: DistInfo) -> str:
-    """The checkpoint `model.init_from` names: a step folder (a local folder holding a manifest, such as a
-    registered checkpoint downloaded from MLflow, or …/step_NNNNNN, local or S3), or a checkpoint folder's
-    newest complete step. Raises CheckpointError naming the field when it holds none."""
-    source = recipe.model.init_from
-    assert source is not None
+    """The checkpoint `model.init_from` names (`weights_location`)."""
+    assert recipe.model.init_from is not None
+    return weights_location(recipe.model.init_from, recipe, info, "model.init_from")
+
+
+def weights_location(source: str, recipe: Recipe, info: DistInfo, field: str) -> str:
+    """The checkpoint `source` names: a step folder (a local folder holding a manifest, such as a registered
+    checkpoint downloaded from MLflow, or …/step_NNNNNN, local or S3), a checkpoint folder's newest complete
+    step, or models:/NAME@ALIAS. Raises CheckpointError naming `field` when it holds none."""
     cache = checkpoint_cache(recipe)
     if source.startswith("models:/"):
         from omni_core.tracking import resolve_tracking_uri
@@ -220,7 +224,7 @@ def init_location(recipe: Recipe, info: DistInfo) -> str:
     except CheckpointError:
         newest = latest_checkpoint(open_store(source, cache))
     if newest is None:
-        raise CheckpointError(f"model.init_from: {source} holds no complete checkpoint (a step with {MANIFEST})")
+        raise CheckpointError(f"{field}: {source} holds no complete checkpoint (a step with {MANIFEST})")
     return newest
 
 

@@ -8,6 +8,7 @@ values a whole model's `init_weights` gives on that device type), so no rank eve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -29,13 +30,14 @@ def recipe_args(recipe: Recipe, parts: Sequence[str] = PARTS) -> tuple[OmniModel
     gets the rows of the tokens its tokenizer adds (the media placeholders) beyond its config's vocabulary."""
     pretrained = recipe.model.pretrained.model_dump()
     vocab = tokenizer_for(recipe).vocab_size if pretrained["llm"] is not None and "llm" in parts else 0
-    return omni_args(
+    args, found = omni_args(
         recipe.model.flavor,
         {part: folder for part, folder in pretrained.items() if part in parts},
         patch_size=recipe.data.patch_size,
         n_mels=recipe.data.n_mels,
         vocab_size=vocab,
     )
+    return replace(args, vision=replace(args.vision, final_norm=recipe.model.vision_final_norm)), found
 
 
 def unfilled_model(recipe: Recipe, device: torch.device) -> OmniModel:

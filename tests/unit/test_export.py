@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from flows.cli import main
 from omni_core.common.batch import MODALITY_IDS, PackedBatch
 from omni_core.common.tokenizer import HFTokenizer
 from omni_core.data.tower_processors import SiglipImageProcessing
@@ -18,9 +19,16 @@ from omni_core.models import hf_import
 from omni_core.models.hf_export import ExportRefused, export_llava
 from omni_core.models.omni import OmniModel
 from omni_core.models.pretrained import omni_args
+from omni_core.recipe import load_recipe
+from omni_core.runtime.checkpoint import latest_checkpoint
+from omni_core.runtime.ckpt_store import LocalStore
+from omni_core.runtime.evaluate import load_model
+from omni_core.runtime.trainer import train
 from tests.helpers.hf_parts import write_llm, write_vision
 from tests.helpers.models import N_MELS, PATCH_SIZE
+from tests.helpers.runtime import CPU, RecordingTracker
 
+ALIGN = Path(__file__).resolve().parents[2] / "recipes" / "mllm_align.yaml"
 IMAGE_SIDE = 8 * PATCH_SIZE  # write_vision's image_size: an 8 x 8 patch grid, 64 image tokens
 
 
@@ -65,13 +73,10 @@ def omni_batch(ids: torch.Tensor, patches: torch.Tensor, grid: tuple[int, int], 
     )
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_exported_llava_gives_omnis_logits(tmp_path: Path, tied: bool) -> None:
+def assert_same_logits(model: OmniModel, out: Path, llm: Path, vision: Path) -> None:
+    """transformers' logits of the exported directory equal omni's to 1e-4 (fp32) for a conversation with an
+    image, inputs made by the exported processor."""
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
-
-    llm, vision = parts(tmp_path / "parts", tied=tied)
-    model = llava_ready(llm, vision)
-    out = export_llava(model, llm, vision, tmp_path / "export")
 
     processor = LlavaProcessor.from_pretrained(out)
     exported = LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
@@ -92,9 +97,63 @@ def test_exported_llava_gives_omnis_logits(tmp_path: Path, tied: bool) -> None:
     patches, grid = ours.patches(image, PATCH_SIZE)
     with torch.no_grad():
         theirs = exported(**inputs).logits[0]
-        mine = model(omni_batch(ids, patches, grid, tokenizer))
+        mine = model.eval()(omni_batch(ids, patches, grid, tokenizer))
     assert mine.shape == theirs.shape
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_exported_llava_gives_omnis_logits(tmp_path: Path, tied: bool) -> None:
+    llm, vision = parts(tmp_path / "parts", tied=tied)
+    model = llava_ready(llm, vision)
+    assert_same_logits(model, export_llava(model, llm, vision, tmp_path / "export"), llm, vision)
+
+
+def align_overrides(root: Path, found: dict[str, str]) -> list[str]:
+    """The shipped alignment stage, two steps on synthetic data, on the tiny parts `found`."""
+    return [
+        *(f"model.pretrained.{part}={folder}" for part, folder in found.items()),
+        f"experiment.output_dir={root}",
+        "data.source=synthetic",
+        f"data.path={root / 'data'}",
+        "data.format=auto",
+        "data.media_root=''",
+        "data.synthetic.num_samples=16",
+        "data.seq_len=256",
+        f"data.patch_size={PATCH_SIZE}",
+        f"data.n_mels={N_MELS}",
+        "parallel.nproc=1",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.ckpt_every=0",
+        f"train.ckpt_dir={root / 'mllm_align'}",
+    ]
+
+
+def test_omni_export_writes_a_trained_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint as the trainer saves it (two alignment steps of the shipped stage, LLaVA's feature layer),
+    exported by the command line from its checkpoint folder (the newest step)."""
+    llm, vision = parts(tmp_path / "parts")
+    found = {"llm": str(llm), "vision": str(vision)}
+    settings = [*align_overrides(tmp_path, found), "model.vision_final_norm=false", "model.pretrained.audio=null"]
+    align = load_recipe(ALIGN, settings)
+    train(align, CPU, tracker=RecordingTracker(), log=lambda _: None)
+    overrides = [f"--set={o}" for o in settings]
+    out = tmp_path / "export"
+    assert main(["export", str(ALIGN), str(tmp_path / "mllm_align"), "--to", str(out), *overrides]) == 0
+    assert f"to {out}" in capsys.readouterr().out
+    checkpoint = latest_checkpoint(LocalStore(tmp_path / "mllm_align"))
+    assert checkpoint is not None
+    model, _ = load_model(align, checkpoint)
+    assert_same_logits(model, out, llm, vision)
+
+    norm_on = [o for o in overrides if "vision_final_norm" not in o]
+    assert main(["export", str(ALIGN), checkpoint, "--to", str(tmp_path / "refused"), *norm_on]) == 2
+    assert "vision final_norm=True" in capsys.readouterr().err
+    with_audio = [*norm_on[:-1], "--set=model.vision_final_norm=false", f"--set=model.pretrained.audio={llm}"]
+    assert main(["export", str(ALIGN), checkpoint, "--to", str(tmp_path / "refused"), *with_audio]) == 2
+    assert "export of audio models to Qwen2-Audio is not built" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ SKIP_REASONS = {
     "missing_file": "a media file or WebDataset member the metadata names is absent",
     "unreadable_file": "bytes that do not decode as what they claim to be",
     "size_mismatch": "a decoded file disagrees with its metadata (which packing trusted)",
-    "empty_audio": "an audio clip without samples",
+    "empty_audio": "an audio clip without samples (or, for a pretrained audio tower, without a pair of frames)",
     "oversized_image": "an image over data.max_image_pixels",
     "truncated_shard": "a tar that ends mid-member: the rest of the shard is lost",
     "lost_sample": "a sample of a truncated shard after where it broke off, counted where the dataset's "

@@ -22,8 +22,14 @@ from omni_core.models import hf_config, hf_import
 from omni_core.models.flops import projector_dims
 from omni_core.models.omni import OmniModel
 
-# The LLM directory's files that describe its tokenizer (tokenizer.json is rewritten with the added tokens)
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# The LLM directory's files the export carries (tokenizer.json is rewritten with the added tokens)
+CARRIED_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class ExportRefused(ValueError):
@@ -112,9 +118,12 @@ def export_llava(model: OmniModel, llm_dir: str | Path, vision_dir: str | Path, 
     out.mkdir(parents=True, exist_ok=True)
     save_file(llava_tensors(model, layout), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", llava_config(model, str(llm_type), tokenizer, image_tokens))
-    for name in TOKENIZER_FILES:
+    for name in CARRIED_FILES:
         if (llm_dir / name).is_file():
             shutil.copyfile(llm_dir / name, out / name)
+    if tokenizer.chat_template and not (out / "chat_template.jinja").is_file():
+        # LlavaProcessor reads its template from this file only (a tokenizer's may sit in tokenizer_config.json)
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
     tokenizer.backend.save(str(out / "tokenizer.json"))  # with the placeholders the model was trained with
     _write_json(out / "preprocessor_config.json", {**processor, "processor_class": "LlavaProcessor"})
     _write_json(

@@ -4,6 +4,7 @@ conversation with an image, inputs made by the exported processor; what LLaVA ca
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,10 +33,10 @@ ALIGN = Path(__file__).resolve().parents[2] / "recipes" / "mllm_align.yaml"
 IMAGE_SIDE = 8 * PATCH_SIZE  # write_vision's image_size: an 8 x 8 patch grid, 64 image tokens
 
 
-def parts(root: Path, tied: bool = False, side: int = IMAGE_SIDE) -> tuple[Path, Path]:
+def parts(root: Path, kind: str = "qwen2", tied: bool = False, side: int = IMAGE_SIDE) -> tuple[Path, Path]:
     from transformers import SiglipImageProcessor
 
-    llm, vision = write_llm(root / "llm", tied=tied), write_vision(root / "vision")
+    llm, vision = write_llm(root / "llm", kind=kind, tied=tied), write_vision(root / "vision")
     SiglipImageProcessor(size={"height": side, "width": side}).save_pretrained(vision)
     return llm, vision
 
@@ -81,10 +82,11 @@ def assert_same_logits(model: OmniModel, out: Path, llm: Path, vision: Path) -> 
     processor = LlavaProcessor.from_pretrained(out)
     exported = LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
     messages = [
-        {"role": "user", "content": "<image>\nwhat colour is the box?"},
-        {"role": "assistant", "content": "the box is red"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\nwhat colour is the box?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "the box is red"}]},
     ]
-    text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+    text = processor.apply_chat_template(messages)
+    assert "<image>\nwhat colour is the box?<|im_end|>" in text
     image = Image.new("RGB", (37, 23), (200, 30, 40))
     image.paste((20, 90, 220), (5, 4, 20, 18))
     inputs = processor(text=text, images=image, return_tensors="pt")
@@ -102,9 +104,16 @@ def assert_same_logits(model: OmniModel, out: Path, llm: Path, vision: Path) -> 
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_exported_llava_gives_omnis_logits(tmp_path: Path, tied: bool) -> None:
-    llm, vision = parts(tmp_path / "parts", tied=tied)
+@pytest.mark.parametrize(
+    ("kind", "tied", "inline_template"), [("qwen2", False, False), ("qwen2", True, True), ("llama", False, False)]
+)
+def test_exported_llava_gives_omnis_logits(tmp_path: Path, kind: str, tied: bool, inline_template: bool) -> None:
+    llm, vision = parts(tmp_path / "parts", kind=kind, tied=tied)
+    if inline_template:  # the template in tokenizer_config.json, as older checkpoints keep it
+        config = json.loads((llm / "tokenizer_config.json").read_text())
+        config["chat_template"] = (llm / "chat_template.jinja").read_text()
+        (llm / "tokenizer_config.json").write_text(json.dumps(config))
+        (llm / "chat_template.jinja").unlink()
     model = llava_ready(llm, vision)
     assert_same_logits(model, export_llava(model, llm, vision, tmp_path / "export"), llm, vision)
 

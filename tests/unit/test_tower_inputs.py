@@ -88,6 +88,20 @@ def test_measure_counts_what_decoding_yields(parts, manifest, with_towers) -> No
     # Whisper's extractor gives a 150-sample clip no pair of frames: the rule skips it, as an empty clip
     assert skipped == (["empty_audio"] if with_towers else [])
     assert len(records) == 8 - len(skipped)
+    assert_measured(dataset, records, with_towers)
+
+
+def test_dynamic_samples_are_measured_as_the_towers_take_them(parts) -> None:
+    synthetic = {"num_samples": 16, "mix": {"text": 0.1, "image": 0.3, "audio": 0.3, "video": 0.3}}
+    cfg = CFG.model_copy(update={"source": "dynamic", "synthetic": CFG.synthetic.model_copy(update=synthetic)})
+    dataset = ManifestDataset("dynamic", cfg, towers=towers_of(parts))
+    records, _ = one_pass(dataset)
+    assert {record.modality for record in records} >= {"image", "audio", "video"}
+    assert_measured(dataset, records, with_towers=True)
+
+
+def assert_measured(dataset: ManifestDataset, records: list, with_towers: bool) -> None:
+    """Each record's measured tokens, patches and frames are what decoding it yields."""
     for record in records:
         doc = dataset.decode(record)
         assert len(doc.input_ids) == record.tokens, record.id

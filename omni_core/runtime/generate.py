@@ -115,6 +115,8 @@ def answer_start(doc: Document, tokenizer: Tokenizer) -> int | None:
         media = torch.isin(doc.input_ids, torch.tensor(list(tokenizer.placeholder_ids.values()))).nonzero()
         return int(media[-1]) + 1 if len(media) else None
     targets = ((doc.labels != -100).nonzero().flatten() + 1).tolist()  # labels[i] is token i + 1
+    if len(targets) > 1 and targets[-2] != targets[-1] - 1 and int(doc.input_ids[targets[-1]]) == tokenizer.eos_id:
+        targets.pop()  # the document's EOS, after a template whose end of turn carries no target next to it
     if not targets:
         return None
     start = targets[-1]

@@ -6,6 +6,8 @@ Answers are located in conversations by their targets and scored on normalised w
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,10 +16,16 @@ import torch
 
 from omni_core.common.batch import video_tokens
 from omni_core.common.tokenizer import BYTE_TOKENIZER, EOS_ID, HFTokenizer
+from omni_core.data.dataset import ManifestDataset
+from omni_core.data.loader import PackedLoader
+from omni_core.models.flops import merged_grid
 from omni_core.models.kv_cache import KVCache
 from omni_core.models.omni import OmniModel, build_model
+from omni_core.recipe.data_sections import DataConfig
+from omni_core.runtime.evaluate import task_scores
 from omni_core.runtime.generate import (
     Document,
+    answer_documents,
     answer_exact_match,
     answer_start,
     answer_token_f1,
@@ -26,6 +34,7 @@ from omni_core.runtime.generate import (
     greedy_recompute,
     stop_ids,
 )
+from tests.helpers.conversations import write_llava
 from tests.helpers.hf_tokenizer import write_tokenizer
 from tests.helpers.models import MERGES, MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
 
@@ -130,9 +139,13 @@ def test_the_answer_of_a_conversation_is_its_last_reply():
     labels[2:4] = ids[3:5]  # a first reply: tokens 3 and 4
     labels[7:11] = ids[8:12]  # the last one: tokens 8 to 11
     doc = Document("image", ids, labels, *[torch.zeros(0)] * 6)
-    chat = SimpleNamespace(chat_template="{{ messages }}", placeholder_ids={})  # a template: targets mark replies
+    # a template: targets mark the replies
+    chat = SimpleNamespace(chat_template="{{ messages }}", placeholder_ids={}, eos_id=-1)
     assert answer_start(doc, chat) == 8
     assert answer_start(dataclasses.replace(doc, labels=torch.full_like(ids, -100)), chat) is None
+    labels[9] = -100  # token 10 untrained: the document's EOS (11) stands apart, and is no answer of its own
+    ending = SimpleNamespace(chat_template="{{ messages }}", placeholder_ids={}, eos_id=int(ids[11]))
+    assert answer_start(doc, ending) == 8
     caption = held_out_documents()[0]  # byte tokenizer: the caption after the last placeholder
     assert answer_start(caption, BYTE_TOKENIZER) == int((caption.input_ids > 255).nonzero()[-1]) + 1
 
@@ -143,3 +156,39 @@ def test_answers_are_scored_on_normalised_words():
     assert answer_token_f1("red circle", "the red circle") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
     assert answer_token_f1("blue", "the red circle") == 0.0
     assert answer_token_f1("", "") == 1.0 and answer_token_f1("", "red") == 0.0
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama"])
+def test_held_out_conversations_are_answered_and_scored(tmp_path: Path, style: str):
+    """LLaVA conversations through the loader with a pretrained tokenizer: each document is prompted up to its
+    last reply (the generation prompt included), the reference is that reply, decoding stops at the template's
+    end of turn, and the task scores carry the answer metrics."""
+    tokenizer = HFTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", style))
+    llava = write_llava(tmp_path / "data", 6)
+    cfg = DataConfig(source="jsonl", seq_len=1024, heldout_fraction=0.01)
+    batch = next(iter(PackedLoader(ManifestDataset(llava["json"], cfg, tokenizer), cfg, "train")))
+    args = build_model("debug", patch_size=cfg.patch_size, n_mels=cfg.n_mels, seed=0).args
+    model = OmniModel(dataclasses.replace(args, llm=dataclasses.replace(args.llm, vocab_size=tokenizer.vocab_size)))
+    model.init_weights(1)
+    merge = args.spatial_merge
+    docs = list(
+        documents(
+            batch,
+            tokenizer,
+            lambda rows, cols: math.prod(merged_grid(rows, cols, merge)),
+            lambda *grid: video_tokens(*grid, args.temporal_merge, merge),
+        )
+    )
+    assert len(docs) == batch.num_samples > 1
+    for doc in docs:
+        start = answer_start(doc, tokenizer)
+        assert start is not None
+        prompt_text = tokenizer.decode(doc.input_ids[:start].tolist(), skip_special_tokens=False)
+        assert prompt_text.endswith(("<|im_start|>assistant\n", "<|start_header_id|>assistant<|end_header_id|>\n\n"))
+    pairs = answer_documents(model.eval(), docs, tokenizer, max_new=6, max_len=cfg.seq_len, batch_size=4)
+    last_replies = {record["conversations"][-1]["value"] for record in json.loads(llava["json"].read_text())}
+    assert len(pairs) == len(docs) and {reference.strip() for _, reference in pairs} <= last_replies
+    score = task_scores({"image": pairs})["image"]
+    assert score.samples == len(docs) and 0 <= score.answer_token_f1 <= 1 and 0 <= score.answer_exact_match <= 1
+    perfect = task_scores({"image": [(reference.upper(), reference) for _, reference in pairs]})["image"]
+    assert perfect.answer_exact_match == perfect.answer_token_f1 == 1.0 and perfect.exact_match == 0.0

@@ -189,3 +189,19 @@ def test_a_processor_size_other_than_the_towers_is_refused(tmp_path: Path) -> No
     llm, vision = parts(tmp_path / "parts", side=IMAGE_SIDE // 2)
     with pytest.raises(ExportRefused, match=r"preprocessor_config\.json: size .* is not the tower's image_size 64"):
         export_llava(llava_ready(llm, vision), llm, vision, tmp_path / "export")
+
+
+@pytest.mark.parametrize(
+    ("unset", "named"),
+    [("vision", "the recipe names vision from no folder"), ("llm", "the recipe names llm from no folder")],
+)
+def test_a_recipe_without_the_llava_parts_is_refused(tmp_path: Path, unset: str, named: str) -> None:
+    from omni_core.runtime.export import export_checkpoint
+
+    llm, vision = parts(tmp_path / "parts")
+    found = {"llm": str(llm), "vision": str(vision)}
+    recipe = load_recipe(
+        ALIGN, [*align_overrides(tmp_path, found), "model.pretrained.audio=null", f"model.pretrained.{unset}=null"]
+    )
+    with pytest.raises(ExportRefused, match=named):  # before any checkpoint is looked for
+        export_checkpoint(recipe, str(tmp_path / "no_checkpoint"), tmp_path / "export")

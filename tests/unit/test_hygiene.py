@@ -67,7 +67,7 @@ def test_mypy():
 SHORT_SUBJECTS_SINCE = "3e5cc48"  # the first commit under the rule (issue #44); earlier subjects stay as they landed
 MAX_SUBJECT_CHARS = 72
 # Subjects that landed over the limit on the shared branch, which is never rewritten: known, not to be repeated.
-LANDED_LONG = {"3b97facf4301ecddccfe5a93c46c28d70447009d"}
+LANDED_LONG = {"3b97facf4301ecddccfe5a93c46c28d70447009d", "364a3bb1f47574d9c3a4c9bc91e6dbb359af4a1e"}
 
 
 def test_commit_subjects_are_short():

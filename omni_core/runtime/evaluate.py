@@ -36,6 +36,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint in {recipe.checkpoint_dir()} (train first)")
     model, manifest = load_model(recipe, ckpt)
+    model.to(eval_device(recipe))
     dataset = open_dataset(recipe)
     loader = PackedLoader(dataset, recipe.data, "heldout", 0, 1, recipe.experiment.seed)
     stats, samples, captions = heldout_pass(recipe, model, loader)
@@ -54,12 +55,11 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | None = None) -> EvalRe
 
 
 def load_model(recipe: Recipe, ckpt: str) -> tuple[OmniModel, Manifest]:
-    """The recipe's whole model, its weights restored from `ckpt` on this process's CPU, in eval mode on
-    `eval_device(recipe)`."""
+    """The recipe's whole model on this process's CPU, its weights restored from `ckpt`, in eval mode."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model = unfilled_model(recipe, info.device)  # pretrained parts' architectures included
     manifest, _ = load_checkpoint(ckpt, cache=checkpoint_cache(recipe), parts=[model], optimizers=None, info=info)
-    model.to(eval_device(recipe)).eval()
+    model.eval()
     return model, manifest
 
 
@@ -95,7 +95,8 @@ def heldout_pass(recipe: Recipe, model: OmniModel, loader: PackedLoader) -> tupl
         for index, batch in enumerate(loader):
             if index >= recipe.eval.max_batches:
                 break
-            sums = token_loss_sums(model(batch.to(device)), batch.to(device)).stats().cpu()
+            on_device = batch.to(device)
+            sums = token_loss_sums(model(on_device), on_device).stats().cpu()
             stats = sums if stats is None else stats + sums
             samples += batch.num_samples
             for doc in documents(batch, tokenizer, tokens_per_image, tokens_per_video):

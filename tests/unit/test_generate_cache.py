@@ -22,7 +22,7 @@ from omni_core.models.flops import merged_grid
 from omni_core.models.kv_cache import KVCache
 from omni_core.models.omni import OmniModel, build_model
 from omni_core.recipe.data_sections import DataConfig
-from omni_core.runtime.evaluate import task_scores
+from omni_core.runtime.evaluate import eval_device, task_scores
 from omni_core.runtime.generate import (
     Document,
     answer_documents,
@@ -37,6 +37,7 @@ from omni_core.runtime.generate import (
 from tests.helpers.conversations import write_llava
 from tests.helpers.hf_tokenizer import write_tokenizer
 from tests.helpers.models import MERGES, MIXED_DOCS, N_MELS, PATCH_SIZE, VIDEO_DOCS, make_batch
+from tests.helpers.recipes import build_recipe
 
 BUDGET = 10
 
@@ -192,3 +193,10 @@ def test_held_out_conversations_are_answered_and_scored(tmp_path: Path, style: s
     assert score.samples == len(docs) and 0 <= score.answer_token_f1 <= 1 and 0 <= score.answer_exact_match <= 1
     perfect = task_scores({"image": [(reference.upper(), reference) for _, reference in pairs]})["image"]
     assert perfect.answer_exact_match == perfect.answer_token_f1 == 1.0 and perfect.exact_match == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where there is no CUDA device")
+def test_evaluation_on_cuda_without_a_gpu_is_refused_by_name(tmp_path: Path):
+    assert eval_device(build_recipe(tmp_path)) == torch.device("cpu")  # auto: the CPU here
+    with pytest.raises(ValueError, match=r"eval\.device=cuda"):
+        eval_device(build_recipe(tmp_path, {"eval.device": "cuda"}))

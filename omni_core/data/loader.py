@@ -19,6 +19,7 @@ placed on its own rank queued, and its state holds them.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -209,6 +210,9 @@ class PackedLoader:
 
     def __iter__(self) -> Iterator[PackedBatch]:
         if self.cfg.num_workers:
+            # forked workers must not inherit a process group left as garbage: one that collected it would
+            # join its threads, which the fork did not copy, and hang (`runtime.ranks.run_ranks` does the same)
+            gc.collect()
             batches: Iterator[tuple[int, PackedBatch, dict[str, Any]]] = iter(
                 torch.utils.data.DataLoader(
                     _Workers(self, self._batches % self.slots),

@@ -9,6 +9,7 @@ that the other ranks do not wait for it forever.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import socket
@@ -100,6 +101,9 @@ def run_ranks(
 
     from omni_core.runtime.dist import uses_cuda
 
+    # A process group left as garbage (an in-process run's, or a plan's groups after `ParallelMeshes.release`)
+    # is freed here, while its threads exist: a forked rank that collected it would join threads it never had.
+    gc.collect()
     with tempfile.TemporaryDirectory() as out_dir:
         with contextlib.suppress(mp.ProcessRaisedException):  # the rank's own traceback, written below, says more
             mp.start_processes(

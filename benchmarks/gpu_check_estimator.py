@@ -69,7 +69,7 @@ def throughput_predictions(ctx) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as root:
         for workload, mix in WORKLOADS.items():
             recipe = make_recipe(Path(root), s, s.flavor, s.seq_len, mix)
-            profile = profile_dataset(recipe, Path(root) / workload)[0]
+            profile = profile_dataset(recipe, Path(root) / workload, draw=False)[0]
             case = Case(s.flavor, "dp1", s.seq_len, mix=WORKLOAD_MIX[workload])
             estimate = predict(case, profile, spec, eff, precision=precision)
             got = measured.get(workload, {})

@@ -26,7 +26,6 @@ import numpy as np
 from omni_core.data.dataset import CorruptSample, ManifestDataset, open_dataset
 from omni_core.data.dynamic_source import DynamicSource
 from omni_core.data.flops import FlopModel
-from omni_core.data.profile_figures import figures
 from omni_core.data.profile_result import DatasetProfile
 from omni_core.data.profiler import Profiler
 from omni_core.data.sample import KINDS
@@ -158,8 +157,10 @@ def data_ranks(recipe: Recipe) -> int:
     return max(1, par.nproc // (par.tp * par.pp * par.cp * par.dp_replicate)) * par.dp_replicate
 
 
-def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list[Path]]:
-    """Profiles the recipe's dataset (generated first if synthetic) into out_dir/profile.json and figures.
+def profile_dataset(recipe: Recipe, out_dir: Path, draw: bool = True) -> tuple[DatasetProfile, list[Path]]:
+    """Profiles the recipe's dataset (generated first if synthetic) into out_dir/profile.json and, with `draw`,
+    figures. Without `draw` matplotlib is never imported: the GPU check and the estimator's validation need the
+    numbers only, on machines that may lack it.
 
     At most data.profile_max_samples samples (in stream order) when set; a dynamic source is profiled over
     data.synthetic.num_samples samples unless capped lower."""
@@ -179,4 +180,8 @@ def profile_dataset(recipe: Recipe, out_dir: Path) -> tuple[DatasetProfile, list
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     profile.save(out_dir / "profile.json")
+    if not draw:
+        return profile, []
+    from omni_core.data.profile_figures import figures
+
     return profile, figures(profile, out_dir)

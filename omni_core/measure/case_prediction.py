@@ -48,7 +48,7 @@ def data_profile(case: Case, root: Path) -> DatasetProfile:
     """The profile of the case's data (its mix at its sequence length), written under `root`."""
     from omni_core.data.profile import profile_dataset
 
-    return profile_dataset(case_recipe(case, root), root / "profiles" / f"{case.mix}-s{case.seq_len}")[0]
+    return profile_dataset(case_recipe(case, root), root / "profiles" / f"{case.mix}-s{case.seq_len}", draw=False)[0]
 
 
 def loader_seconds(case: Case, root: Path, batches: int = 8) -> float:

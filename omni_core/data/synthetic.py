@@ -337,4 +337,10 @@ def ensure_dataset(recipe: Recipe) -> str:
     root = Path(recipe.data_dir())
     if (root / FINGERPRINT).is_file():
         log.warning("%s was generated from other settings; regenerating it", root)
+    elif root.is_file() or (root.is_dir() and any(root.iterdir())):
+        # Generating publishes over the location: never over data omni did not write.
+        raise ValueError(
+            f"data.path {root} holds data omni did not generate, and data.source is 'synthetic', which would "
+            "replace it: set data.source to 'jsonl' or 'wds' to read it, or choose another data.path"
+        )
     return str(generate_dataset(recipe, root))

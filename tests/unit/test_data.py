@@ -114,6 +114,20 @@ def test_crashed_generation_leaves_nothing_that_looks_complete(tmp_path):
     assert Path(ensure_dataset(recipe)) == out / MANIFEST and len(read_manifest(out / MANIFEST)) == N
 
 
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_synthetic_generation_never_replaces_data_it_did_not_write(tmp_path, kind):
+    theirs = tmp_path / ("records.json" if kind == "file" else "shards")
+    if kind == "file":
+        theirs.write_text("[]")
+    else:
+        theirs.mkdir()
+        (theirs / "part-0.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=f"data.path {theirs} holds data omni did not generate"):
+        ensure_dataset(build_recipe(tmp_path, {**DATA, "data.path": str(theirs)}))
+    assert (theirs.read_text() if kind == "file" else (theirs / "part-0.jsonl").read_text()) in ("[]", "{}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name]  # nothing moved or left beside it
+
+
 def test_ensure_dataset_regenerates_only_its_own_stale_data(tmp_path):
     def samples(num_samples: int) -> dict:
         return {**DATA, "data.synthetic.num_samples": num_samples}

@@ -5,7 +5,7 @@ this object, so the plan that was estimated is the plan that runs. Degrees:
 
     pp            pipeline stages (outermost: crosses nodes first)
     dp_replicate  replicated data parallel (HSDP's outer dimension)
-    dp_shard      sharded data parallel (FSDP)
+    dp_shard      sharded data parallel: what its ranks shard is the plan's `sharding` stage (below)
     cp            context parallel, `ulysses` (all-to-all over heads) or `ring` (zig-zag blocks)
     tp            tensor parallel (innermost: stays inside a node)
     ep            expert parallel, folded into dp_shard x cp as torchtitan does (it uses no ranks of its own)
@@ -13,6 +13,18 @@ this object, so the plan that was estimated is the plan that runs. Degrees:
 world size = pp * dp_replicate * dp_shard * cp * tp. The compact name, e.g. `dp2-tp2-pp2-cp2r-ep2`, is what
 MLflow tags, CellTables and logs show; `ParallelPlan.parse` reads it back. `parallel.parallelize.build_meshes`
 turns a plan into device meshes.
+
+The sharding stage: what the dp_shard x cp ranks (the shard group) split among themselves, the rest replicated
+(dp_replicate always copies everything). Named by a suffix on the data-parallel part of the name:
+
+    fsdp       parameters, gradients and optimizer states (FSDP2; the default, no suffix: `dp8`, `dp2x4`)
+    zero2      gradients and optimizer states: gradients reduce-scattered, only the owned slice kept; `dp8z2`
+    zero1      optimizer states: gradients all-reduced, each rank steps its slice; `dp8z1`, `dp2x4z1`
+    replicate  nothing: gradients all-reduced, every rank steps everything (plain DDP); `dp8z0`
+
+ZeRO-1/2 and replicate keep whole parameters on every rank and all-gather the updated slices after the step
+(`parallel.zero`). They run dense LLMs with coupled encoders over TP, PP and CP; EP and encoder layouts of
+their own are refused by name.
 
 The encoders' half is `ParallelPlan.encoders`, an `EncoderPlan` (MegaScale-Omni, DESIGN.md §3):
 
@@ -39,7 +51,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
-from omni_core.recipe.model_sections import PLAN_DEGREES, encoder_layout_problems
+from omni_core.recipe.model_sections import PLAN_DEGREES, encoder_layout_problems, sharding_problems
 
 if TYPE_CHECKING:
     from omni_core.recipe.model_sections import ParallelConfig
@@ -49,9 +61,11 @@ EncoderLayout = Literal["coupled", "omni", "disaggregated"]
 EncoderSchedule = Literal["phased", "joint"]
 ENCODER_KEYS = {"vision": "v", "audio": "a"}  # the encoders a plan lays out, and their letters in names
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
+Sharding = Literal["replicate", "zero1", "zero2", "fsdp"]
+SHARDING_SUFFIX = {"replicate": "z0", "zero1": "z1", "zero2": "z2", "fsdp": ""}  # in the name, after the dp part
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 _NAME = re.compile(
-    r"^dp(?P<dp_a>\d+)(?:x(?P<dp_b>\d+))?"
+    r"^dp(?P<dp_a>\d+)(?:x(?P<dp_b>\d+))?(?:z(?P<zero>[012]))?"
     r"(?:-tp(?P<tp>\d+))?"
     r"(?:-pp(?P<pp>\d+)(?:v(?P<v>\d+))?(?P<gpipe>g)?)?"
     r"(?:-cp(?P<cp>\d+)(?P<kind>[ur]))?"
@@ -190,6 +204,7 @@ class ParallelPlan:
     pp_schedule: PipelineSchedule = "1F1B"
     virtual_stages: int = 1  # pipeline stages per rank (> 1 only for interleaved 1F1B)
     encoders: EncoderPlan = EncoderPlan()
+    sharding: Sharding = "fsdp"  # what the shard group (dp_shard x cp) splits: see the module docstring
 
     def __post_init__(self) -> None:
         problems = [
@@ -208,6 +223,7 @@ class ParallelPlan:
         if not problems and (self.dp_shard * self.cp) % self.ep:
             problems.append(f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp} (EP is folded into them)")
         problems.extend(self.encoders.problems())
+        problems.extend(sharding_problems(self.sharding, self.ep, self.encoders.layout))
         if problems:
             raise PlanError("; ".join(problems))
 
@@ -235,9 +251,14 @@ class ParallelPlan:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def zero(self) -> bool:
+        """Whether the shard group keeps whole parameters (ZeRO-1/2 or replicated), not FSDP's shards."""
+        return self.sharding != "fsdp"
+
+    @property
     def name(self) -> str:
         dp = f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}"
-        parts = [dp]
+        parts = [dp + SHARDING_SUFFIX[self.sharding]]
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
@@ -258,7 +279,7 @@ class ParallelPlan:
     @classmethod
     def parse(cls, name: str) -> ParallelPlan:
         """Inverse of `name`: `dp2x2-tp2-pp4v2-cp2r-ep2` -> the plan (HSDP 2x2, interleaved, ring CP);
-        `dp2+omni.v-sp2-t256` also lays out the encoders."""
+        `dp8z1-tp2` ZeRO-1 over the 8 shard ranks; `dp2+omni.v-sp2-t256` also lays out the encoders."""
         name, _, encoder_name = name.partition("+")
         encoders = EncoderPlan.parse(encoder_name) if encoder_name else EncoderPlan()
         match = _NAME.match(name)
@@ -279,6 +300,7 @@ class ParallelPlan:
             pp_schedule=schedule,
             virtual_stages=virtual,
             encoders=encoders,
+            sharding={"0": "replicate", "1": "zero1", "2": "zero2", None: "fsdp"}[g["zero"]],
         )
 
     @classmethod
@@ -320,12 +342,13 @@ class ParallelPlan:
             pp_schedule=schedule,
             virtual_stages=2 if schedule == "Interleaved1F1B" else 1,
             encoders=encoders,
+            sharding=cfg.sharding,
         )
         plan.check_world(world_size)
         return plan
 
     def recipe_fields(self) -> dict:
-        """The recipe's `parallel` fields that run this plan (its degrees and its encoders' layout)."""
+        """The recipe's `parallel` fields that run this plan (its degrees, sharding stage and encoders' layout)."""
         return {**{degree: getattr(self, degree) for degree in PLAN_DEGREES}, "encoders": asdict(self.encoders)}
 
     # --- validation --------------------------------------------------------------------------------------

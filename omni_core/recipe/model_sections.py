@@ -64,7 +64,28 @@ class ModelConfig(Strict):
 
 ENCODER_LAYOUTS = ("coupled", "omni", "disaggregated")
 ENCODER_SCHEDULES = ("phased", "joint")
-PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep")
+PLAN_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "cp", "cp_kind", "ep", "sharding")
+SHARDING_STAGES = ("replicate", "zero1", "zero2", "fsdp")
+
+
+def sharding_problems(sharding: str, ep: int, layout: str) -> list[str]:
+    """What the runtime cannot build of a sharding stage, each naming `sharding`; shared by the recipe and by
+    `common.plan.ParallelPlan`. ZeRO-1/2 and replicate keep one gradient reduction group for every parameter
+    (`parallel.zero`): experts under EP reduce over their own replicas, and `omni` / `disaggregated` encoders
+    reduce on their own layout, so both are left to FSDP."""
+    if sharding not in SHARDING_STAGES:
+        return [f"sharding={sharding!r} must be one of {', '.join(SHARDING_STAGES)}"]
+    if sharding == "fsdp":
+        return []
+    out = []
+    if ep > 1:
+        out.append(f"sharding={sharding} with ep={ep} is not built: experts reduce over their own replicas (use fsdp)")
+    if layout != "coupled":
+        out.append(
+            f"sharding={sharding} with encoders.layout={layout} is not built: those encoders reduce on their own "
+            "layout (use fsdp, or coupled encoders)"
+        )
+    return out
 
 
 ENCODER_SPEC_DEFAULTS = {"lssp": 1, "long_tokens": 0, "long_mb": 0, "fsdp": False}
@@ -166,6 +187,12 @@ class ParallelConfig(Strict):
     cp: StrictInt = Field(1, ge=1)
     cp_kind: Literal["ulysses", "ring"] = "ulysses"
     ep: StrictInt = Field(1, ge=1)
+    sharding: Literal["replicate", "zero1", "zero2", "fsdp"] = Field(
+        "fsdp",
+        description="What the dp_shard x cp ranks split: fsdp (parameters, gradients, optimizer states), zero2 "
+        "(gradients and optimizer states), zero1 (optimizer states), replicate (nothing); see common/plan.py",
+        exclude_if=lambda stage: stage == "fsdp",  # the default leaves dumps and recipe hashes as they were
+    )
     encoders: EncodersConfig = EncodersConfig()
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
@@ -173,6 +200,13 @@ class ParallelConfig(Strict):
     def _dp_shard_set_or_derived(self) -> ParallelConfig:
         if self.dp_shard == 0:
             raise ValueError("dp_shard must be -1 (derived from the world size) or >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_built(self) -> ParallelConfig:
+        problems = sharding_problems(self.sharding, self.ep, self.encoders.layout)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

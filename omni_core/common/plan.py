@@ -62,7 +62,8 @@ EncoderSchedule = Literal["phased", "joint"]
 ENCODER_KEYS = {"vision": "v", "audio": "a"}  # the encoders a plan lays out, and their letters in names
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 Sharding = Literal["replicate", "zero1", "zero2", "fsdp"]
-SHARDING_SUFFIX = {"replicate": "z0", "zero1": "z1", "zero2": "z2", "fsdp": ""}  # in the name, after the dp part
+SHARDING_SUFFIX: dict[Sharding, str] = {"replicate": "z0", "zero1": "z1", "zero2": "z2", "fsdp": ""}  # after dp
+_SHARDING_OF_SUFFIX: dict[str, Sharding] = {suffix: stage for stage, suffix in SHARDING_SUFFIX.items()}
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 _NAME = re.compile(
     r"^dp(?P<dp_a>\d+)(?:x(?P<dp_b>\d+))?(?:z(?P<zero>[012]))?"
@@ -300,7 +301,7 @@ class ParallelPlan:
             pp_schedule=schedule,
             virtual_stages=virtual,
             encoders=encoders,
-            sharding={"0": "replicate", "1": "zero1", "2": "zero2", None: "fsdp"}[g["zero"]],
+            sharding=_SHARDING_OF_SUFFIX[f"z{g['zero']}" if g["zero"] else ""],
         )
 
     @classmethod

@@ -47,17 +47,24 @@ Render = Callable[[list[dict[str, Any]]], Rendered]  # messages -> ids and loss 
 
 def chat_renderer(tokenizer: Tokenizer, train_on_prompt: bool) -> Render | None:
     """Conversations rendered with the tokenizer's chat template (data/chat.py); None for a tokenizer without
-    one (the byte tokenizer), which reads segment records only. A leading BOS the template writes is left out:
-    the sample's token layout adds the tokenizer's BOS to every document, as it does EOS at the end."""
+    one (the byte tokenizer), which reads segment records only.
+
+    A conversation's document is the template's rendering as is, so training sees the ids `apply_chat_template`
+    gives at inference: the template alone decides on a BOS. One EOS is appended only where the rendering holds
+    none of the tokenizer's (a base model's EOS under a chat template that ends turns otherwise), so that the
+    model still learns to stop in the tokenizer's own terms; it is trained when the conversation ends trained."""
     if tokenizer.chat_template is None:
         return None
     placeholders = set(tokenizer.placeholder_ids.values())
+    eos = tokenizer.eos_id
 
     def render(messages: list[dict[str, Any]]) -> Rendered:
         out = render_conversation(tokenizer, messages, train_on_prompt=train_on_prompt)
-        skip = int(bool(out.ids) and tokenizer.bos_id is not None and out.ids[0] == tokenizer.bos_id)
-        ids = out.ids[skip:]
-        return Rendered(ids, out.trainable[skip:], [i for i, t in enumerate(ids) if t in placeholders])
+        ids, trainable = list(out.ids), list(out.trainable)
+        if eos not in ids:
+            ids.append(eos)
+            trainable.append(bool(trainable) and trainable[-1])
+        return Rendered(ids, trainable, [i for i, t in enumerate(ids) if t in placeholders])
 
     return render
 

@@ -100,7 +100,7 @@ class ManifestDataset:
         """Reads and featurises a record's media; raises CorruptSample instead of any I/O or format error."""
         sample = self.source.sample(record)
         doc = DecodedSample(token_ids(sample, record.segment_tokens, self.tokenizer), sample.modality)
-        doc.trainable = trainable_mask(sample, record.segment_tokens, self.tokenizer)
+        doc.trainable = trainable_mask(sample, record.segment_tokens)
         for seg in sample.segments:
             if seg.kind == "text":
                 continue

@@ -9,7 +9,8 @@ Media segments name their file by `path`: relative to the manifest's folder in a
 extension ("png", "0.jpg", "txt") in a WebDataset sample. Audio carries "num_samples" and "sample_rate",
 video (an animated GIF/WebP: sampled frames) "width", "height" and "num_frames".
 
-A sample's sequence is BOS (where the tokenizer has one) + segments + EOS: text as the recipe's tokenizer's ids,
+A segment sample's sequence is BOS (where the tokenizer has one) + segments + EOS; a conversation's is its chat
+template's rendering (conversation.chat_renderer). Text is the recipe's tokenizer's ids,
 every image patch, audio embedding or video embedding (sampled frames merged in time and space,
 `batch.video_tokens`) as one placeholder of its kind.
 """
@@ -299,6 +300,18 @@ def _audio_frames(
     return towers.audio.feature_frames(resampled)
 
 
+def frame_tokens(tokenizer: Tokenizer) -> int:
+    """Ids that frame a segment sample: its BOS (where the tokenizer has one) and its EOS. A rendered
+    conversation brings its own framing, so its text count is told net of these (`rendered_text_tokens`)."""
+    return (tokenizer.bos_id is not None) + 1
+
+
+def rendered_text_tokens(rendered: Rendered, media_segments: int, tokenizer: Tokenizer) -> int:
+    """The text count `measure` is told for a rendered conversation: its ids but the media placeholders, net
+    of the frame `measure` adds to every sample, so that a record's tokens are its document's length."""
+    return len(rendered.ids) - media_segments - frame_tokens(tokenizer)
+
+
 def measure(
     segs: Segments,
     size: int,
@@ -340,7 +353,7 @@ def measure(
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"
     return Measures(
-        tokens=(tokenizer.bos_id is not None) + 1 + per_sample(llm),
+        tokens=frame_tokens(tokenizer) + per_sample(llm),
         vision_tokens=per_sample(vision),
         vision_sq=per_sample(vision_sq),
         audio_tokens=per_sample(aud),
@@ -362,9 +375,9 @@ def measure(
 def token_ids(sample: Sample, segment_tokens: Sequence[int], tokenizer: Tokenizer = BYTE_TOKENIZER) -> list[int]:
     """BOS (if the tokenizer has one) + text ids / placeholders + EOS: the sample's input ids, given its measured
     segment sizes."""
+    if sample.rendered is not None:  # framed by its template (conversation.chat_renderer)
+        return _expanded(sample, segment_tokens, sample.rendered.ids)
     ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    if sample.rendered is not None:
-        return [*ids, *_expanded(sample, segment_tokens, sample.rendered.ids), tokenizer.eos_id]
     for seg, count in zip(sample.segments, segment_tokens, strict=True):
         if seg.kind == "text":
             ids.extend(tokenizer.encode(seg.text))
@@ -374,16 +387,12 @@ def token_ids(sample: Sample, segment_tokens: Sequence[int], tokenizer: Tokenize
     return ids
 
 
-def trainable_mask(
-    sample: Sample, segment_tokens: Sequence[int], tokenizer: Tokenizer = BYTE_TOKENIZER
-) -> list[bool] | None:
+def trainable_mask(sample: Sample, segment_tokens: Sequence[int]) -> list[bool] | None:
     """Per id of `token_ids`, whether it is a training target; None for a segment sample (every text token and
-    EOS is, packing.document_labels). BOS and placeholders never are; EOS is when the rendering ends trained."""
+    EOS is, packing.document_labels). Placeholders never are; the rest as the conversation's rendering says."""
     if sample.rendered is None:
         return None
-    trainable = sample.rendered.trainable
-    bos = [] if tokenizer.bos_id is None else [False]
-    return [*bos, *_expanded(sample, segment_tokens, trainable, placeholder_value=False), trainable[-1]]
+    return _expanded(sample, segment_tokens, sample.rendered.trainable, placeholder_value=False)
 
 
 def _expanded(

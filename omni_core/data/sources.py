@@ -37,6 +37,7 @@ from omni_core.data.sample import (
     SegmentFields,
     SegmentRows,
     measure,
+    rendered_text_tokens,
 )
 from omni_core.data.source_base import CorruptSample, Record, Sizes, Source, Stream, View, in_heldout
 from omni_core.data.storage import Storage
@@ -234,7 +235,8 @@ class ShardedSource(Source):
         rendered = self.render(conv.messages)
         sample = Sample(conv.id, conv.modality, [*segments, Segment("text")], rendered)
         fields = [seg.fields() for seg in sample.segments]
-        return Parsed(conv.id, conv.modality, fields, (sample, where), len(rendered.ids) - len(segments))
+        text = rendered_text_tokens(rendered, len(segments), self.tokenizer)
+        return Parsed(conv.id, conv.modality, fields, (sample, where), text)
 
     def _chunks(self, view: View, at: Position, build: bool) -> Iterator[tuple[int, int, _Parsed]]:
         """(epoch, slot, parsed entries) over epochs, from `at` on."""

@@ -79,7 +79,9 @@ def test_decoded_conversations_train_only_on_the_replies(llava):
         ids, mask = token_ids(sample, record.segment_tokens), trainable_mask(sample, record.segment_tokens)
         assert mask is not None and len(mask) == len(ids) == record.tokens
         assert ids.count(IMAGE_ID) == record.image_llm == record.segment_tokens[0]
-        assert not any(m for i, m in zip(ids, mask) if i == IMAGE_ID) and mask[-1]  # the closing EOS is trained
+        assert (
+            not any(m for i, m in zip(ids, mask) if i == IMAGE_ID) and mask[-1]
+        )  # the last reply's newline is trained
         runs = "".join(BYTES.decode([i]) if m else "|" for i, m in zip(ids, mask)).split("|")
         replies = [t["value"] + "\n" for t in by_id[record.id]["conversations"] if t["from"] == "gpt"]
         assert [run for run in runs if run] == replies
@@ -175,7 +177,8 @@ def test_a_packed_batch_has_loss_only_on_the_replies(llava):
     targets = batch.labels[batch.labels != IGNORE].tolist()
     by_id = {r["id"]: r for r in map(json.loads, llava["jsonl"].read_text().splitlines())}
     replies = [t["value"] + "\n" for r in records for t in by_id[r.id]["conversations"] if t["from"] == "gpt"]
-    assert BYTES.decode(targets) == "".join(replies) and targets.count(EOS_ID) == len(records)
+    # the documents are the renderings as they are: byte_chatml's ends turns with a newline and writes no EOS
+    assert BYTES.decode(targets) == "".join(replies) and targets.count(EOS_ID) == 0
     assert len(batch.image_grids) == 4 and (batch.input_ids == IMAGE_ID).sum() == sum(r.image_llm for r in records)
 
 
@@ -226,7 +229,7 @@ def test_the_profile_and_the_loader_read_conversations(tmp_path):
     targets = batch.labels[batch.labels != IGNORE].tolist()
     replies = {t["value"] + "\n" for r in good for t in r["conversations"] if t["from"] == "gpt"}
     trained = BYTES.decode(targets).splitlines(keepends=True)
-    assert trained and set(trained) <= replies and targets.count(EOS_ID) == batch.num_samples
+    assert trained and set(trained) <= replies and targets.count(EOS_ID) == 0  # byte_chatml writes no EOS
 
 
 def test_media_paths_are_relative_to_the_media_root(tmp_path):
@@ -241,10 +244,45 @@ def test_media_paths_are_relative_to_the_media_root(tmp_path):
     assert src.media(got[0], segment).size == (segment.width, segment.height) == (24, 16)
 
 
+def collapsed(ids: list[int], placeholder: int) -> list[int]:
+    """`ids` with each run of the placeholder as one: how a chat template writes an image."""
+    return [i for k, (i, _) in enumerate(zip(ids, [None, *ids])) if not (i == placeholder == ids[k - 1] and k)]
+
+
+@pytest.mark.parametrize(("style", "eos_token"), [("chatml", None), ("llama", None), ("chatml", "<|endoftext|>")])
+def test_a_conversation_document_is_its_templates_rendering(llava, tmp_path, style, eos_token):
+    """The ids a conversation trains on are transformers' apply_chat_template ids (an image's placeholder
+    repeated per patch), BOS as the template writes it; under a tokenizer whose EOS the template never writes (a
+    base model's `<|endoftext|>`) one EOS closes the document, and is trained."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    folder = write_tokenizer(tmp_path / "tok", style)
+    if eos_token:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos_token}))
+    tokenizer = HFTokenizer.from_pretrained(folder)
+    reference = AutoTokenizer.from_pretrained(folder)
+    added = sorted(tokenizer.placeholder_ids.values())
+    reference.add_tokens([AddedToken(tokenizer.backend.id_to_token(i), special=True, normalized=False) for i in added])
+    dataset = ManifestDataset(llava["json"], DataConfig(source="jsonl", seq_len=1024), tokenizer)
+    by_id = {r["id"]: r for r in json.loads(llava["json"].read_text())}
+    image = tokenizer.placeholder_ids["image"]
+    for record in helper_records(dataset)[:3]:
+        doc = dataset.decode(record)
+        assert doc.trainable is not None and len(doc.input_ids) == record.tokens
+        expected = list(reference.apply_chat_template(parse_conversation(by_id[record.id]).messages)["input_ids"])
+        appended = [tokenizer.eos_id] if eos_token else []
+        assert collapsed(doc.input_ids, image) == expected + appended
+        assert doc.input_ids.count(image) == record.image_llm > 0
+        runs = [[i for i, _ in run] for t, run in groupby(zip(doc.input_ids, doc.trainable), key=lambda p: p[1]) if t]
+        assert tokenizer.eos_id in runs[-1][-2:]  # the last reply ends trained on EOS: the model learns to stop
+
+
 @pytest.mark.parametrize("style", ["chatml", "llama"])
 def test_a_pretrained_tokenizers_batch_trains_only_on_the_replies(llava, tmp_path, style):
     """Through the loader with the LLM's tokenizer: the targets, decoded, are exactly the replies (each with the
-    end-of-turn tokens its template writes), one document's EOS aside; the images' placeholders are in place."""
+    end-of-turn tokens its template writes); the images' placeholders are in place."""
     tokenizer = HFTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", style))
     cfg = DataConfig(source="jsonl", seq_len=1024, heldout_fraction=0.01)
     dataset = ManifestDataset(llava["json"], cfg, tokenizer)
@@ -256,7 +294,7 @@ def test_a_pretrained_tokenizers_batch_trains_only_on_the_replies(llava, tmp_pat
     replies = {t["value"] for r in records for t in r["conversations"] if t["from"] == "gpt"}
     for a, b in pairwise(bounds[: batch.num_samples + 1]):  # one sequence: its samples come first
         labels, ids = batch.labels[a:b].tolist(), batch.input_ids[a:b].tolist()
-        assert [t for t in labels if t != IGNORE][-1] == tokenizer.eos_id
+        assert tokenizer.eos_id in [t for t in labels if t != IGNORE][-2:]  # its end of turn, or "\n" after it
         assert ids.count(tokenizer.bos_id) == (tokenizer.bos_id is not None) == (ids[0] == tokenizer.bos_id)
         runs = [list(run) for target, run in groupby(labels, key=lambda t: t != IGNORE) if target]
         said = [tokenizer.decode(run, skip_special_tokens=True).strip() for run in runs]

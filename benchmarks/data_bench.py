@@ -208,7 +208,7 @@ def bench_packing(samples: int) -> dict:
     for key, name in (("packing_efficiency", "quickstart"), ("packing_efficiency_dynamic_mix", "dynamic_mix")):
         recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", ["data.source=dynamic"])
         cfg = recipe.data
-        flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+        flops = FlopModel.for_recipe(recipe)
         profile = profile_source(ManifestDataset("dynamic", cfg), cfg, recipe.experiment.seed, flops, limit=samples)
         result[key] = round(profile.packing_efficiency, 4)
         result[f"{key}_documents_per_sequence"] = round(profile.sequences.documents_mean, 1)

@@ -53,6 +53,10 @@ class SampleCost:
     def for_flavor(cls, flavor: str, *, patch_size: int, n_mels: int) -> SampleCost:
         return cls(FlopModel.for_flavor(flavor, patch_size=patch_size, n_mels=n_mels))
 
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> SampleCost:
+        return cls(FlopModel.for_recipe(recipe))
+
     def of_records(self, records: Sequence[Any]) -> np.ndarray:
         """[n, 2] costs of records (`sources.Record`)."""
         return self.of(
@@ -111,7 +115,7 @@ def balance_for(recipe: Recipe, data_rank: int, dp: int, shards_per_node: int) -
     """The training loader's balancing under the recipe (`data.balance`), for data rank `data_rank` of `dp`."""
     cfg = recipe.data
     members = balance_group_size(cfg.balance.policy, cfg.balance.group_size, dp, shards_per_node)
-    cost = SampleCost.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    cost = SampleCost.for_recipe(recipe)
     return Balance(cfg.balance.policy, members, data_rank % members, recipe.train.grad_accum, cost, cfg.micro_batch)
 
 

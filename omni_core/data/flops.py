@@ -2,7 +2,8 @@
 
 The counts are the model's own (`omni_core.models.flops`: the convention of the trainer's MFU and of the
 estimator). Each is a polynomial in a sample's sizes, so it is evaluated at two sizes per flavor to get the
-coefficients, which then apply to arrays of samples at once. Per sample, training = 3 x forward:
+coefficients, which then apply to arrays of samples at once. A recipe's model is its flavor with the parts
+`model.pretrained` names (`FlopModel.for_recipe`). Per sample, training = 3 x forward:
 
     LLM      a * T + b * T^2                   T: the sample's LLM tokens, as its own causal document
     vision   sum over its images and video frames of  c * n + d * n^2,  + p * V
@@ -17,12 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from omni_core.data.sample import SPATIAL_MERGE
 from omni_core.models import flops as model_flops
 from omni_core.models.flavors import get_flavor
+
+if TYPE_CHECKING:
+    from omni_core.models.args import OmniModelArgs
+    from omni_core.recipe.schema import Recipe
 
 FORMULA = __doc__.split("\n\n", 2)[2].strip()
 
@@ -46,7 +52,21 @@ class FlopModel:
 
     @classmethod
     def for_flavor(cls, flavor: str, *, patch_size: int, n_mels: int) -> FlopModel:
-        args = get_flavor(flavor, patch_size=patch_size, n_mels=n_mels)
+        return cls.for_args(get_flavor(flavor, patch_size=patch_size, n_mels=n_mels))
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> FlopModel:
+        """The recipe's model: its flavor, with each part `model.pretrained` names as its config.json describes
+        it, so a pretrained LLM's or tower's cost is its own, not the flavor's (configs only: no weights read;
+        the tokenizer's few added placeholder rows are left out of the head)."""
+        from omni_core.models.pretrained import omni_args  # imports torch: only where a cost is priced
+
+        cfg = recipe.data
+        pretrained = recipe.model.pretrained.model_dump()
+        return cls.for_args(omni_args(recipe.model.flavor, pretrained, patch_size=cfg.patch_size, n_mels=cfg.n_mels)[0])
+
+    @classmethod
+    def for_args(cls, args: OmniModelArgs) -> FlopModel:
         train, dims = model_flops.TRAIN_FACTOR, model_flops.projector_dims(args)
 
         def llm(tokens: float) -> float:

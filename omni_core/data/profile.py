@@ -166,7 +166,7 @@ def profile_dataset(recipe: Recipe, out_dir: Path, draw: bool = True) -> tuple[D
     data.synthetic.num_samples samples unless capped lower."""
     cfg = recipe.data
     dataset = open_dataset(recipe)
-    flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    flops = FlopModel.for_recipe(recipe)
     profile = profile_source(
         dataset,
         cfg,

@@ -90,7 +90,7 @@ def window_profile(recipe: Recipe, step: int, samples: int) -> DatasetProfile:
     cfg = recipe.data
     dataset = open_dataset(recipe)
     dynamic = isinstance(dataset.source, DynamicSource)
-    flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
+    flops = FlopModel.for_recipe(recipe)
     # a dynamic source follows its schedule by training step; a file source's stream goes by position
     return profile_source(
         dataset,

@@ -76,3 +76,20 @@ def test_the_training_hash_follows_the_starting_weights(tmp_path: Path) -> None:
     hashes = {build_recipe(tmp_path, overrides).training_hash() for overrides in (
         {}, {"model.pretrained.llm": "a"}, {"model.pretrained.llm": "b"}, {"model.init_from": "c"})}
     assert len(hashes) == 4
+
+
+def test_balancing_and_profiling_price_the_pretrained_parts(tmp_path: Path) -> None:
+    """The loader's and the profiler's FLOP model is the recipe's model: the pretrained parts' dimensions, not the
+    flavor's (the tiny parts here are smaller than the debug flavor in every width)."""
+    from omni_core.data.flops import FlopModel
+    from omni_core.models import flops as model_flops
+
+    parts = write_parts(tmp_path / "parts")
+    recipe = build_recipe(tmp_path, {"model.pretrained": parts})
+    priced, flavor = FlopModel.for_recipe(recipe), FlopModel.for_flavor("debug", patch_size=PATCH_SIZE, n_mels=N_MELS)
+    args = omni_args("debug", parts, patch_size=PATCH_SIZE, n_mels=N_MELS)[0]
+    tokens = model_flops.TRAIN_FACTOR * model_flops.llm_forward_flops(args.llm, [100])
+    assert priced.llm(100) == pytest.approx(tokens) and priced.llm(100) != pytest.approx(flavor.llm(100))
+    assert priced.vision_per_patch < flavor.vision_per_patch and priced.audio_per_frame < flavor.audio_per_frame
+    no_parts = build_recipe(tmp_path, {})
+    assert FlopModel.for_recipe(no_parts) == flavor

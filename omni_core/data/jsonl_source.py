@@ -4,6 +4,7 @@ on demand; a media path that could leave that folder is refused unread."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ IMAGE_HEADER_BYTES = 1 << 16  # read to size an image whose record gives no widt
 # what a JSON array's top level is scanned by: whole strings (skipped over), brackets and commas
 _ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
 _SPACE = b" \t\r\n"
+_NOT_SPACE = re.compile(rb"[^ \t\r\n]")
 
 
 class JsonlSource(ShardedSource):
@@ -31,7 +33,7 @@ class JsonlSource(ShardedSource):
     demand; text is inline. Records are omni's segment records or conversations (data.format)."""
 
     suffix = ".jsonl"
-    _kept: tuple[str, bytes] | None = None  # the .json array file last read, and its bytes
+    _kept: tuple[str, bytes | mmap.mmap] | None = None  # the .json array file last read, and its bytes
 
     def _shards(self, location: str) -> list[str]:
         if location.endswith(ARRAY_SUFFIX):
@@ -64,11 +66,11 @@ class JsonlSource(ShardedSource):
         """Sent to a loader worker without the kept array: the worker reads it once itself."""
         return {key: value for key, value in self.__dict__.items() if key != "_kept"}
 
-    def _array(self, shard: str) -> bytes:
-        """A `.json` array file's bytes, kept while it is the one read: every epoch and every refetched record
-        (a resumed loader's pending ones) would read it whole again."""
+    def _array(self, shard: str) -> bytes | mmap.mmap:
+        """A `.json` array file's bytes (memory-mapped where local: `Storage.view`), kept while it is the one
+        read: every epoch and every refetched record (a resumed loader's pending ones) would read it again."""
         if self._kept is None or self._kept[0] != shard:
-            self._kept = (shard, self.storage.read(shard))
+            self._kept = (shard, self.storage.view(shard))
         return self._kept[1]
 
     def _parse(self, shard: str, raw: Entry, build: bool) -> Parsed:
@@ -129,12 +131,13 @@ def _sized_image(head: bytes) -> bool:
     return True
 
 
-def _array_entries(shard: str, data: bytes, offset: int, index: int) -> Iterator[Entry]:
+def _array_entries(shard: str, data: bytes | mmap.mmap, offset: int, index: int) -> Iterator[Entry]:
     """The elements of a JSON array file from byte `offset` (0, or just after an element's comma), each as an
     entry; a file that is no JSON array, or ends inside it, is an error naming the file."""
     at = offset
     if not offset:
-        at = len(data) - len(data.lstrip(_SPACE))
+        first = _NOT_SPACE.search(data)
+        at = first.start() if first else len(data)
         if data[at : at + 1] != b"[":
             raise ValueError(f"{shard}: not a JSON array of records (a .json source holds one array)")
         at += 1

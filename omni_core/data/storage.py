@@ -5,6 +5,7 @@ object raises FileNotFoundError exactly like a missing local file, so callers ha
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import posixpath
 import socket
@@ -142,6 +143,17 @@ class Storage:
             if code in ("NoSuchKey", "404", "NoSuchBucket"):
                 raise FileNotFoundError(location) from err
             raise
+
+    def view(self, location: str) -> bytes | mmap.mmap:
+        """A whole file to scan (a `.json` array of records): a local file memory-mapped, so that every process
+        reading it (ranks, loader workers) shares the page cache's one copy instead of holding its own; an S3
+        object read whole."""
+        if is_s3(location):
+            return self.read(location)
+        with open(location, "rb") as file:
+            if os.fstat(file.fileno()).st_size == 0:
+                return b""  # mmap refuses an empty file
+            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
 
     def read(self, location: str) -> bytes:
         """A whole (small) file: one image or audio clip."""

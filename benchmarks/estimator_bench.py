@@ -18,6 +18,13 @@
 4. `paper_workloads[A-D][image:text] = {omni_step_s, coupled_step_s, disaggregated_step_s,
    speedup_vs_best_baseline}` on H100s, 8 per node, 8 x 400 Gb/s per node across nodes; `paper_assumptions`
    says what the layouts assume.
+5. `paper_dynamic[A-D][drift|stationary]`: the same workloads over a run whose data moves (recipes/dynamic_mix.yaml:
+   its image:text drift, 1:9 to 9:1, or its stationary mix; image sides and text lengths drawn per step), each
+   system deployed as it runs (`estimator.dynamic.SYSTEMS`: one plan per job, chosen on the first window or the
+   run's average, its own balancing or none), priced step by step and summed: `run_s` per system, `vs_omni`
+   (a system's run over omni's), and `fixed_mix_vs_omni` (each layout's best plan for the run's average data,
+   balanced perfectly: the question the fixed-mix table answers). `--paper-dynamic` runs only this section
+   (arithmetic, no calibration).
 --quick keeps every key with 10 validation cases of 5 steps in one round and three mixes of the paper's
 table (about two minutes on 2 cores). `load_average` is the host's before and after.
 
@@ -38,6 +45,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,19 +54,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
+from omni_core.estimator.dynamic import SYSTEMS, DynamicRun, drift_shares, stationary_shares
 from omni_core.estimator.layouts import compare_layouts
-from omni_core.estimator.search import build_cell_table, candidate_plans
 from omni_core.estimator.paper_workloads import PAPER_WORKLOADS, paper_workload
+from omni_core.estimator.search import build_cell_table, candidate_plans
 from omni_core.estimator.trace_workloads import trace_workload
 from omni_core.measure.stored_reports import ReportError, repredicted, validation_keys
 from omni_core.measure.validate import calibrate_and_validate
 from omni_core.measure.validation_report import validation_figure
+from omni_core.recipe.loader import load_recipe
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "crius" / "simulate_trace_philly.csv"
 CRIUS_GPUS = {"a100": 320, "v100": 320, "a40": 320, "a10": 320}
 CRIUS_PER_NODE = {"a100": 4, "v100": 16, "a40": 2, "a10": 2}
 PAPER_REPORTED = {"abstract": "1.27x-7.57x over four systems",
                   "best_speedup_unconfirmed": {"A": 1.54, "B": 3.30, "C": 7.57, "D": 1.98}}
+SYSTEM_OF_LAYOUT = {system.layout: name for name, system in SYSTEMS.items()}
 PAPER_ASSUMPTIONS = (
     "Each layout gets its own best plan (DP x TP x PP x CP, micro-batch, checkpointing) on H100s with the default "
     "GPU efficiencies (60% of peak for matmuls, 45% for attention, 80% of link bandwidth, 80% of DP traffic hidden). "
@@ -115,13 +126,57 @@ def paper(quick: bool) -> dict:
     return out
 
 
+DYNAMIC_RECIPE = ROOT / "recipes" / "dynamic_mix.yaml"
+DYNAMIC_STEPS = 50  # --quick: the run's trajectory over this many steps (the full run: the recipe's train.steps)
+
+
+def paper_dynamic(quick: bool) -> dict:
+    """`paper_dynamic`: workloads A-D along dynamic_mix.yaml's drift and at its stationary mix, every system
+    deployed once and priced step by step, beside each layout's best plan for the run's average data."""
+    recipe = load_recipe(DYNAMIC_RECIPE)
+    h100, eff, syn = GpuCatalog()["h100"], Efficiency(), recipe.data.synthetic
+    steps = DYNAMIC_STEPS if quick else recipe.train.steps
+    trajectories = {"drift": drift_shares(syn, steps, max(p.step for p in syn.schedule)),
+                    "stationary": stationary_shares(syn, steps)}
+    out: dict = {"steps": steps, "recipe": str(DYNAMIC_RECIPE.relative_to(ROOT)),
+                 "rules": {name: asdict(system) for name, system in SYSTEMS.items()}}
+    for key in PAPER_WORKLOADS:
+        out[key] = {}
+        for name, shares in trajectories.items():
+            run = DynamicRun(key, recipe.data, shares, h100, eff, seed=recipe.experiment.seed)
+            systems = run.price()
+            assert run.average is not None
+            fixed = compare_layouts(run.average, h100, PAPER_WORKLOADS[key][1], 8, eff)
+            omni, omni_fixed = systems["omni"].run_s, fixed["omni"].step_time_s
+            out[key][name] = {
+                "image_share": {"first": float(shares[0]), "last": float(shares[-1]), "mean": float(shares.mean())},
+                "systems": {system: asdict(price) for system, price in systems.items()},
+                "vs_omni": {system: p.run_s / omni if p.run_s and omni else None for system, p in systems.items()},
+                "fixed_mix_vs_omni": {SYSTEM_OF_LAYOUT[layout]: r.step_time_s / omni_fixed
+                                      if r.step_time_s and omni_fixed else None for layout, r in fixed.items()},
+                "fixed_mix_plans": {SYSTEM_OF_LAYOUT[layout]: r.plan for layout, r in fixed.items()},
+            }
+            print(key, name, {s: round(v, 2) if v else None for s, v in out[key][name]["vs_omni"].items()},
+                  "fixed mix", {s: round(v, 2) if v else None for s, v in out[key][name]["fixed_mix_vs_omni"].items()},
+                  flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="estimator_report.json")
     parser.add_argument("--repredict", type=Path, metavar="REPORT",
                         help="only predict REPORT's validation again, from its own calibrations (seconds)")
+    parser.add_argument("--paper-dynamic", action="store_true",
+                        help="only the paper_dynamic section (arithmetic: no calibration, no validation)")
     args = parser.parse_args()
+    if args.paper_dynamic:
+        started, load = time.perf_counter(), os.getloadavg()
+        result = {"paper_dynamic": paper_dynamic(args.quick), "paper_reported": PAPER_REPORTED, "quick": args.quick,
+                  "load_average": [load, os.getloadavg()], "seconds": time.perf_counter() - started}
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     if args.repredict:
         started, load = time.perf_counter(), os.getloadavg()
         try:
@@ -137,6 +192,7 @@ def main() -> None:
     plans_s = plans_per_second()
     cell_s, n_jobs, n_cells = crius_cell_table()
     workloads = paper(args.quick)
+    dynamic = paper_dynamic(args.quick)
     with tempfile.TemporaryDirectory(prefix="omni-validate-") as tmp:
         report = calibrate_and_validate(args.quick, Path(tmp))
     result = {
@@ -146,6 +202,7 @@ def main() -> None:
         "celltable_jobs": n_jobs,
         "celltable_cells": n_cells,
         "paper_workloads": workloads,
+        "paper_dynamic": dynamic,
         "paper_reported": PAPER_REPORTED,
         "paper_assumptions": PAPER_ASSUMPTIONS,
         "validation": [r.model_dump() for r in report.rows],

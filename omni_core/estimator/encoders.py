@@ -19,7 +19,8 @@ gradient all-reduce per step, or FSDP-sharded over it (`EncoderSpec.fsdp`: gathe
 forward recomputed in backward).
 
 `disaggregated` (DistTrain): the encoders on `plan.encoders.ranks` ranks of their own, data parallel, no
-rebalancing; the LLM on the others (`disaggregated_encoders`; `cost` composes the two sides).
+rebalancing unless the workload says what a step's assignment left (`Workload.encoder_imbalance`); the LLM on
+the others (`disaggregated_encoders`; `cost` composes the two sides).
 """
 
 from __future__ import annotations
@@ -351,7 +352,8 @@ def disaggregated_encoders(
     peak, passes = fitting[0]
     net = Network(gpu, gpus_per_node, eff.link, eff.collectives)
     per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
-    balanced = per_sample * per_rank * unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
+    imbalance = workload.encoder_imbalance or unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
+    balanced = per_sample * per_rank * imbalance
     longest = long_item_seconds(workload, net, passes, per_sample, group)
     sharded = sum(st.params for key, st in encoder_parts(workload).items() if plan.encoders.spec(key).fsdp)
     reduce = (1 - eff.dp_overlap) * (

@@ -15,13 +15,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from omni_core.common.catalog import GpuCatalog
     from omni_core.common.plan import ParallelPlan
     from omni_core.estimator.search import CellResult
     from omni_core.estimator.workloads import Workload
+
+
+class ReplicaPlan(NamedTuple):
+    """Which fixed plan `ThroughputOracle.replicated` prices: replicas of a (tp, pp) `unit`, and whether a
+    replica may split its local batch into micro-batches (gradient accumulation)."""
+
+    unit: tuple[int, int] = (1, 1)
+    micro_batching: bool = False
+
+
+PLAIN_DP = ReplicaPlan()  # one GPU per replica, the whole local batch at once: plain data parallelism
 
 
 @runtime_checkable
@@ -38,19 +49,12 @@ class ThroughputOracle(Protocol):
         ...
 
     def replicated(
-        self,
-        model: str,
-        global_batch: int,
-        gpu_type: str,
-        num_gpus: int,
-        *,
-        unit: tuple[int, int] = (1, 1),
-        micro_batching: bool = False,
+        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, plan: ReplicaPlan = PLAIN_DP
     ) -> ReplicaEstimate | None:
-        """`num_gpus / (tp x pp)` replicas of a `unit` = (tp, pp) model-parallel unit, the replicas plain data
-        parallel (weights, gradients and optimizer states replicated, never sharded), recomputation only where
-        the job fixes it; each replica's local batch in one micro-batch, or with `micro_batching` in the
-        fastest micro-batches that fit (gradient accumulation). None when the plan cannot be formed."""
+        """`num_gpus / (tp x pp)` replicas of the `plan.unit` = (tp, pp) model-parallel unit, the replicas plain
+        data parallel (weights, gradients and optimizer states replicated, never sharded), recomputation only
+        where the job fixes it; each replica's local batch in one micro-batch, or with `plan.micro_batching` in
+        the fastest micro-batches that fit (gradient accumulation). None when the plan cannot be formed."""
         ...
 
 
@@ -82,7 +86,7 @@ class CellOracle:
         self.gpus_per_node = dict(gpus_per_node)
         self.workload = workload
         self._cells: dict[tuple[str, int, str, int, bool], CellResult | None] = {}
-        self._replicas: dict[tuple[str, int, str, int, tuple[int, int], bool], ReplicaEstimate | None] = {}
+        self._replicas: dict[tuple[str, int, str, int, ReplicaPlan], ReplicaEstimate | None] = {}
 
     def cell(self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False):
         """The memoised `CellResult` (best plan, step time, memory) or None when nothing fits."""
@@ -114,22 +118,15 @@ class CellOracle:
         return None if result is None else result.plan
 
     def replicated(
-        self,
-        model: str,
-        global_batch: int,
-        gpu_type: str,
-        num_gpus: int,
-        *,
-        unit: tuple[int, int] = (1, 1),
-        micro_batching: bool = False,
+        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, plan: ReplicaPlan = PLAIN_DP
     ) -> ReplicaEstimate | None:
-        key = (model, global_batch, gpu_type, num_gpus, unit, micro_batching)
+        key = (model, global_batch, gpu_type, num_gpus, plan)
         if key not in self._replicas:
-            self._replicas[key] = self._replica_estimate(model, global_batch, gpu_type, num_gpus, unit, micro_batching)
+            self._replicas[key] = self._replica_estimate(model, global_batch, gpu_type, num_gpus, plan)
         return self._replicas[key]
 
     def _replica_estimate(
-        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, unit: tuple[int, int], micro_batching: bool
+        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, replica: ReplicaPlan
     ) -> ReplicaEstimate | None:
         from omni_core.common.catalog import GB
         from omni_core.common.plan import ParallelPlan, PlanError
@@ -137,7 +134,7 @@ class CellOracle:
         from omni_core.estimator.cost import Options, estimate_step
         from omni_core.estimator.search import powers_of_two
 
-        tp, pp = unit
+        tp, pp = replica.unit
         replicas, rest = divmod(num_gpus, tp * pp)
         gpu, eff = calibrated(self.catalog[gpu_type])
         per_node = self.gpus_per_node.get(gpu_type, gpu.gpus_per_node)
@@ -150,7 +147,7 @@ class CellOracle:
         except PlanError:
             return None
         local = global_batch // replicas
-        sizes = [mb for mb in powers_of_two(local) if local % mb == 0] if micro_batching else [local]
+        sizes = [mb for mb in powers_of_two(local) if local % mb == 0] if replica.micro_batching else [local]
         checkpoint = bool(workload.recompute)
         tried = [
             estimate_step(workload, gpu, plan, Options(mb, checkpoint), gpus_per_node=per_node, eff=eff) for mb in sizes

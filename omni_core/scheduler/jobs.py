@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from omni_core.estimator.oracle import PLAIN_DP, ReplicaPlan
 from omni_core.recipe.schedule_sections import JobConfig
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class ThroughputTable:
         self.capacity = np.array([capacity[t] for t in self.gpu_types])
         self.counts = power_of_two_counts(max(1, min(max_gpus, int(self.capacity.max()))))
         self._rows: dict[tuple[str, int], np.ndarray] = {}
-        self._replicas: dict[tuple[str, int, tuple[int, int], bool], Replicas] = {}
+        self._replicas: dict[tuple[str, int, ReplicaPlan], Replicas] = {}
 
     def _configs(self) -> list[tuple[int, int, str, int]]:
         """(row, column, GPU type, count) of every config no larger than its type's capacity."""
@@ -101,17 +102,15 @@ class ThroughputTable:
             self._rows[key] = row
         return row
 
-    def replicated(self, job: Job, unit: tuple[int, int] = (1, 1), *, micro_batching: bool = False) -> Replicas:
-        """The job as `counts[c] / (tp x pp)` plain data-parallel replicas of a `unit` = (tp, pp) on every config
-        (`ThroughputOracle.replicated`)."""
-        key = (job.model, job.global_batch, unit, micro_batching)
+    def replicated(self, job: Job, plan: ReplicaPlan = PLAIN_DP) -> Replicas:
+        """The job as `counts[c] / (tp x pp)` plain data-parallel replicas of `plan.unit` = (tp, pp) on every
+        config (`ThroughputOracle.replicated`)."""
+        key = (job.model, job.global_batch, plan)
         found = self._replicas.get(key)
         if found is None:
             rates, share = (np.full((len(self.gpu_types), len(self.counts)), np.nan) for _ in range(2))
             for t, c, gpu_type, n in self._configs():
-                est = self.oracle.replicated(
-                    job.model, job.global_batch, gpu_type, n, unit=unit, micro_batching=micro_batching
-                )
+                est = self.oracle.replicated(job.model, job.global_batch, gpu_type, n, plan)
                 if est is not None:
                     share[t, c] = est.mem_share
                     rates[t, c] = est.samples_per_s if est.samples_per_s > 0 else np.nan

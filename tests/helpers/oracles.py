@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from omni_core.common.plan import ParallelPlan
-from omni_core.estimator.oracle import ReplicaEstimate
+from omni_core.estimator.oracle import PLAIN_DP, ReplicaEstimate
 
 MEM = 10.0  # every hand-made GPU's memory; a replica's memory share is its peak over this
 
@@ -31,8 +31,8 @@ class TableOracle:
     def best_plan(self, model, global_batch, gpu_type, num_gpus):
         return ParallelPlan(dp_shard=num_gpus) if (model, gpu_type, num_gpus) in self.rates else None
 
-    def replicated(self, model, global_batch, gpu_type, num_gpus, *, unit=(1, 1), micro_batching=False):
-        key = (model, gpu_type, num_gpus)
+    def replicated(self, model, global_batch, gpu_type, num_gpus, plan=PLAIN_DP):
+        key, unit = (model, gpu_type, num_gpus), plan.unit
         if unit != (1, 1):
             if (*key, unit) not in self.units:
                 return None

@@ -5,22 +5,29 @@ constants of macro/macro_def.py and resources/hardware_specs.py. The paper's Sia
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from omni_core.scheduler.jobs import Config, Job, ThroughputTable
 from omni_core.scheduler.policies.assignment import assign
-from omni_core.scheduler.policies.base import UNPRUNED_SEARCH_S, Cell, Policy, View
+from omni_core.scheduler.policies.base import Cell, Policy, View
 
-# Crius artifact e3c8535, each as cited.
-P_FAIRNESS = 0.5  # sia_sched.py p_fairness
-GOODPUT_CLIP = 3000.0  # sia_sched.py sia_goodput_clip_val
-ADMIT_GAIN = 1e3  # sia_sched.py not_alloc_penalty = -1e3: the objective gains 1e3 if the new job is allocated
-MAX_MOVES = 3  # sia_sched.py MAX_MGRT_JOB_NUM: running jobs whose config may change per admission
-RESTART_S = 600.0  # sia_sched.py: the restart factor's S is MAX_RESCHED_OVERHEAD_WITHOUT_PRUNE (macro_def.py)
-MIN_RESTART_FACTOR = 0.01  # sia_sched.py: the restart factor's floor
-MEM_MARGIN = 1.2  # db_querier.py: a replica's needed memory x 1.2 must not exceed ...
-XLA_PREALLOCATION = 0.8  # ... the GPU's memory x hardware_specs.py pre_alloc_memory_fraction_for_xla
-MAX_GPUS = 16  # macro_def.py MAX_SUPPORTED_GPU_NUM, SUPPORTED_GPU_NUM_LIST = [1, 2, 4, 8, 16]
+
+@dataclass(frozen=True)
+class SiaArtifactConstants:
+    """The Crius artifact's (e3c8535), each as cited."""
+
+    p: float = 0.5  # sia_sched.py p_fairness
+    goodput_clip: float = 3000.0  # sia_sched.py sia_goodput_clip_val
+    admit_gain: float = 1e3  # sia_sched.py not_alloc_penalty = -1e3: the objective gains 1e3 for allocating the new job
+    max_moves: int = 3  # sia_sched.py MAX_MGRT_JOB_NUM: running jobs whose config may change per admission
+    restart_s: float = 600.0  # sia_sched.py: the restart factor's S, MAX_RESCHED_OVERHEAD_WITHOUT_PRUNE (macro_def.py)
+    min_restart_factor: float = 0.01  # sia_sched.py: the restart factor's floor
+    mem_margin: float = 1.2  # db_querier.py: a replica's needed memory x 1.2 must not exceed ...
+    xla_preallocation: float = 0.8  # ... the GPU's memory x hardware_specs.py pre_alloc_memory_fraction_for_xla
+    max_gpus: int = 16  # macro_def.py MAX_SUPPORTED_GPU_NUM, SUPPORTED_GPU_NUM_LIST = [1, 2, 4, 8, 16]
 
 
 class SiaArtifact(Policy):
@@ -49,25 +56,9 @@ class SiaArtifact(Policy):
 
     name = "sia-artifact"
 
-    def __init__(
-        self,
-        search_s_per_gpu: float = UNPRUNED_SEARCH_S[0],
-        search_max_s: float = UNPRUNED_SEARCH_S[1],
-        *,
-        search_every_start: bool = False,
-        p: float = P_FAIRNESS,
-        goodput_clip: float = GOODPUT_CLIP,
-        admit_gain: float = ADMIT_GAIN,
-        max_moves: int = MAX_MOVES,
-        restart_s: float = RESTART_S,
-        mem_margin: float = MEM_MARGIN,
-        xla_preallocation: float = XLA_PREALLOCATION,
-        max_gpus: int = MAX_GPUS,
-    ):
-        super().__init__(search_s_per_gpu, search_max_s, search_every_start=search_every_start)
-        self.p, self.goodput_clip, self.admit_gain, self.max_moves = p, goodput_clip, admit_gain, max_moves
-        self.restart_s, self.mem_margin, self.xla_preallocation = restart_s, mem_margin, xla_preallocation
-        self.max_gpus = max_gpus
+    def __init__(self, constants: SiaArtifactConstants | None = None, **costs: Any):
+        super().__init__(**costs)
+        self.constants = constants or SiaArtifactConstants()
         self._estimates: dict[tuple[str, int], np.ndarray] = {}
         self._jobs: dict[str, Job] = {}  # admitted jobs
         self._solved: dict[str, Cell] = {}  # admitted job -> the config the last applied program gave it
@@ -110,8 +101,9 @@ class SiaArtifact(Policy):
         if key not in self._estimates:
             replicas = table.replicated(job)
             counts = np.asarray(table.counts, dtype=float)
-            fits = np.isfinite(replicas.rates) & (replicas.mem_share * self.mem_margin <= self.xla_preallocation)
-            fits &= counts[None, :] <= self.max_gpus
+            k = self.constants
+            fits = np.isfinite(replicas.rates) & (replicas.mem_share * k.mem_margin <= k.xla_preallocation)
+            fits &= counts[None, :] <= k.max_gpus
             one_gpu = np.full(len(table.gpu_types), np.nan)
             for t in np.flatnonzero(fits.any(axis=1)):
                 c = 0 if fits[t, 0] else int(np.flatnonzero(fits[t])[-1])
@@ -126,8 +118,9 @@ class SiaArtifact(Policy):
             return est
         fewest = view.table.counts[int(np.flatnonzero(np.isfinite(est).any(axis=0))[0])]
         run_s, starts = self._run_s.get(job.id, 0.0), self._starts.get(job.id, 0)
-        factor = max((run_s - starts * self.restart_s) / (run_s + self.restart_s), MIN_RESTART_FACTOR)
-        return np.minimum((fewest * est / np.nanmin(est) * factor) ** self.p, self.goodput_clip)
+        c = self.constants
+        factor = max((run_s - starts * c.restart_s) / (run_s + c.restart_s), c.min_restart_factor)
+        return np.minimum((fewest * est / np.nanmin(est) * factor) ** c.p, c.goodput_clip)
 
     def _try(self, view: View, job: Job, failed: set[tuple[str, int]]) -> bool:
         """One admission try: the program, then the solution applied if it fits; True if `job` got GPUs."""
@@ -139,7 +132,7 @@ class SiaArtifact(Policy):
             return False
         jobs = [*self._jobs.values(), job]
         values = [self.utility(view, j) for j in jobs]
-        values[-1] = values[-1] + self.admit_gain
+        values[-1] = values[-1] + self.constants.admit_gain
         keep = [self._cell_mask(table, self._solved[j.id]) for j in jobs[:-1]]
         keep.append(np.ones((len(table.gpu_types), len(table.counts)), dtype=bool))
         held = assign(
@@ -148,7 +141,7 @@ class SiaArtifact(Policy):
             table.capacity,
             [True] * (len(jobs) - 1) + [False],
             keep,
-            len(jobs) - self.max_moves,
+            len(jobs) - self.constants.max_moves,
         )
         applied = None if held is None or held[-1] is None else self._applied(table, jobs, held)
         if applied is None or held is None:

@@ -134,10 +134,12 @@ class PackedBatch:
         return self.layout.loss_tokens
 
 
-def audio_tokens(frames: int) -> int:
-    """Embeddings an audio clip yields: the encoder subsamples log-mel frames by 2, as Whisper does (conv1
-    stride 1, conv2 stride 2), so that Whisper checkpoints load unchanged."""
-    return frames // 2
+def audio_tokens(frames, pool: int = 1):
+    """Embeddings an audio clip yields (ints or arrays): the encoder subsamples log-mel frames by 2, as Whisper
+    does (conv1 stride 1, conv2 stride 2), so that Whisper checkpoints load unchanged; with the encoder's `pool`
+    (`AudioArgs.pool`, Qwen2-Audio's 2) every `pool` of those are averaged into one, a last partial group
+    dropped, as AvgPool1d does. pool 1: the encoder's own tokens, what its cost is counted in."""
+    return frames // 2 // pool
 
 
 def video_tokens(frames, rows, cols, temporal_merge: int, spatial_merge: int):

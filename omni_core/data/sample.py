@@ -229,7 +229,7 @@ class Measures:
     tokens: np.ndarray  # LLM tokens: BOS + text tokens + placeholders + EOS
     vision_tokens: np.ndarray  # patches of its images and sampled video frames
     vision_sq: np.ndarray  # sum over images and frames of patches^2: the ViT's attention work
-    audio_tokens: np.ndarray  # audio encoder outputs (= its LLM placeholders)
+    audio_tokens: np.ndarray  # audio encoder tokens (its LLM placeholders: these over model.audio_pool)
     audio_sq: np.ndarray  # sum over clips of outputs^2
     audio_frames: np.ndarray  # log-mel frames: the audio encoder's convolution input
     image_items: np.ndarray  # its images, clips and videos
@@ -340,15 +340,16 @@ def measure(
 
     au = segs.kind == KIND_CODE["audio"]
     mels[au] = _audio_frames(towers, n[au], segs.sample_rate[au], cfg)
-    llm[au] = aud[au] = audio_tokens(mels[au])
+    aud[au] = audio_tokens(mels[au])  # the encoder's tokens (its cost); the LLM's after its pool
+    llm[au] = audio_tokens(mels[au], 1 if towers is None else towers.audio_pool)
     aud_sq[au] = aud[au] ** 2
 
     def per_sample(values: np.ndarray) -> np.ndarray:
         return np.bincount(segs.owner, weights=values, minlength=size).astype(np.int64)
 
     oversized = per_sample(((img | vid) & (w * h > cfg.max_image_pixels)).astype(np.int64)) > 0
-    # no frames: an empty clip, or one too short for the tower's extractor (under two hops)
-    empty = per_sample((au & ((n == 0) | (mels == 0))).astype(np.int64)) > 0
+    # no embedding: an empty clip, or one too short for the tower's extractor (under two hops) or the pool
+    empty = per_sample((au & ((n == 0) | (llm == 0))).astype(np.int64)) > 0
     problem = [""] * size
     for i in np.flatnonzero(oversized | empty).tolist():
         problem[i] = "oversized_image" if oversized[i] else "empty_audio"

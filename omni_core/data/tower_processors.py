@@ -229,19 +229,22 @@ _Processor = TypeVar("_Processor", SiglipImageProcessing, WhisperFeatures)
 class TowerInputs:
     """The inputs of the recipe's pretrained towers: a part is None where its tower is omni's own, whose inputs
     stay `data.image.patchify` and `data.audio.log_mel`. Decoding and the token rule (`sample.measure`) both
-    follow it, so they agree under either regime."""
+    follow it, so they agree under either regime. `audio_pool`: the audio encoder's (`model.audio_pool`), which
+    divides a clip's LLM tokens (`batch.audio_tokens`), whatever its tower."""
 
     vision: SiglipImageProcessing | None = None
     audio: WhisperFeatures | None = None
+    audio_pool: int = 1
 
     @classmethod
     def of_recipe(cls, recipe: Recipe) -> TowerInputs | None:
         """The processors in `model.pretrained`'s vision and audio folders, checked against `recipe.data`
-        (`check_data`); None when the recipe has neither."""
+        (`check_data`), and the audio pool; None when the recipe has neither tower nor pool."""
         vision_dir, audio_dir = recipe.model.pretrained.vision, recipe.model.pretrained.audio
-        if vision_dir is None and audio_dir is None:
+        pool = recipe.model.audio_pool
+        if vision_dir is None and audio_dir is None and pool == 1:
             return None
-        made = cls(_load(SiglipImageProcessing, vision_dir, "vision"), _load(WhisperFeatures, audio_dir, "audio"))
+        made = cls(_load(SiglipImageProcessing, vision_dir, "vision"), _load(WhisperFeatures, audio_dir, "audio"), pool)
         made.check_data(recipe.data)
         return made
 

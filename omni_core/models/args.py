@@ -114,6 +114,9 @@ class VarlenSupport:
     gqa: bool
 
 
+ProjectorKind = Literal["mlp", "linear"]
+PROJECTOR_KINDS: tuple[str, ...] = get_args(ProjectorKind)
+
 # The FFN's gate activation (SwiGLU is silu); names as torch's, transformers' `gelu_pytorch_tanh` is gelu_tanh.
 Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
 # The encoders' MLP activation (SigLIP uses the tanh approximation).
@@ -198,9 +201,14 @@ class AudioArgs:
     max_frames: int = 3000  # longest clip accepted (log-mel frames, before the 2x subsampling)
     norm_eps: float = 1e-5
     activation: EncoderActivation = "gelu"
+    # Neighbouring subsampled frames averaged after the blocks, before the final norm (Qwen2-Audio's avg_pooler:
+    # 2): the LLM gets `batch.audio_tokens(frames, pool)` embeddings per clip; 1: none (Whisper's encoder)
+    pool: int = 1
 
     def __post_init__(self) -> None:
         _check_heads("AudioArgs", self.dim, self.n_heads)
+        if self.pool < 1:
+            raise ValueError(f"AudioArgs: pool {self.pool} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,9 @@ class OmniModelArgs:
     projector_mult: int = 1  # projector hidden width = projector_mult * llm.dim
     spatial_merge: int = 1  # image projector input: s x s neighbouring patches concatenated (s*s fewer tokens)
     temporal_merge: int = 2  # video: consecutive frames averaged into one (after the vision encoder)
+    # The audio projector: omni's two-layer GELU MLP, or one Linear from the encoder's width to the LLM's
+    # (Qwen2-Audio's multi_modal_projector)
+    audio_projector: ProjectorKind = "mlp"
 
     def attention_problem(self, kind: str, device: str, dtype: str, varlen: VarlenSupport | None) -> str | None:
         """`attention_problem` for every attention of the model: the LLM's and the encoders'."""

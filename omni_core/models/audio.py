@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -23,10 +24,12 @@ def sinusoids(positions: torch.Tensor, dim: int, max_timescale: float = 10000.0)
 
 
 class AudioEncoder(nn.Module):
-    """Log-mel frames [F, n_mels] of N clips (clip after clip) -> embeddings [sum(frames // 2), dim].
+    """Log-mel frames [F, n_mels] of N clips (clip after clip) -> embeddings [sum(audio_tokens(frames, pool)), dim].
 
     Whisper's subsampling (conv1 stride 1, conv2 stride 2), but clips of any even length rather than a fixed
-    30 s window: each clip is its own attention document, positions restart at 0 per clip.
+    30 s window: each clip is its own attention document, positions restart at 0 per clip. With `args.pool`
+    (Qwen2-Audio's avg_pooler) every `pool` neighbouring outputs of the blocks are averaged per clip before
+    the final norm (`finish`).
     """
 
     def __init__(self, args: AudioArgs):
@@ -46,17 +49,31 @@ class AudioEncoder(nn.Module):
         return F.gelu(self.conv2(x)).squeeze(0).T
 
     def forward(self, mels: torch.Tensor, frames: Counts, shard: EncoderShard | None = None) -> torch.Tensor:
-        """Mel frames [F, n_mels] of the clips in `frames` [N] (host ints, or a tensor) -> [sum(frames // 2), dim].
+        """Mel frames [F, n_mels] of the clips in `frames` [N] (host ints, or a tensor) -> their embeddings
+        [sum(audio_tokens(frames, pool)), dim].
 
         With `shard` (long-short sequence parallelism), `frames` is ONE clip [1] and `mels` the WHOLE clip:
         the conv stem needs each chunk's neighbouring frames, and is cheap, so every member runs it on the
         whole clip (redundantly) and keeps its subsampled tokens `shard.offset .. offset + length`; only the
         transformer blocks are split, their attention running over the whole clip through the shard. Returns
-        this member's [length, dim]; the stem's parameter gradients then sum over the members.
+        this member's [length // pool, dim] (the caller aligns chunks to the pool, `encoder_items.audio_splits`);
+        the stem's parameter gradients then sum over the members.
         """
         x, cu_seqlens = self.embed(mels, frames, shard)
         for layer in self.layers:
             x = layer(x, cu_seqlens, shard)
+        return self.finish(x, cu_seqlens)
+
+    def finish(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """The blocks' output [T, dim] of the documents `cu_seqlens` -> the encoder's output: each document's
+        `pool` neighbours averaged (AvgPool1d(pool), a last partial group dropped), then the final norm."""
+        pool = self.args.pool
+        if pool > 1:
+            docs = [
+                x[start : start + (end - start) // pool * pool].unflatten(0, (-1, pool)).mean(1)
+                for start, end in itertools.pairwise(cu_seqlens)
+            ]
+            x = torch.cat(docs)
         return self.norm(x)
 
     def embed(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from omni_core.common.batch import video_tokens
+from omni_core.common.batch import audio_tokens, video_tokens
 from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
 
 TRAIN_FACTOR = 3
@@ -78,15 +78,19 @@ def audio_params(args: AudioArgs) -> int:
 
 
 def projector_params(d_in: int, hidden: int, d_out: int) -> int:
+    """Hidden 0: one Linear d_in -> d_out (`projector_dims`)."""
+    if hidden == 0:
+        return linear_params(d_in, d_out)
     return linear_params(d_in, hidden) + linear_params(hidden, d_out)
 
 
 def projector_dims(args: OmniModelArgs) -> dict[str, tuple[int, int, int]]:
-    """(in, hidden, out) of each projector; the image one sees spatial_merge^2 concatenated patches."""
+    """(in, hidden, out) of each projector; the image one sees spatial_merge^2 concatenated patches. Hidden 0:
+    one Linear, no hidden layer (the audio projector under `audio_projector: linear`, Qwen2-Audio's)."""
     hidden = args.projector_mult * args.llm.dim
     return {
         "image": (args.vision.dim * args.spatial_merge**2, hidden, args.llm.dim),
-        "audio": (args.audio.dim, hidden, args.llm.dim),
+        "audio": (args.audio.dim, 0 if args.audio_projector == "linear" else hidden, args.llm.dim),
     }
 
 
@@ -137,6 +141,8 @@ def audio_forward_flops(args: AudioArgs, frames: int) -> float:
 
 
 def projector_forward_flops(d_in: int, hidden: int, d_out: int, tokens: int) -> float:
+    if hidden == 0:  # one Linear (`projector_dims`)
+        return 2.0 * tokens * d_in * d_out
     return 2.0 * tokens * (d_in * hidden + hidden * d_out)
 
 
@@ -158,7 +164,8 @@ def omni_train_flops(
         flops += vision_forward_flops(args.vision, rows * cols)
         flops += projector_forward_flops(*dims["image"], m_rows * m_cols)
     for frames in audio_frames:
-        flops += audio_forward_flops(args.audio, frames) + projector_forward_flops(*dims["audio"], frames // 2)
+        pooled = audio_tokens(frames, args.audio.pool)
+        flops += audio_forward_flops(args.audio, frames) + projector_forward_flops(*dims["audio"], pooled)
     for frames, rows, cols in video_grids:
         merged = video_tokens(frames, rows, cols, args.temporal_merge, args.spatial_merge)
         flops += frames * vision_forward_flops(args.vision, rows * cols)

@@ -17,7 +17,7 @@ from omni_core.models.feed_forward import MoE
 from omni_core.models.flavors import get_flavor
 from omni_core.models.flops import omni_train_flops, projector_dims
 from omni_core.models.llm import LLM
-from omni_core.models.projector import Projector, spatial_merge
+from omni_core.models.projector import make_projector, spatial_merge
 from omni_core.models.shapes import Shapes, host_rows
 from omni_core.models.vision import VisionEncoder
 
@@ -34,7 +34,7 @@ class OmniModel(nn.Module):
         self.args = args
         self.vision = VisionEncoder(args.vision)
         self.audio = AudioEncoder(args.audio)
-        self.projectors = nn.ModuleDict({name: Projector(*dims) for name, dims in projector_dims(args).items()})
+        self.projectors = nn.ModuleDict({name: make_projector(*dims) for name, dims in projector_dims(args).items()})
         self.llm = LLM(args.llm)
         self._token_index: torch.Tensor | None = None
         self._token_positions: dict[int, int] = {}  # packed position -> its place among this rank's tokens
@@ -114,8 +114,9 @@ class OmniModel(nn.Module):
             embeds = anchor_embeddings(embeds, batch, "audio", audio_embeds)
         else:
             anchor_embeddings(embeds, batch, "audio", None)
-            mels = embeds.new_zeros(2, self.args.audio.n_mels)
-            unused = unused + self.projectors["audio"](self.audio(mels, [2])).sum()
+            frames = 2 * self.args.audio.pool  # one embedding after the subsampling and the pool
+            mels = embeds.new_zeros(frames, self.args.audio.n_mels)
+            unused = unused + self.projectors["audio"](self.audio(mels, [frames])).sum()
         return embeds + 0.0 * unused.to(embeds.dtype)
 
     def embed_encoded(self, batch: PackedBatch, encoded: torch.Tensor) -> torch.Tensor:

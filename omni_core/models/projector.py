@@ -1,4 +1,5 @@
-"""Projector: maps an encoder's embeddings into the LLM's embedding space, optionally merging image tokens."""
+"""Projectors: map an encoder's embeddings into the LLM's embedding space (LLaVA's two-layer MLP, or Qwen2-Audio's
+one Linear), optionally merging image tokens."""
 
 from __future__ import annotations
 
@@ -36,3 +37,19 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
+
+
+class LinearProjector(nn.Module):
+    """One Linear with bias, encoder dim -> LLM dim: Qwen2-Audio's multi_modal_projector."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def make_projector(in_dim: int, hidden: int, out_dim: int) -> Projector | LinearProjector:
+    """The projector of `flops.projector_dims`'s (in, hidden, out): hidden 0 is one Linear, no hidden layer."""
+    return LinearProjector(in_dim, out_dim) if hidden == 0 else Projector(in_dim, hidden, out_dim)

@@ -9,7 +9,16 @@ from omni_core.common.batch import video_tokens
 from omni_core.common.plan import ParallelPlan
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flops import merged_grid
-from omni_core.parallel.encoder_items import ENCODER_OF, Item, Piece, is_long, item_cost, output_rows, split_units
+from omni_core.parallel.encoder_items import (
+    ENCODER_OF,
+    Item,
+    Piece,
+    audio_splits,
+    is_long,
+    item_cost,
+    output_rows,
+    split_units,
+)
 from omni_core.parallel.lssp import lssp_group_ranks, lssp_splits
 
 
@@ -88,7 +97,7 @@ def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list
     """An item's chunks over an LSSP group (`split_units`). An image's chunk merges into whole rows of LLM
     tokens on its own; a video's chunk is a shorter video (its frames are separate attention documents, so its
     members need no exchange); a clip's members each take the whole clip's frames (the conv stem runs whole,
-    see `AudioEncoder`) and a chunk of its subsampled tokens."""
+    see `AudioEncoder`) and a chunk of its subsampled tokens, whole pools (`audio_splits`)."""
     unit = split_units(item, args)[1]
     merge = args.spatial_merge
     if item.modality == "image":
@@ -103,8 +112,8 @@ def lssp_pieces(item: Item, group: tuple[int, ...], args: OmniModelArgs) -> list
         out_rows = [video_tokens(f, rows, cols, args.temporal_merge, merge) for f in splits]
         inputs = [f * rows * cols for f in splits]
     else:
-        splits = lssp_splits(item.tokens, len(group), unit)
-        out_rows, inputs = list(splits), [0] * len(splits)
+        splits, out_rows = audio_splits(item, len(group), args)
+        inputs = [0] * len(splits)
     pieces, first, row = [], 0, 0
     for rank, count, out in zip(group, inputs, out_rows, strict=True):
         span = (first, first + count) if item.modality != "audio" else (0, item.input_rows)

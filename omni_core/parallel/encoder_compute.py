@@ -68,9 +68,17 @@ class EncoderCompute:
                 for layer in getattr(self.model, encoder).layers if mine else ():
                     hidden = [layer(x, c.cu_seqlens, c.shard) for x, c in zip(hidden, mine, strict=True)]
             for call, h in zip(mine, hidden, strict=True):
-                rows = call.head(getattr(self.model, encoder).norm(h))
+                rows = call.head(self._finish(encoder, h, call.cu_seqlens))
                 out.update(zip(call.pieces, rows.split([p.rows[1] - p.rows[0] for p in call.pieces]), strict=True))
         return out, token
+
+    def _finish(self, encoder: str, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """The encoder's output after its blocks, as its own forward ends: the audio encoder's pool and norm
+        per document (`AudioEncoder.finish`), the vision tower's final norm where it has one."""
+        if encoder == "audio":
+            return self.model.audio.finish(hidden, cu_seqlens)
+        vision = self.model.vision
+        return vision.norm(hidden) if vision.args.final_norm else hidden
 
     def _calls(self, pieces: list[Piece], inputs: dict[Piece, torch.Tensor]) -> list[EncoderCall]:
         """Each encoder call's stem output, in the canonical order: whole images, videos and clips batched per

@@ -13,6 +13,7 @@ from omni_core.common.batch import PackedBatch, audio_tokens, video_tokens
 from omni_core.common.plan import EncoderSpec
 from omni_core.models.args import OmniModelArgs
 from omni_core.models.flops import audio_forward_flops, merged_grid, vision_forward_flops
+from omni_core.parallel.lssp import lssp_splits
 
 ENCODER_OF = {"image": "vision", "video": "vision", "audio": "audio"}
 INPUT_FIELD = {"image": "image_patches", "video": "video_patches", "audio": "audio_mels"}
@@ -90,7 +91,7 @@ def output_rows(item: Item, args: OmniModelArgs) -> int:
     if item.modality == "video":
         frames, rows, cols = item.shape
         return video_tokens(frames, rows, cols, args.temporal_merge, args.spatial_merge)
-    return item.tokens
+    return audio_tokens(item.shape[0], args.audio.pool)
 
 
 def item_cost(item: Item, args: OmniModelArgs) -> float:
@@ -106,13 +107,25 @@ def item_cost(item: Item, args: OmniModelArgs) -> float:
 
 def split_units(item: Item, args: OmniModelArgs) -> tuple[int, int]:
     """(units, unit size) an LSSP split cuts an item into, in its split dimension: whole merge-rows of an
-    image's patches, groups of `temporal_merge` frames of a video, a clip's subsampled tokens one by one."""
+    image's patches, groups of `temporal_merge` frames of a video, whole pools of a clip's subsampled tokens
+    (one token without a pool; a last partial pool is no unit: it rides with the last, `audio_splits`)."""
     if item.modality == "image":
         unit = args.spatial_merge * item.shape[1]
         return -(-item.tokens // unit), unit
     if item.modality == "video":
         return -(-item.shape[0] // args.temporal_merge), args.temporal_merge
-    return item.tokens, 1
+    return item.tokens // args.audio.pool, args.audio.pool
+
+
+def audio_splits(item: Item, size: int, args: OmniModelArgs) -> tuple[list[int], list[int]]:
+    """A clip's encoder tokens over an LSSP group of `size` (members in order) and each member's LLM rows. The
+    chunks are whole pools, so that no pool straddles two members and each member pools its own chunk
+    (`AudioEncoder.finish`); the tokens of a last partial pool, which the pool drops, join the last chunk
+    (attention still sees them, as it does unsplit)."""
+    units, pool = split_units(item, args)
+    splits = lssp_splits(units * pool, size, pool)
+    splits[-1] += item.tokens - units * pool
+    return splits, [s // pool for s in splits]
 
 
 def is_long(item: Item, spec: EncoderSpec, args: OmniModelArgs) -> bool:

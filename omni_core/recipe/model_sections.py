@@ -4,9 +4,17 @@ frozen parts, the LLM's 5D degrees and where the encoders run (`encoder_layout_p
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from omni_core.recipe.base import Strict
 
@@ -43,6 +51,19 @@ class ModelConfig(Strict):
         description="The image projector reads the vision tower's output after its final LayerNorm (SigLIP's "
         "post_layernorm); false: the last block's output, as LLaVA does (needed by `omni export`)",
     )
+    audio_pool: StrictInt = Field(
+        1,
+        ge=1,
+        description="Neighbouring audio encoder outputs averaged into one after its blocks, before its final norm: "
+        "2 is Qwen2-Audio's avg_pooler, needed by `omni export` of an audio model (the LLM gets half the audio "
+        "tokens); 1: none, Whisper's encoder as it is",
+    )
+    # the names of omni_core.models.args.ProjectorKind (a test compares)
+    audio_projector: Literal["mlp", "linear"] = Field(
+        "mlp",
+        description="The audio projector: mlp, omni's two-layer GELU MLP; linear, one Linear from the encoder's "
+        "width to the LLM's, Qwen2-Audio's multi_modal_projector (needed by `omni export` of an audio model)",
+    )
     # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
         "auto",
@@ -50,6 +71,16 @@ class ModelConfig(Strict):
         "all documents in one call (CUDA, bf16); sdpa, one SDPA call per document (everywhere); flex, "
         "flex_attention with a block-sparse document mask (CUDA); auto: varlen where it runs, else sdpa",
     )
+
+    @model_serializer(mode="wrap")
+    def _qwen2_audio_options_only_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The audio options are left out of a dump at their defaults, so that the recipes and training hashes
+        (checkpoint folders) from before them stay what they were."""
+        out = dump(self)
+        for name in ("audio_pool", "audio_projector"):
+            if getattr(self, name) == type(self).model_fields[name].default:
+                out.pop(name, None)
+        return dict(out)
 
     @field_validator("freeze")
     @classmethod

@@ -99,7 +99,7 @@ def heldout_pass(recipe: Recipe, model: OmniModel, loader: PackedLoader) -> tupl
             sums = token_loss_sums(model(on_device), on_device).stats().cpu()
             stats = sums if stats is None else stats + sums
             samples += batch.num_samples
-            for doc in documents(batch, tokenizer, tokens_per_image, tokens_per_video):
+            for doc in documents(batch, tokenizer, tokens_per_image, tokens_per_video, model.args.audio.pool):
                 chosen = prompts.setdefault(doc.modality, [])
                 if len(chosen) < recipe.eval.generate_samples:
                     chosen.append(doc)

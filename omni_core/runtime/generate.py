@@ -70,8 +70,10 @@ def documents(
     tokenizer: Tokenizer,
     tokens_per_image: Callable[[int, int], int],
     tokens_per_video: Callable[[int, int, int], int],
+    audio_pool: int = 1,
 ) -> Iterator[Document]:
-    """The batch's real documents, each with its own images, clips and videos (padding documents are skipped)."""
+    """The batch's real documents, each with its own images, clips and videos (padding documents are skipped);
+    `audio_pool`: the model's (`AudioArgs.pool`), which sets a clip's placeholders."""
     bounds = batch.cu_seqlens.tolist()
     placeholder = tokenizer.placeholder_ids
     image, patch, clip, frame, video, video_patch = 0, 0, 0, 0, 0, 0
@@ -86,7 +88,7 @@ def documents(
         first_clip, first_frame = clip, frame
         while n_audio_tokens > 0:
             frames = int(batch.audio_frames[clip])
-            n_audio_tokens -= audio_tokens(frames)
+            n_audio_tokens -= audio_tokens(frames, audio_pool)
             frame, clip = frame + frames, clip + 1
         first_video, first_video_patch, n_video_tokens = video, video_patch, int((ids == placeholder["video"]).sum())
         while n_video_tokens > 0:

@@ -37,7 +37,13 @@ def recipe_args(recipe: Recipe, parts: Sequence[str] = PARTS) -> tuple[OmniModel
         n_mels=recipe.data.n_mels,
         vocab_size=vocab,
     )
-    return replace(args, vision=replace(args.vision, final_norm=recipe.model.vision_final_norm)), found
+    m = recipe.model
+    return replace(
+        args,
+        vision=replace(args.vision, final_norm=m.vision_final_norm),
+        audio=replace(args.audio, pool=m.audio_pool),
+        audio_projector=m.audio_projector,
+    ), found
 
 
 def unfilled_model(recipe: Recipe, device: torch.device) -> OmniModel:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omni_core.models.audio import AudioEncoder
 from omni_core.models.flavors import get_flavor
 from omni_core.models.vision import VisionEncoder
+from omni_core.parallel.encoder_items import Item, audio_splits
 from omni_core.parallel.lssp import SequenceShard, lssp_splits
 from omni_core.runtime.ranks import run_ranks
 from tests.helpers.models import N_MELS, PATCH_DIM, PATCH_SIZE
@@ -23,29 +24,32 @@ MERGE = 2
 DEBUG = get_flavor("debug", patch_size=PATCH_SIZE, n_mels=N_MELS)
 
 
-def _compare(encoder, inputs, counts, n_tokens, align, group, seed):
+def _compare(encoder, inputs, counts, n_tokens, align, group, seed, splits=None):
     """Reference and sharded run of `encoder(inputs, counts[, shard])` under a fixed random linear loss.
 
-    Vision shards its input (the patches); audio passes the whole clip to every member (the conv stem)."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n_tokens, encoder.args.dim, generator=generator)
+    Vision shards its input (the patches); audio passes the whole clip to every member (the conv stem), its
+    `splits` (`encoder_items.audio_splits`) whole pools of tokens, each member's output its chunk's pools."""
     full = inputs.clone().requires_grad_()
     reference = encoder(full, counts)
+    weight = torch.randn(reference.shape[0], encoder.args.dim, generator=torch.Generator().manual_seed(seed))
     (reference * weight).sum().backward()
     reference_grads = {name: p.grad.clone() for name, p in encoder.named_parameters()}
     encoder.zero_grad()
 
-    shard = SequenceShard(group, lssp_splits(n_tokens, dist.get_world_size(group), align))
+    shard = SequenceShard(group, splits or lssp_splits(n_tokens, dist.get_world_size(group), align))
     chunk = slice(shard.offset, shard.offset + shard.length)
+    rows = [s // getattr(encoder.args, "pool", 1) for s in shard.splits]
+    out_chunk = slice(sum(rows[: shard.rank]), sum(rows[: shard.rank + 1]))
     sharded_input = isinstance(encoder, VisionEncoder)
     local = (inputs[chunk] if sharded_input else inputs).clone().requires_grad_()
     out = encoder(local, counts, shard)
-    (out * weight[chunk]).sum().backward()
+    (out * weight[out_chunk]).sum().backward()
     grad_errors = {}
     for name, p in encoder.named_parameters():
         dist.all_reduce(p.grad, group=group)
         grad_errors[name] = _relative_error(p.grad, reference_grads[name])
-    return {"splits": shard.splits, "out": out.detach(), "reference": reference.detach(), "sharded_input": sharded_input,
+    return {"splits": shard.splits, "rows": rows, "out": out.detach(), "reference": reference.detach(),
+            "sharded_input": sharded_input,
             "input_grad": local.grad, "reference_input_grad": full.grad, "param_grad_error": max(grad_errors.values())}
 
 
@@ -62,11 +66,13 @@ def _vision(group, rows, cols, pos_embed="factorized", seed=0):
     return _compare(encoder, patches, torch.tensor([[rows, cols]]), rows * cols, MERGE * cols, group, seed)
 
 
-def _audio(group, frames, seed=0):
+def _audio(group, frames, seed=0, pool=1):
     torch.manual_seed(seed)
-    encoder = AudioEncoder(DEBUG.audio)
+    args = replace(DEBUG, audio=replace(DEBUG.audio, pool=pool))
+    encoder = AudioEncoder(args.audio)
     mels = torch.randn(frames, N_MELS, generator=torch.Generator().manual_seed(seed))
-    return _compare(encoder, mels, torch.tensor([frames]), frames // 2, 1, group, seed)
+    splits = audio_splits(Item("audio", 0, 0, (frames,), 0, 0), dist.get_world_size(group), args)[0]
+    return _compare(encoder, mels, torch.tensor([frames]), frames // 2, 1, group, seed, splits)
 
 
 def _world2(rank, world):
@@ -77,6 +83,8 @@ def _world2(rank, world):
         "vision 7x6 absolute positions, partial last merge row": _vision(group, 7, 6, "absolute"),
         "audio 40 frames": _audio(group, 40),
         "audio 42 frames, 21 tokens": _audio(group, 42),
+        "audio 42 frames, pool 2": _audio(group, 42, pool=2),
+        "audio 46 frames, pool 2, a partial pool": _audio(group, 46, pool=2),
     }
     encoder = VisionEncoder(replace(DEBUG.vision, dim=48, n_heads=3))
     shard = SequenceShard(group, lssp_splits(36, world, MERGE * 6))
@@ -104,7 +112,7 @@ def _assert_matches(case, members, tolerance=1e-5):
     chunks are the reference's rows; audio's whole-clip mel gradients sum to the reference's. Gradients are
     compared relative to their largest entry, outputs (layer-normed) absolutely."""
     lengths = [len(m["out"]) for m in members]
-    assert lengths == members[0]["splits"], f"{case}: chunk lengths {lengths} are not the splits"
+    assert lengths == members[0]["rows"], f"{case}: chunk lengths {lengths} are not the splits' rows"
     first = members[0]
     input_grads = [m["input_grad"] for m in members]
     input_grad = torch.cat(input_grads) if first["sharded_input"] else torch.stack(input_grads).sum(0)
@@ -121,6 +129,7 @@ def test_lssp_matches_one_rank_encoders_over_2():
     assert results[0]["vision 6x6, 3 merge rows"]["splits"] == [12, 24]
     assert results[0]["vision 7x6 absolute positions, partial last merge row"]["splits"] == [24, 18]
     assert results[0]["audio 42 frames, 21 tokens"]["splits"] == [10, 11]
+    assert results[0]["audio 46 frames, pool 2, a partial pool"]["splits"] == [10, 13]  # 5 + 6 of 11 pools
     assert all("3 heads do not divide by the LSSP group size 2" in cases.pop("3 heads") for cases in results)
     for case in results[0]:
         _assert_matches(case, [cases[case] for cases in results])

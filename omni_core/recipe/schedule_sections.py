@@ -100,8 +100,9 @@ class ScheduleConfig(Strict):
     restart_s: StrictFloat = Field(
         60.0,
         ge=0,
-        description="Seconds a job loses restoring its checkpoint at each (re)start, under every policy (the "
-        "Crius artifact charges 0: macro_def.py CKPT_RESUME_OVERHEAD)",
+        description="Seconds a job loses restoring its checkpoint at each (re)start, under every policy whose "
+        "source charges none of its own (`sia` pays its simulator's 30 s; the Crius artifact charges 0: "
+        "macro_def.py CKPT_RESUME_OVERHEAD)",
     )
     search_charge: Literal["new_config", "every_start"] = Field(
         "new_config",

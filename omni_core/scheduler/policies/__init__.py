@@ -10,7 +10,9 @@ fcfs.py          `fcfs`: arrival order, the user's GPU type and count, never pre
 gavel.py         `gavel` (Narayanan et al., OSDI 2020): heterogeneity-aware max-min fairness over effective
                  throughput, an LP over time shares realised by round-based time slicing
 sia.py           `sia` (Jayaram Subramanya et al., SOSP 2023), as its paper and artifact define it: data-parallel
-                 replicas of a fixed model-parallel unit, bootstrapped estimates, one integer program a minute
+                 replicas of a fixed model-parallel unit, profiled on GPUs, estimates fitted to what it measured,
+                 one integer program a minute
+pollux.py        the throughput model Sia fits (Pollux's, as the Sia artifact's goodput.py fits it)
 sia_artifact.py  `sia-artifact`: Sia as the Crius artifact runs it (plain data parallelism, event-driven)
 assignment.py    the integer program both Sia variants solve
 

@@ -35,7 +35,9 @@ class SiaArtifact(Policy):
 
     - Plain data parallelism ("Sia should schedule jobs with DP"; AblationOptions(force_dp=True)): a config
       is feasible when one replica's memory x `mem_margin` fits the GPU's memory x `xla_preallocation`
-      (db_querier.py), at most `max_gpus` GPUs. A job with no feasible config is never admitted.
+      (db_querier.py), at most `max_gpus` GPUs. A job with no feasible config is never admitted. The memory is
+      the estimator's on the cluster's GPUs; the artifact reads its measured database/dp_mem.json on a 40 GB
+      A100 (hardware_specs.py), so it refuses a slightly different set of jobs (docs/architecture.md).
     - Its throughput model (`_init_throughput_model`): one GPU's data-parallel samples/s times the count;
       where one GPU does not fit, the largest feasible count's samples/s over twice that count (its search
       loop doubles the count before it divides). No profiling is charged.

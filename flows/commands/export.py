@@ -17,10 +17,13 @@ def add_export(sub: Subparsers) -> None:
         "export",
         formatter_class=RAW,
         epilog=OVERRIDES_EPILOG,
-        help="write a checkpoint as a transformers LLaVA directory (weights, config, tokenizer, processor)",
-        description="Write CHECKPOINT of RECIPE's model to --to as a directory that "
-        "LlavaForConditionalGeneration and LlavaProcessor load (from_pretrained). What LLaVA cannot express "
-        "(a spatial merge, model.vision_final_norm true, projector_mult != 1, audio) is refused by name.",
+        help="write a checkpoint as a transformers LLaVA or Qwen2-Audio directory (weights, config, tokenizer, "
+        "processor)",
+        description="Write CHECKPOINT of RECIPE's model to --to as a directory that transformers loads "
+        "(from_pretrained): LlavaForConditionalGeneration and LlavaProcessor for a vision + LLM model, "
+        "Qwen2AudioForConditionalGeneration and Qwen2AudioProcessor for an audio + LLM one. What the class cannot "
+        "express is refused by name: a spatial merge, model.vision_final_norm true, projector_mult != 1 (LLaVA); "
+        "model.audio_pool other than 2, model.audio_projector other than linear (Qwen2-Audio); both towers.",
     )
     add_recipe_args(export)
     export.add_argument(
@@ -37,9 +40,9 @@ def _export_command(args: argparse.Namespace) -> int:
     from omni_core.runtime.export import export_checkpoint
 
     try:
-        out = export_checkpoint(loaded_recipe(args), args.checkpoint, args.to)
+        out, target = export_checkpoint(loaded_recipe(args), args.checkpoint, args.to)
     except ExportRefused as e:
         print(f"omni: {e}", file=sys.stderr)
         return USAGE_ERROR
-    print(f"exported {args.checkpoint} to {out} (LlavaForConditionalGeneration)")
+    print(f"exported {args.checkpoint} to {out} ({target})")
     return 0

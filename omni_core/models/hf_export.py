@@ -1,10 +1,12 @@
 """An omni vision + LLM model as a transformers LLaVA directory: `LlavaForConditionalGeneration.from_pretrained`
-and `LlavaProcessor.from_pretrained` load it and give the logits omni gives.
+and `LlavaProcessor.from_pretrained` load it and give the logits omni gives; and what every export shares (the
+LLM under `model.language_model.`, the tokenizer with omni's placeholders, the chat template), which the
+Qwen2-Audio export (`hf_export_audio`) uses too.
 
 The parts keep their import layouts (`hf_import`), under LLaVA's prefixes; omni's image projector is LLaVA's
 `multi_modal_projector` (linear_1, GELU, linear_2). What LLaVA cannot express is refused by name (`ExportRefused`),
 never approximated: a spatial merge, features after the tower's final norm, a projector whose hidden width is
-not the LLM's, a tower without SigLIP's position table, and audio (Qwen2-Audio export is not built).
+not the LLM's, a tower without SigLIP's position table.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CARRIED_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+PREPROCESSOR = "preprocessor_config.json"  # a tower's processor config, as transformers saves it
 
 
 class ExportRefused(ValueError):
@@ -57,19 +60,32 @@ def llava_problems(model: OmniModel) -> list[str]:
     return problems
 
 
+def llm_tensors(model: OmniModel, llm_layout: str) -> dict[str, torch.Tensor]:
+    """The LLM under the names of transformers' MLLM classes (LLaVA, Qwen2-Audio): `model.language_model.` and
+    the top-level `lm_head`."""
+    return {
+        name if name == "lm_head.weight" else name.replace("model.", "model.language_model.", 1): t
+        for name, t in hf_import.hf_state_dict(model.llm, llm_layout).items()
+    }
+
+
+def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies, as safetensors writes them (tied tensors become separate copies)."""
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+
+
 def llava_tensors(model: OmniModel, llm_layout: str) -> dict[str, torch.Tensor]:
     """The model's vision tower, image projector and LLM under LlavaForConditionalGeneration's names."""
     tensors = {
         f"model.vision_tower.vision_model.{name}": t
         for name, t in hf_import.hf_state_dict(model.vision, "siglip").items()
     }
-    for name, t in hf_import.hf_state_dict(model.llm, llm_layout).items():
-        tensors[name if name == "lm_head.weight" else name.replace("model.", "model.language_model.", 1)] = t
+    tensors.update(llm_tensors(model, llm_layout))
     projector = model.projectors["image"]
     for ours, theirs in (("fc1", "linear_1"), ("fc2", "linear_2")):
         for kind in ("weight", "bias"):
             tensors[f"model.multi_modal_projector.{theirs}.{kind}"] = getattr(projector, ours).get_parameter(kind)
-    return {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    return host_copies(tensors)
 
 
 def llava_config(model: OmniModel, llm_type: str, tokenizer: HFTokenizer, image_tokens: int) -> dict[str, Any]:
@@ -99,36 +115,24 @@ def export_llava(model: OmniModel, llm_dir: str | Path, vision_dir: str | Path, 
     llm_dir, vision_dir, out = Path(llm_dir), Path(vision_dir), Path(out)
     if problems := llava_problems(model):
         raise ExportRefused("cannot export as LlavaForConditionalGeneration: " + "; ".join(problems))
-    preprocessor = vision_dir / "preprocessor_config.json"
-    if not preprocessor.is_file():
-        raise FileNotFoundError(f"{preprocessor}: missing (the SigLIP tower's image processor config)")
-    llm_config, _ = hf_config.read_config(llm_dir)
-    llm_type = llm_config.get("model_type")
-    _, layout = hf_config.llm_args_from_config(llm_config, str(llm_dir / "config.json"))
-    tokenizer = HFTokenizer.from_pretrained(llm_dir)
-    processor = json.loads(preprocessor.read_text())
+    processor = read_preprocessor(vision_dir, "the SigLIP tower's image processor config")
+    llm_type, layout, tokenizer = read_llm(llm_dir)
     patch = round((model.args.vision.patch_dim // 3) ** 0.5)
     side = model.args.vision.max_grid * patch
     if processor.get("size") != {"height": side, "width": side}:
         raise ExportRefused(
-            f"{preprocessor}: size {processor.get('size')} is not the tower's image_size {side}: LLaVA adds "
-            "SigLIP's position table as is, without resampling it to another grid"
+            f"{vision_dir / PREPROCESSOR}: size {processor.get('size')} is not the tower's image_size {side}: "
+            "LLaVA adds SigLIP's position table as is, without resampling it to another grid"
         )
     image_tokens = model.args.vision.max_grid**2
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(llava_tensors(model, layout), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out / "config.json", llava_config(model, str(llm_type), tokenizer, image_tokens))
-    for name in CARRIED_FILES:
-        if (llm_dir / name).is_file():
-            shutil.copyfile(llm_dir / name, out / name)
-    if tokenizer.chat_template and not (out / "chat_template.jinja").is_file():
-        # LlavaProcessor reads its template from this file only (a tokenizer's may sit in tokenizer_config.json)
-        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
-    tokenizer.backend.save(str(out / "tokenizer.json"))  # with the placeholders the model was trained with
-    _write_json(out / "preprocessor_config.json", {**processor, "processor_class": "LlavaProcessor"})
-    _write_json(
-        out / "processor_config.json",
-        {
+    write_directory(
+        out,
+        llava_tensors(model, layout),
+        llava_config(model, llm_type, tokenizer, image_tokens),
+        llm_dir,
+        tokenizer,
+        preprocessor=processor,
+        processor={
             "processor_class": "LlavaProcessor",
             "patch_size": patch,
             "vision_feature_select_strategy": "full",
@@ -137,6 +141,48 @@ def export_llava(model: OmniModel, llm_dir: str | Path, vision_dir: str | Path, 
         },
     )
     return out
+
+
+def read_preprocessor(tower_dir: Path, what: str) -> dict[str, Any]:
+    """The tower's preprocessor_config.json (`what` it is, for the error of a missing one)."""
+    preprocessor = tower_dir / PREPROCESSOR
+    if not preprocessor.is_file():
+        raise FileNotFoundError(f"{preprocessor}: missing ({what})")
+    return dict(json.loads(preprocessor.read_text()))
+
+
+def read_llm(llm_dir: Path) -> tuple[str, str, HFTokenizer]:
+    """The pretrained LLM's model_type, its tensors' layout and its tokenizer (with omni's placeholders)."""
+    llm_config, _ = hf_config.read_config(llm_dir)
+    _, layout = hf_config.llm_args_from_config(llm_config, str(llm_dir / "config.json"))
+    return str(llm_config.get("model_type")), layout, HFTokenizer.from_pretrained(llm_dir)
+
+
+def write_directory(
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    llm_dir: Path,
+    tokenizer: HFTokenizer,
+    *,
+    preprocessor: dict[str, Any],
+    processor: dict[str, Any],
+) -> None:
+    """A transformers MLLM directory: weights, config, the LLM's tokenizer files with the placeholders the model
+    trained with, its chat template as the processors read it, and the processor's two configs (the tower's
+    preprocessor config tagged with `processor["processor_class"]`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / "config.json", config)
+    for name in CARRIED_FILES:
+        if (llm_dir / name).is_file():
+            shutil.copyfile(llm_dir / name, out / name)
+    if tokenizer.chat_template and not (out / "chat_template.jinja").is_file():
+        # the processors read their template from this file only (a tokenizer's may sit in tokenizer_config.json)
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+    tokenizer.backend.save(str(out / "tokenizer.json"))  # with the placeholders the model was trained with
+    _write_json(out / "preprocessor_config.json", {**preprocessor, "processor_class": processor["processor_class"]})
+    _write_json(out / "processor_config.json", processor)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -53,14 +53,16 @@ def write_vision(folder: Path, *, seed: int = 1) -> Path:
     return folder
 
 
-def write_audio(folder: Path, *, seed: int = 2) -> Path:
+def write_audio(folder: Path, *, seed: int = 2, chunk_length: int = 30) -> Path:
+    """A Whisper encoder and its feature extractor, whose chunk of `chunk_length` seconds (30: Whisper's) is the
+    encoder's 2 x max_source_positions frames (100 per second)."""
     torch.manual_seed(seed)
     config = WhisperConfig(d_model=48, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=96,
                            decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=32, vocab_size=64,
                            pad_token_id=1, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-                           num_mel_bins=N_MELS, max_source_positions=1500)
+                           num_mel_bins=N_MELS, max_source_positions=50 * chunk_length)
     WhisperForConditionalGeneration(config).save_pretrained(folder)
-    WhisperFeatureExtractor(feature_size=N_MELS).save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=N_MELS, chunk_length=chunk_length).save_pretrained(folder)
     return folder
 
 

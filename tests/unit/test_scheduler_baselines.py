@@ -101,6 +101,21 @@ def test_sia_scales_replicas_of_a_fixed_unit_on_a_model_it_fits_to_what_it_measu
     assert learned[3] > 1.2 * 20.0  # its extrapolation, not the estimator's exact 20
 
 
+def test_sia_gives_a_job_that_declares_its_gpus_at_most_that_many_and_at_first_one_unit():
+    c = cluster(a=(2, 4))
+    table = ThroughputTable(TableOracle(linear("M", {"a": 1.0}, eff=0.95)), c.capacity(), 8)
+    declared, free = Job("declared", "M", 8, 100, 0.0, num_gpus=6), Job("free", "M", 8, 100, 0.0)
+    sia = Sia()
+    for job in (declared, free):
+        first = sia.estimate(view(c, table, [job], now=60.0), job)[0]
+        assert np.isfinite(first).tolist() == [True, False, False, False]  # its unit alone before it has run
+        sia.start_s(job, ("a", 1), 0.0)
+    ran = {job.id: sia.estimate(view(c, table, [job], current={job.id: ("a", 1)}, now=600.0), job)[0]
+           for job in (declared, free)}  # fmt: skip
+    assert np.isfinite(ran["declared"]).tolist() == [True, True, True, False]  # up to 6: 4, not 8
+    assert np.isfinite(ran["free"]).tolist() == [True, True, False, False]  # 2x the most it ran on
+
+
 def test_sia_profiles_on_real_gpus_and_never_moves_a_job_that_is_restoring():
     oracle = TableOracle({("M", "a", 1): (1.0, 1.0), ("M", "a", 2): (1.1, 1.1)})
     c = cluster(a=(1, 2))

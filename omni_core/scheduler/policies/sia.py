@@ -54,8 +54,10 @@ class Sia(Policy):
       to what Sia measured there, its profile and the configs the job ran on (its own plan's step and
       sync seconds). Until a multi-replica run has been observed anywhere, r replicas are estimated at r
       times the one-unit figure; a type where one has been observed uses its fitted model; any other type
-      takes the first such type's model scaled by the two one-unit figures. A job grows by at most
-      `scale_up` times the most replicas it has run on (cluster.py `max_replicas`, shared across types).
+      takes the first such type's model scaled by the two one-unit figures. A job starts on one unit; then a
+      job that declares its GPU count (the trace's request: fixed batch, Sia's strong-scaling job) takes up
+      to that count, any other grows by at most `scale_up` times the most replicas it has run on (cluster.py
+      `max_replicas`, shared across types).
     - Each minute one integer program (section 3.3) over every profiled job: minimise sum(G^p) over the
       chosen configs plus `lambda_no_alloc` per job left without one, G the goodput normalised to its
       smallest value (times the unit's GPUs), a running job's other configs multiplied by the restart factor
@@ -259,10 +261,22 @@ class Sia(Policy):
                 est[t] = self._predicted(table, job, source, on[source], plan.replicas[t]) * one[t] / one[source]
             for t in learned:
                 est[t] = self._predicted(table, job, t, on[t], plan.replicas[t])
-        most = max((plan.replicas[cell] for cell in observed), default=0.0)
-        est = np.where(plan.whole & (plan.replicas <= max(self.constants.scale_up * most, 1.0)), est, np.nan)
+        est = np.where(plan.whole & (plan.replicas <= self._most_replicas(job, plan, observed)), est, np.nan)
         self._estimates[job.id] = (len(ran), est)
         return est
+
+    def _most_replicas(self, job: Job, plan: _OwnPlan, observed: list[Cell]) -> np.ndarray | float:
+        """How many replicas the job may take per type. Before its first run, one (its unit alone). A job
+        with a fixed batch that declares its GPUs (a strong-scaling job, paper section 3.1: the user declares
+        max_ngpus) up to that many, at least one unit (cluster.py get_sia_multi_job_info: a "scale-gpus"
+        job's max_replicas is its target_num_replicas); any other `scale_up` times the most it has run on."""
+        most = max((plan.replicas[cell] for cell in observed), default=0.0)
+        if not most:
+            return 1.0
+        if job.num_gpus is None:
+            return self.constants.scale_up * most
+        declared = 1 << (job.num_gpus.bit_length() - 1)  # sia.py: the configs of at most that many GPUs
+        return np.maximum(np.floor(declared / plan.size), 1.0)[:, None]
 
     def values(self, view: View, jobs: list[Job]) -> np.ndarray:
         """The program's gain per job and config: `lambda_no_alloc` - G^p (the minimised objective, negated),

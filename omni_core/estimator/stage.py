@@ -25,6 +25,16 @@ RING_TILE_OPS = 48  # ring attention per (query tile, key tile): scores, mask, l
 RING_PLAN_OPS = 9  # the host's tile plan per (source, query tile, key tile), once per micro-batch
 RING_BLOCK = 1024  # ContextParallelAttention's tile size
 EP_OPS = 40  # EP dispatch: sort by expert, count exchange, split sizes, regrouping, in forward and backward
+# A step's data-parallel collectives per sharding stage (`ParallelPlan.sharding`), as the runtime issues them:
+# (kind, what it moves). FSDP2 gathers each unit's parameters per micro-batch (forward and backward) and
+# reduce-scatters its gradients once; `parallel.zero` reduces the whole gradients once after the backward and
+# all-gathers the updated slices after the step. tests/ranks/test_zero_ranks.py holds the runtime to it.
+SHARDING_COLLECTIVES = {
+    "replicate": (("all_reduce", "grads"),),
+    "zero1": (("all_reduce", "grads"), ("all_gather", "params")),
+    "zero2": (("reduce_scatter", "grads"), ("all_gather", "params")),
+    "fsdp": (("all_gather", "params"), ("reduce_scatter", "grads")),
+}
 
 
 class StageTimes(NamedTuple):

@@ -6,6 +6,8 @@ one fixed order, as torchtitan does, so every combination composes the same way:
 Precision. Under bf16 FSDP2 holds the fp32 parameters (what the optimizer steps) and gathers bf16 copies for
 forward and backward, reducing gradients in fp32: at every world size, on a 1-rank mesh too (where gathering
 is a cast), so that one GPU computes with bf16 weights as many do. fp32 runs shard only when dp x cp > 1.
+A ZeRO or replicated stage (`ParallelPlan.sharding`) applies no FSDP: `parallel.zero` reduces its gradients
+and steps its slices after the backward, and bf16 is autocast's over fp32 parameters.
 
 Gradient convention. Every rank backpropagates its own share of the step's loss (its tokens' summed loss over
 the step's global target count), so a parameter's true gradient is the SUM of the ranks' gradients over
@@ -54,6 +56,7 @@ class ParallelMeshes:
     dp_mesh: DeviceMesh | None
     expert_dp_mesh: DeviceMesh | None
     ep_mesh: DeviceMesh | None  # (pp, dp_replicate, dp_mod_ep, ep, tp) when ep > 1
+    zero_mesh: DeviceMesh | None = None
     owns_default_group: bool = False
 
     def release(self) -> None:
@@ -73,7 +76,8 @@ class ParallelMeshes:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         dist.barrier()  # no rank still has a collective in flight on a group about to go
-        roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in (self.world, self.dp_mesh, self.ep_mesh) if m}
+        meshes = (self.world, self.dp_mesh, self.ep_mesh, self.zero_mesh)
+        roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes if m}
         for root in roots.values():
             for pg in root._pg_registry.values():
                 if pg not in (dist.GroupMember.WORLD, dist.GroupMember.NON_GROUP_MEMBER):
@@ -122,7 +126,9 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu", *, shard_params: 
     every rank creates the same process groups in the same order; the encoders' ranks are in none).
 
     EP is folded into dp_shard x cp: the same ranks, viewed as (dp_mod_ep, ep), give the EP groups and the
-    experts' data-parallel groups. `shard_params`: FSDP's mesh also when dp x cp is 1 (bf16 parameters)."""
+    experts' data-parallel groups. `shard_params`: FSDP's mesh also when dp x cp is 1 (bf16 parameters). A
+    ZeRO or replicated stage gets ZeRO's mesh instead of FSDP's (its parameters stay fp32 under bf16: autocast
+    computes in bf16)."""
     if plan.encoders.ranks:
 
         def flat_view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -139,15 +145,22 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu", *, shard_params: 
     # FSDP's meshes are 2-D (HSDP) only when there is more than one replica: with a replicate dimension of
     # size 1, FSDP2 would still all-reduce every unit's gradients over that one rank (a blocking call each)
     replicas = ("dp_replicate",) if plan.dp_replicate > 1 else ()
-    if plan.dp * plan.cp > 1 or shard_params:  # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
-        shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp)
-        dp_mesh = flat_view(shape, ("pp", "dp_replicate", "dp_shard_cp", "tp"))[(*replicas, "dp_shard_cp")]
+    # the same ranks seen as (pp, dp_replicate, dp_shard x cp, tp)
+    dp_view = (
+        (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp),
+        ("pp", "dp_replicate", "dp_shard_cp", "tp"),
+    )
+    zero_mesh = None
+    if plan.zero:
+        zero_mesh = flat_view(*dp_view)[("dp_replicate", "dp_shard_cp", "tp")]
+    elif plan.dp * plan.cp > 1 or shard_params:
+        dp_mesh = flat_view(*dp_view)[(*replicas, "dp_shard_cp")]
     ep_mesh = None
     if plan.ep > 1:
         ep_shape = (plan.pp, plan.dp_replicate, plan.dp_shard * plan.cp // plan.ep, plan.ep, plan.tp)
         ep_mesh = flat_view(ep_shape, ("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         expert_dp_mesh = ep_mesh[(*replicas, "dp_mod_ep")]
-    return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh)
+    return ParallelMeshes(plan, world, dp_mesh, expert_dp_mesh, ep_mesh, zero_mesh)
 
 
 BlockSlot = tuple[nn.Module, str]  # a transformer block's container (a `layers`) and its name in it

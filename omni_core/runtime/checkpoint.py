@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
 from omni_core.recipe.schema import Recipe
@@ -82,16 +82,15 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _state(parts: Sequence[nn.Module], optimizers: Optimizers | None) -> dict[str, dict[str, Any]]:
-    """{"model": ..., "optim": ...} over all model parts, keyed by the whole model's names."""
+    """{"model": ..., "optim": ...} over all model parts, keyed by the whole model's names (the optimizer's
+    through the module it steps: the part, or a ZeRO stage's slices, `Optimizers.stepped_module`)."""
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     for index, part in enumerate(parts):
-        if optimizers is None:
-            model_state.update(get_model_state_dict(part, options=OPTIONS))
-        else:
-            part_model, part_optim = get_state_dict(part, optimizers.optimizers[index], options=OPTIONS)
-            model_state.update(part_model)
-            optim_state.update(part_optim)
+        model_state.update(get_model_state_dict(part, options=OPTIONS))
+        if optimizers is not None:
+            stepped = optimizers.stepped_module(index, part)
+            optim_state.update(get_optimizer_state_dict(stepped, optimizers.optimizers[index], options=OPTIONS))
     return {"model": model_state, "optim": optim_state} if optimizers is not None else {"model": model_state}
 
 
@@ -160,16 +159,10 @@ def load_checkpoint(
     for index, part in enumerate(parts):
         names = set(get_model_state_dict(part, options=OPTIONS))
         model_state = {k: v for k, v in state["model"].items() if k in names}
-        if optimizers is None:
-            set_model_state_dict(part, model_state, options=OPTIONS)
-        else:
-            set_state_dict(
-                part,
-                optimizers.optimizers[index],
-                model_state_dict=model_state,
-                optim_state_dict=state["optim"],
-                options=OPTIONS,
-            )
+        set_model_state_dict(part, model_state, options=OPTIONS)
+        if optimizers is not None:
+            stepped = optimizers.stepped_module(index, part)
+            set_optimizer_state_dict(stepped, optimizers.optimizers[index], state["optim"], options=OPTIONS)
     if optimizers is not None:
         optimizers.load_scheduler_state(manifest.scheduler)
     rank_file = ckpt / f"rank{info.rank}.pt"

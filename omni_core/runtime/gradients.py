@@ -1,6 +1,7 @@
 """The gradients between the backward and the optimizer's step, across every mesh of a plan: a zero gradient
-for each trainable parameter the step never reached, the partial sums DTensor leaves made replicated, then
-all ranks' gradients clipped together by the norm of the whole model's gradient."""
+for each trainable parameter the step never reached, the partial sums DTensor leaves made replicated, under a
+ZeRO stage the data ranks' gradients reduced (`parallel.zero`), then all ranks' gradients clipped together by
+the norm of the whole model's gradient."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_core.parallel.zero import zero_shards
 from omni_core.runtime.replica import ModelReplica
 
 ENCODER_PREFIXES = ("vision.", "audio.", "projectors.")
@@ -57,6 +59,19 @@ def replicate_partial_grads(params: list[nn.Parameter]) -> None:
             )
 
 
+def finish_gradients(replica: ModelReplica) -> None:
+    """The step's gradients ready for the norm and the optimizer: every trainable parameter has one, TP's
+    partial sums are replicated, and under a ZeRO stage the data ranks' are summed (FSDP summed its own in
+    the backward), each slice the optimizer steps holding its rows."""
+    params = replica.trainable()
+    fill_missing_grads(params)
+    replicate_partial_grads(params)
+    for part in replica.parts:
+        shards = zero_shards(part)
+        if shards is not None:
+            shards.reduce_gradients()
+
+
 def clip_grad_norm(replica: ModelReplica, max_norm: float, device: torch.device) -> torch.Tensor:
     """Clip all ranks' gradients together by the norm of the whole model's gradient; returns that norm, a
     float64 scalar on `device`, unread: the scale is applied on the device, as torch's `clip_grad_norm_`
@@ -82,7 +97,8 @@ def _params_by_kind(replica: ModelReplica) -> dict[tuple, list[nn.Parameter]]:
 
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for part in replica.parts:
-        for name, param in part.named_parameters():
+        shards = zero_shards(part)  # under ZeRO the slices the optimizer steps: each element counted once
+        for name, param in shards.named_shards() if shards is not None else part.named_parameters():
             if param.grad is None:
                 continue
             grad = param.grad

@@ -1,6 +1,7 @@
 """This rank's optimizers: AdamW per model part (fused on CUDA, foreach elsewhere), its parameters grouped by kind,
 each part of the model at its own learning rate where the recipe says, with the LR schedule
-(`runtime.lr_schedule`) each part steps by, held together as torchtitan's container."""
+(`runtime.lr_schedule`) each part steps by, held together as torchtitan's container. Under a ZeRO stage a
+part's AdamW steps the rank's slices of its parameters (`parallel.zero`), which are all-gathered after it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_core.parallel.zero import zero_shards
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.lr_schedule import build_lr_scheduler
 from omni_core.runtime.model_init import own_name
@@ -23,12 +25,14 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
 
     The implementation is `adamw_implementation`'s. Either kind runs one group's tensors through batched
     operators, so a group must be homogeneous: parameters are grouped by part, decay and kind, plain tensors
-    or DTensors of one mesh (FSDP's, the experts', TP's)."""
+    or DTensors of one mesh (FSDP's, the experts', TP's, ZeRO's). Under a ZeRO stage the model's slices are
+    what it steps."""
     from torch.distributed.tensor import DTensor
 
     train = recipe.train
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
-    for name, param in model.named_parameters():
+    shards = zero_shards(model)
+    for name, param in shards.named_shards() if shards is not None else model.named_parameters():
         if param.requires_grad:
             mesh = param.device_mesh if isinstance(param, DTensor) else None
             groups[(own_name(name).split(".", 1)[0], param.ndim >= 2, mesh)].append(param)
@@ -66,6 +70,7 @@ class Optimizers:
     def __init__(self, parts: Sequence[nn.Module], recipe: Recipe):
         cfg = recipe.train
         self.peak_lr = cfg.lr
+        self.zero = [zero_shards(part) for part in parts]
         self.optimizers = [build_optimizer(part, recipe) for part in parts]
         self.schedulers = [
             build_lr_scheduler(opt, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.min_lr_ratio)
@@ -73,10 +78,19 @@ class Optimizers:
         ]
 
     def step(self) -> None:
-        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+        for opt, sched, shards in zip(self.optimizers, self.schedulers, self.zero, strict=True):
             opt.step()
             sched.step()
+            if shards is not None:
+                shards.gather_parameters()
+                shards.clear_gradients()  # the model's whole gradients too, which the optimizer does not hold
             opt.zero_grad(set_to_none=True)
+
+    def stepped_module(self, index: int, part: nn.Module) -> nn.Module:
+        """The module whose parameters part `index`'s optimizer steps, registered under the model's names (what
+        DCP keys its state by): the part itself, or under a ZeRO stage a module of its slices."""
+        shards = self.zero[index]
+        return part if shards is None else shards.state_module()
 
     @property
     def lr(self) -> float:

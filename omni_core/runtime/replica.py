@@ -21,7 +21,7 @@ from omni_core.models.omni import OmniModel, init_specs
 from omni_core.parallel.parallelize import ParallelMeshes, build_meshes, encoder_modules, parallelize_omni
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
-from omni_core.runtime.model_init import materialize, recipe_args
+from omni_core.runtime.model_init import materialize, own_name, recipe_args
 from omni_core.runtime.plan_rules import check_buildable, shards_per_node
 
 if TYPE_CHECKING:
@@ -105,6 +105,11 @@ def build_replica(recipe: Recipe, plan: ParallelPlan, info: DistInfo, compute_dt
                 model.register_module(name, None)
         parts = llm_parts(model, plan, meshes, recipe, compute_dtype)
     materialize(parts, specs, pretrained, args, info.device, recipe.experiment.seed)
+    if meshes is not None and meshes.zero_mesh is not None and info.rank < plan.llm_world_size:
+        from omni_core.parallel.zero import attach_zero
+
+        for part in parts:  # after materializing: the optimizer's slices view the parameters
+            attach_zero(part, plan, meshes.zero_mesh, own_name)
     replica = ModelReplica(plan, parts, meshes)
     tokens = recipe.data.seq_len * recipe.data.micro_batch
     if plan.encoders.layout != "coupled" and info.world_size > 1:

@@ -21,7 +21,7 @@ from torch import nn
 from omni_core.common.batch import PackedBatch
 from omni_core.common.loss import STATS_SIZE, local_targets, summarize, token_loss_sums
 from omni_core.runtime.dist import all_reduce_max, all_reduce_sum, on_device
-from omni_core.runtime.gradients import clip_grad_norm, fill_missing_grads, replicate_partial_grads
+from omni_core.runtime.gradients import clip_grad_norm, finish_gradients
 from omni_core.runtime.layout_metrics import LAYOUT_VALUES, PEAKED, layout_metrics, layout_values
 from omni_core.runtime.optimizer import Optimizers
 from omni_core.runtime.replica import ModelReplica
@@ -124,9 +124,7 @@ def train_step(
     llm_s = time.perf_counter() - llm_start
     if replica.encoders:
         replica.encoders.backward()
-    params = replica.trainable()
-    fill_missing_grads(params)
-    replicate_partial_grads(params)
+    finish_gradients(replica)
     grad_norm = clip_grad_norm(replica, grad_clip, device)
     optimizers.step()
     for part in replica.parts:

@@ -37,7 +37,8 @@ PLANS = {"experiment.name": "par", "experiment.seed": 5, "data.synthetic.num_sam
 
 
 class CapturingOptimizers(Optimizers):
-    """Optimizers that keep the full (gathered) gradients they were about to apply (frozen parameters have none)."""
+    """Optimizers that keep the full (gathered) gradients they were about to apply (frozen parameters have none):
+    under a ZeRO stage those of the slices they step."""
 
     def __init__(self, parts, recipe):
         super().__init__(parts, recipe)
@@ -45,8 +46,8 @@ class CapturingOptimizers(Optimizers):
 
     def step(self) -> None:
         self.grads = {}
-        for part in self.parts:
-            for name, param in part.named_parameters():
+        for part, shards in zip(self.parts, self.zero, strict=True):
+            for name, param in shards.named_shards() if shards is not None else part.named_parameters():
                 grad = param.grad
                 if grad is None:
                     continue

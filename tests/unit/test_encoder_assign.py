@@ -60,3 +60,16 @@ def test_a_balancing_domain_keeps_short_items_on_their_shards_ranks():
     assert all(p.rank == p.item.shard for p in pieces)
     long_item = assign([image(0, 8, 6)], ARGS, ParallelPlan.parse("dp2+omni.v-sp2-t40"), own)
     assert [p.rank for p in long_item] == [0, 1]
+
+
+def test_a_pooled_clip_splits_into_whole_pools_and_its_rows_are_the_pools():
+    """model.audio_pool 2: 23 encoder tokens are 11 pools over the LSSP pair, the partial pool with the last
+    member; each member's rows are its chunk's pools, together the clip's placeholders."""
+    from dataclasses import replace
+
+    pooled = replace(ARGS, audio=replace(ARGS.audio, pool=2))
+    clip = Item("audio", 0, 0, (46,), 0, 0)
+    pieces = assign([clip], pooled, ParallelPlan.parse("dp2+omni.a-sp2-t8"))
+    assert [p.splits for p in pieces] == [(10, 13)] * 2
+    assert [p.rows for p in pieces] == [(0, 5), (5, 11)]
+    assert output_rows(clip, pooled) == 11 and output_rows(clip, ARGS) == 23

@@ -31,7 +31,7 @@ def test_the_shipped_stages_name_the_folders_a_user_fills(tmp_path, capsys, monk
         assert main(["recipe", "check", str(recipe)]) == 2
     err = capsys.readouterr().err
     for part in ("llm", "vision", "audio"):
-        assert f"mllm_align.yaml:{25 + ('llm', 'vision', 'audio').index(part)}: model.pretrained.{part}: " \
+        assert f"mllm_align.yaml:{27 + ('llm', 'vision', 'audio').index(part)}: model.pretrained.{part}: " \
                f"models/{part}: no such folder" in err, err
     assert "mllm_sft.yaml:14: model.init_from: runs/mllm_align/ckpt: no such checkpoint folder" in err, err
 

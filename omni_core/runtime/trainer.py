@@ -255,6 +255,15 @@ def restore_rank_state(loader: PackedLoader | None, rank_state: dict[str, Any]) 
     return order
 
 
+def model_name(recipe: Recipe) -> str:
+    """What the log calls the model: its flavor, or the pretrained parts' folders it is built from."""
+    parts = {part: folder for part, folder in recipe.model.pretrained.model_dump().items() if folder}
+    if not parts:
+        return recipe.model.flavor
+    names = " + ".join(f"{part} {Path(folder).name}" for part, folder in parts.items())
+    return names if len(parts) == 3 else f"{names} (otherwise the {recipe.model.flavor} flavor)"
+
+
 def announce(run: TrainingRun, tracker: Tracker, start_step: int) -> None:
     """Rank 0 tags the tracker's run, logs its parameters and says what it trains."""
     if not run.info.is_main:
@@ -265,7 +274,7 @@ def announce(run: TrainingRun, tracker: Tracker, start_step: int) -> None:
     )
     tracker.log_params({"model.num_params": run.replica.num_params(), "runtime.world_size": run.info.world_size})
     run.log(
-        f"training {recipe.model.flavor} ({run.replica.num_params():,} params) plan {run.plan} "
+        f"training {model_name(recipe)} ({run.replica.num_params():,} params) plan {run.plan} "
         f"steps {start_step + 1}..{recipe.train.steps}, checkpoints in {recipe.checkpoint_dir()}"
     )
 

@@ -93,3 +93,11 @@ def test_balancing_and_profiling_price_the_pretrained_parts(tmp_path: Path) -> N
     assert priced.vision_per_patch < flavor.vision_per_patch and priced.audio_per_frame < flavor.audio_per_frame
     no_parts = build_recipe(tmp_path, {})
     assert FlopModel.for_recipe(no_parts) == flavor
+
+
+def test_the_log_names_the_pretrained_parts(tmp_path: Path) -> None:
+    from omni_core.runtime.trainer import model_name
+
+    assert model_name(build_recipe(tmp_path, {})) == "debug"
+    some = build_recipe(tmp_path, {"model.pretrained": {"llm": "/m/Qwen2-0.5B", "vision": "/m/siglip"}})
+    assert model_name(some) == "llm Qwen2-0.5B + vision siglip (otherwise the debug flavor)"

@@ -265,3 +265,24 @@ def test_the_counts_follow_the_linear_projector_and_the_pool() -> None:
     pooled = omni_train_flops(qwen2_audio, [64], audio_frames=[100])
     assert mlp - linear == 3 * 2 * 50 * llm * llm
     assert linear - pooled == 3 * 2 * 25 * dim * llm
+
+
+def test_generation_finds_each_documents_pooled_clips() -> None:
+    """`generate.documents` counts a clip's placeholders with the model's pool: each document gets its own
+    clips and frames (pool 1 would give the first document one clip and the second the next)."""
+    from omni_core.common.tokenizer import BYTE_TOKENIZER
+    from omni_core.models.flavors import get_flavor
+    from omni_core.runtime.generate import documents
+    from tests.helpers.models import make_batch
+    from tests.ranks.test_audio_pool_ranks import pooled
+
+    two_clips, one_clip = [("text", 3), ("audio", 10), ("audio", 10), ("text", 2)], [("audio", 10), ("text", 4)]
+    batch = pooled(make_batch([two_clips, one_clip]), seed=0)
+    docs = list(documents(batch, BYTE_TOKENIZER, lambda r, c: r * c, lambda f, r, c: f * r * c, audio_pool=2))
+    assert [d.audio_frames.tolist() for d in docs] == [[20, 20], [20]]
+    assert [d.audio_mels.shape[0] for d in docs] == [40, 20]
+    args = get_flavor("debug", patch_size=PATCH_SIZE, n_mels=N_MELS)
+    model = OmniModel(replace(args, audio=replace(args.audio, pool=2))).eval()
+    with torch.no_grad():  # each prompt's clip fills its placeholders
+        for doc in docs:
+            assert model(doc.with_tokens(doc.input_ids, BYTE_TOKENIZER)).shape[0] == doc.input_ids.numel()

@@ -250,11 +250,16 @@ def _print_summary(summary: dict[str, Any]) -> None:
     else:
         train, report = summary["train"], summary["evaluate"]
         per_modality = ", ".join(f"{m} {s['loss']:.3f}" for m, s in report["per_modality"].items())
+        answers = "".join(
+            f"\n            {m} answers: exact {t['answer_exact_match']:.2f}, token F1 {t['answer_token_f1']:.2f} "
+            f"({t['samples']} generated)"
+            for m, t in report.get("task", {}).items()
+        )
         print(
             f"  train     {train['steps']} steps, loss {train['initial_loss']:.3f} -> {train['final_loss']:.3f}, "
             f"{train['tokens_per_s']:.0f} tokens/s, plan {train['plan']}\n"
             f"            checkpoint {train['checkpoint']}\n"
-            f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}"
+            f"  evaluate  loss {report['loss']:.3f} (perplexity {report['perplexity']:.2f}); {per_modality}{answers}"
         )
     print(f"  tracking  {summary['tracking_uri']}\n  browse    {_browse_hint(summary)}")
 

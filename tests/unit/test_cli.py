@@ -169,7 +169,8 @@ SUMMARY = {
     "profile": {"total_samples": 60},
     "train": {"steps": 5, "initial_loss": 5.5, "final_loss": 3.2, "tokens_per_s": 3400.0, "plan": "dp2",
               "checkpoint": "runs/cli-test/checkpoints/step_000005"},
-    "evaluate": {"loss": 2.5, "perplexity": 12.1, "per_modality": {"text": {"loss": 2.4}, "image": {"loss": 2.7}}},
+    "evaluate": {"loss": 2.5, "perplexity": 12.1, "per_modality": {"text": {"loss": 2.4}, "image": {"loss": 2.7}},
+                 "task": {"image": {"samples": 4, "answer_exact_match": 0.25, "answer_token_f1": 0.5}}},
 }  # fmt: skip
 
 
@@ -194,6 +195,7 @@ def test_run_prints_a_readable_summary_with_how_to_browse(recipe_file, fake_expe
     assert main(["run", str(recipe_file)]) == 0
     out = capsys.readouterr().out
     assert "cli-test-vague-owl (abc123)" in out and "loss 5.500 -> 3.200" in out and "image 2.700" in out
+    assert "image answers: exact 0.25, token F1 0.50 (4 generated)" in out
     assert "mlflow ui --backend-store-uri sqlite:////data/mlflow.db" in out
 
 

@@ -331,6 +331,8 @@ def save_pretrained(module: nn.Module, directory: str | Path, model_type: str | 
     elif isinstance(module, VisionEncoder):
         config, layout = hf_config.vision_config(module.args), "siglip"
     elif isinstance(module, AudioEncoder):
+        if module.args.pool != 1:  # Qwen2-Audio's pooled tower is written whole, with its LLM (`hf_export_audio`)
+            raise ValueError(f"save_pretrained: a WhisperEncoder has no pooling, this encoder pools {module.args.pool}")
         config, layout = hf_config.audio_config(module.args), "whisper"
     else:
         raise TypeError(f"no transformers checkpoint for a {type(module).__name__}")

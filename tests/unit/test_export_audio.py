@@ -286,3 +286,12 @@ def test_generation_finds_each_documents_pooled_clips() -> None:
     with torch.no_grad():  # each prompt's clip fills its placeholders
         for doc in docs:
             assert model(doc.with_tokens(doc.input_ids, BYTE_TOKENIZER)).shape[0] == doc.input_ids.numel()
+
+
+def test_a_pooled_encoder_is_not_saved_as_a_whisper_encoder(tmp_path: Path) -> None:
+    from omni_core.models.args import AudioArgs
+    from omni_core.models.audio import AudioEncoder
+
+    with pytest.raises(ValueError, match="a WhisperEncoder has no pooling, this encoder pools 2"):
+        hf_import.save_pretrained(AudioEncoder(AudioArgs(pool=2)), tmp_path / "whisper")
+    assert not (tmp_path / "whisper").exists()

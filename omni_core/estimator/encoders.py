@@ -169,10 +169,13 @@ def long_item_group(workload: Workload, encoders: EncoderPlan) -> int:
 
 def lssp_refusal(workload: Workload, encoders: EncoderPlan, ranks: int) -> str:
     """Why an encoder's LSSP group cannot run on `ranks` encoder ranks, or the long-item encoder's cannot split
-    its attention heads (Ulysses), or ""."""
+    its attention heads (Ulysses), or "". Data without items (text only) splits nothing: a plan with LSSP
+    still runs it, so a running job's plan is priced on such a window too."""
     for key in encoder_parts(workload):
         if encoders.spec(key).lssp > ranks:
             return f"encoders.{key}.lssp={encoders.spec(key).lssp} exceeds the {ranks} encoder ranks"
+    if not workload.items.count:
+        return ""
     key, heads = workload.items.encoder, workload.items.heads
     lssp = encoders.spec(key).lssp
     if heads % lssp:

@@ -274,7 +274,7 @@ def test_generation_finds_each_documents_pooled_clips() -> None:
     from omni_core.models.flavors import get_flavor
     from omni_core.runtime.generate import documents
     from tests.helpers.models import make_batch
-    from tests.ranks.test_audio_pool_ranks import pooled
+    from tests.ranks.test_export_options_ranks import pooled
 
     two_clips, one_clip = [("text", 3), ("audio", 10), ("audio", 10), ("text", 2)], [("audio", 10), ("text", 4)]
     batch = pooled(make_batch([two_clips, one_clip]), seed=0)

@@ -1,6 +1,7 @@
-"""Qwen2-Audio's tower and projector (`model.audio_pool: 2`, `model.audio_projector: linear`) under the `omni`
-encoder layout on gloo: clips split over an LSSP pair in whole pools, their pooled rows handed to the LLM, train
-like one process (the coupled encoders)."""
+"""The towers' export options under the `omni` encoder layout on gloo, against one process (the coupled
+encoders): Qwen2-Audio's tower and projector (`model.audio_pool: 2`, `model.audio_projector: linear`), clips split
+over an LSSP pair in whole pools; and LLaVA's feature layer (`model.vision_final_norm: false`), which the omni
+layout's encoder calls end with as the tower's own forward does."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.helpers.models import N_MELS, make_batch
 from tests.helpers.plans import CapturingOptimizers
 from tests.helpers.recipes import build_recipe
 from tests.ranks.test_encoder_layouts_ranks import PARTIAL
+from tests.ranks.test_encoder_layouts_ranks import SHARDS as IMAGE_SHARDS
 
 
 def pooled(batch: PackedBatch, seed: int) -> PackedBatch:
@@ -35,26 +37,37 @@ SHARDS = [  # 46 frames: 23 encoder tokens, 11 pools (a partial one); 40 frames:
 ]
 
 
-def _pooled_worker(rank: int, world: int, plan_name: str) -> tuple[float, dict]:
+QWEN2_AUDIO = {"model.audio_pool": 2, "model.audio_projector": "linear"}
+
+
+def _worker(rank: int, world: int, plan_name: str, options: dict, shards: list[PackedBatch]) -> tuple[float, dict]:
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     plan = ParallelPlan.parse(plan_name)
-    overrides = {**PARTIAL, "model.audio_pool": 2, "model.audio_projector": "linear",
-                 "train.grad_accum": len(SHARDS) // plan.dp}
-    recipe = build_recipe(overrides=overrides)
+    recipe = build_recipe(overrides={**PARTIAL, **options, "train.grad_accum": len(shards) // plan.dp})
     replica = build_replica(recipe, plan, info, torch.float32)
     optimizers = CapturingOptimizers(replica.parts, recipe)
-    batches = SHARDS[plan.data_rank(rank)::plan.dp] if replica.loads_data else []
+    batches = shards[plan.data_rank(rank)::plan.dp] if replica.loads_data else []
     loss = train_step(replica, optimizers, batches, grad_clip=0.0).metrics["loss"]
     return loss, optimizers.grads
 
 
-def test_pooled_clips_split_over_lssp_train_like_one_process():
-    (ref_loss, ref_grads), = run_ranks(_pooled_worker, 1, "dp1")
-    assert "projectors.audio.linear.weight" in ref_grads
+def _trains_like_one_process(plan: str, options: dict, shards: list[PackedBatch]) -> dict:
+    (ref_loss, ref_grads), = run_ranks(_worker, 1, "dp1", options, shards)
     merged: dict[str, torch.Tensor] = {}
-    for loss, grads in run_ranks(_pooled_worker, 2, "dp2+omni.a-sp2-t8"):
+    for loss, grads in run_ranks(_worker, 2, plan, options, shards):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         merged.update(grads)
     assert merged.keys() == ref_grads.keys()
     for name, expected in ref_grads.items():
         torch.testing.assert_close(merged[name], expected, rtol=1e-3, atol=1e-6, msg=name)
+    return ref_grads
+
+
+def test_pooled_clips_split_over_lssp_train_like_one_process():
+    grads = _trains_like_one_process("dp2+omni.a-sp2-t8", QWEN2_AUDIO, SHARDS)
+    assert "projectors.audio.linear.weight" in grads
+
+
+def test_llavas_feature_layer_trains_like_one_process():
+    """The image projector reads the last block's output: the omni layout's calls skip the final norm too."""
+    _trains_like_one_process("dp2+omni", {"model.vision_final_norm": False}, IMAGE_SHARDS)

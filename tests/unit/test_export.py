@@ -156,10 +156,11 @@ def test_omni_export_writes_a_trained_checkpoint(tmp_path: Path, capsys: pytest.
     model, _ = load_model(align, checkpoint)
     assert_same_logits(model, out, llm, vision)
 
-    norm_on = [o for o in overrides if "vision_final_norm" not in o]
+    unset = [o for o in overrides if "vision_final_norm" not in o and "pretrained.audio" not in o]
+    norm_on = [*unset, "--set=model.vision_final_norm=true", "--set=model.pretrained.audio=null"]
     assert main(["export", str(ALIGN), checkpoint, "--to", str(tmp_path / "refused"), *norm_on]) == 2
     assert "vision final_norm=True" in capsys.readouterr().err
-    with_audio = [*norm_on[:-1], "--set=model.vision_final_norm=false", f"--set=model.pretrained.audio={llm}"]
+    with_audio = [*unset, "--set=model.vision_final_norm=false", f"--set=model.pretrained.audio={llm}"]
     assert main(["export", str(ALIGN), checkpoint, "--to", str(tmp_path / "refused"), *with_audio]) == 2
     assert "a model with a vision tower and an audio encoder has no transformers class" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()

@@ -13,7 +13,8 @@ Time of one training step (per rank; the slowest pipeline stage rules):
                + EP dispatch / combine all-to-alls + FSDP: parameter all-gathers (forward and backward) and
                  the hooks per unit and per parameter tensor
                + the pipeline's sends; `coupled` encoders: their work on stage 0 (imbalanced batches)
-    + per step: FSDP's gradient reduce-scatter (after the last micro-batch)
+    + per step: FSDP's gradient reduce-scatter (after the last micro-batch); under a ZeRO stage the gradients'
+      all-reduce (ZeRO-2: reduce-scatter) and the updated parameters' all-gather (`stage.zero_seconds`)
     + per step: optimizer and gradient norm (per parameter group and tensor, plain or DTensor, + bytes), the step's
       small synchronising all-reduces, host work outside the model (`step_overhead_s`: data loading)
     + `omni` encoders: on every rank, balanced, long items split over LSSP groups, before and after the LLM
@@ -30,7 +31,8 @@ ranks (CPU "devices": processes sharing cores, `GpuSpec.cores`), the ranks' host
 time-shared: the step is at least their total work over the units, and a GPipe or 1F1B pipeline is
 simulated pass by pass with its busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU
 node also share its memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
-and AdamW states (divided by dp_shard x cp under FSDP, copied over dp_replicate), activations of the
+and AdamW states (what the plan's sharding stage shards divided by dp_shard x cp, copied over dp_replicate:
+`memory.param_state_bytes`), activations of the
 micro-batches in flight (only layer outputs with checkpointing), workspace. Every assumption that is a
 choice (overlaps, efficiencies, overheads, what the implementation splits) lives in `Efficiency`.
 

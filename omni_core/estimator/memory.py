@@ -1,8 +1,9 @@
 """Bytes per GPU, checked before any time is priced: most candidate plans of a large model do not fit, and
 that is cheap to find out.
 
-Per pipeline stage: model states (weights, gradients and AdamW states, divided by dp_shard x cp under FSDP,
-copied over dp_replicate; experts over their own shards), the largest unit's gathered weights, the
+Per pipeline stage: model states (weights, gradients and AdamW states, as much of them divided by the shard
+group dp_shard x cp as the plan's sharding stage shards, `param_state_bytes`; copied over dp_replicate; experts
+over their own shards), FSDP's largest unit's gathered weights, the
 activations of the micro-batches in flight (only layer outputs with checkpointing) and a workspace share of
 them. The encoders add theirs on stage 0 (`coupled`) or on every rank (`omni`: the rank's share of the
 step's items, or the slice of the longest item its LSSP group gives it, `encoders.omni_encoder_bytes`).
@@ -17,15 +18,34 @@ from omni_core.estimator.stage import rank_params
 from omni_core.estimator.terms import PlanTerms
 
 
+def param_state_bytes(terms: PlanTerms, shards: int) -> float:
+    """One parameter's model states on a rank whose shard group has `shards` ranks, by the plan's sharding stage:
+    FSDP divides all of them; ZeRO-2 the optimizer states and the gradients (where the runtime reduces them
+    during the backward, else they are whole at its end), ZeRO-1 the optimizer states; replicate none. The fp32
+    master copy of 2-byte weights is sharded with the states where the runtime keeps whole compute-precision
+    weights beside it (`Efficiency.zero_master_sharded`), else it is the whole parameter (omni's runtime)."""
+    stage, eff, n = terms.plan.sharding, terms.eff, max(shards, 1)
+    if stage == "fsdp":
+        return terms.state_bytes / n
+    if stage == "replicate":
+        return terms.state_bytes
+    master_sharded = terms.master_bytes if eff.zero_master_sharded else 0.0
+    whole = terms.weight_bytes + terms.master_bytes - master_sharded
+    grads_sharded = stage == "zero2" and eff.zero_reduce_in_backward
+    return whole + eff.grad_bytes / (n if grads_sharded else 1) + (terms.optimizer_state_bytes + master_sharded) / n
+
+
 def model_state_bytes(terms: PlanTerms, st: Sums) -> float:
     """A stage's weights, gradients and optimizer states on one rank."""
     dense_params, expert_params = rank_params(terms, st)
-    return dense_params * terms.state_bytes / terms.shards + expert_params * terms.state_bytes / terms.expert_shards
+    return dense_params * param_state_bytes(terms, terms.shards) + expert_params * param_state_bytes(
+        terms, terms.expert_shards
+    )
 
 
 def gathered_bytes(terms: PlanTerms, st: Sums) -> float:
-    """FSDP's gathered full weights when it shards: twice the stage's largest layer's."""
-    return 2 * st.max_params / terms.plan.tp * terms.weight_bytes if terms.shards > 1 else 0.0
+    """FSDP's gathered full weights when it shards: twice the stage's largest layer's (ZeRO keeps them whole)."""
+    return 2 * st.max_params / terms.plan.tp * terms.weight_bytes if terms.fsdp and terms.shards > 1 else 0.0
 
 
 def activation_bytes(terms: PlanTerms, st: Sums, stage: int) -> float:
@@ -47,7 +67,7 @@ def coupled_encoder_bytes(terms: PlanTerms) -> float:
     micro-batch's samples' activations."""
     enc, mb = encoder_sums(terms.workload), terms.options.micro_batch
     acts = (enc.out_bytes + enc.max_act) if terms.options.checkpoint else enc.act_bytes
-    return enc.params * terms.state_bytes / max(terms.shards, 1) + acts * mb / terms.encoder_split * (
+    return enc.params * param_state_bytes(terms, terms.shards) + acts * mb / terms.encoder_split * (
         1 + terms.eff.workspace_frac
     )
 

@@ -37,11 +37,8 @@ PLAIN_DP = ReplicaPlan()  # one GPU per replica, the whole local batch at once: 
 
 @runtime_checkable
 class ThroughputOracle(Protocol):
-    def throughput(
-        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False
-    ) -> float | None:
-        """Samples/s with the best plan on `num_gpus` GPUs of `gpu_type` (the best pure data-parallel plan
-        when `dp_only`); None when no plan fits memory."""
+    def throughput(self, model: str, global_batch: int, gpu_type: str, num_gpus: int) -> float | None:
+        """Samples/s with the best plan on `num_gpus` GPUs of `gpu_type`; None when no plan fits memory."""
         ...
 
     def best_plan(self, model: str, global_batch: int, gpu_type: str, num_gpus: int) -> ParallelPlan | None:
@@ -85,12 +82,12 @@ class CellOracle:
         self.catalog = catalog
         self.gpus_per_node = dict(gpus_per_node)
         self.workload = workload
-        self._cells: dict[tuple[str, int, str, int, bool], CellResult | None] = {}
+        self._cells: dict[tuple[str, int, str, int], CellResult | None] = {}
         self._replicas: dict[tuple[str, int, str, int, ReplicaPlan], ReplicaEstimate | None] = {}
 
-    def cell(self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False):
+    def cell(self, model: str, global_batch: int, gpu_type: str, num_gpus: int):
         """The memoised `CellResult` (best plan, step time, memory) or None when nothing fits."""
-        key = (model, global_batch, gpu_type, num_gpus, dp_only)
+        key = (model, global_batch, gpu_type, num_gpus)
         try:
             return self._cells[key]
         except KeyError:
@@ -99,18 +96,16 @@ class CellOracle:
 
         gpu = self.catalog[gpu_type]
         per_node = self.gpus_per_node.get(gpu_type, gpu.gpus_per_node)
-        result = best_for_gpus(self._workload(model, global_batch), gpu, num_gpus, per_node, dp_only=dp_only)
+        result = best_for_gpus(self._workload(model, global_batch), gpu, num_gpus, per_node)
         self._cells[key] = result
         return result
 
     def remember(self, model: str, global_batch: int, cell: CellResult) -> None:
         """Answer for `cell`'s GPU type and count from an estimate already made (the estimate stage's CellTable)."""
-        self._cells[(model, global_batch, cell.gpu_type, cell.num_gpus, False)] = cell
+        self._cells[(model, global_batch, cell.gpu_type, cell.num_gpus)] = cell
 
-    def throughput(
-        self, model: str, global_batch: int, gpu_type: str, num_gpus: int, *, dp_only: bool = False
-    ) -> float | None:
-        result = self.cell(model, global_batch, gpu_type, num_gpus, dp_only=dp_only)
+    def throughput(self, model: str, global_batch: int, gpu_type: str, num_gpus: int) -> float | None:
+        result = self.cell(model, global_batch, gpu_type, num_gpus)
         return None if result is None else result.samples_per_s
 
     def best_plan(self, model: str, global_batch: int, gpu_type: str, num_gpus: int) -> ParallelPlan | None:

@@ -1,8 +1,9 @@
 """Cells and the plan search inside each.
 
 A Cell fixes (job, GPU type, GPU count, nodes x GPUs per node, pipeline stages); inside it the search tries
-DP x TP per stage (FSDP, or HSDP when DP crosses nodes), CP for long sequences, EP for MoE, the micro-batch
-size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
+DP x TP per stage (FSDP, or HSDP when DP crosses nodes, or replicated), the sharding stage of the shard group
+(FSDP, ZeRO-2, ZeRO-1: `SEARCHED_SHARDING`, where the runtime builds it), CP for long sequences, EP for MoE,
+the micro-batch size (the largest that fits without pipelining; with it, from 1 up until memory runs out), activation
 checkpointing (wherever memory refused a micro-batch without it, unless the job fixes it) and, for MLLMs, the
 encoders' half of the plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP
 group with its long-item threshold and replicated or FSDP weights, the joint schedule beside the phased one
@@ -15,6 +16,7 @@ is the stage's typed result; its plan names carry the encoders' half (`dp1-tp2+o
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,6 +25,7 @@ from pydantic import Field
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
 from omni_core.common.plan import (
+    CpKind,
     EncoderLayout,
     EncoderPlan,
     EncoderSchedule,
@@ -30,6 +33,7 @@ from omni_core.common.plan import (
     ParallelPlan,
     PipelineSchedule,
     PlanError,
+    Sharding,
 )
 from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
@@ -38,6 +42,9 @@ from omni_core.estimator.encoders import encoder_parts, long_tokens_threshold
 from omni_core.estimator.workloads import Workload
 
 RUNNERS_UP = 3
+CP_KINDS: tuple[CpKind, ...] = ("ulysses", "ring")
+# the shard group's stages the search tries; replicated data parallelism is searched as dp_replicate
+SEARCHED_SHARDING: tuple[Sharding, ...] = ("fsdp", "zero2", "zero1")
 LONG_SEQ = 8192  # context parallelism is searched only from this many tokens per sample
 NO_PLAN = "no plan divides the model on these GPUs"
 
@@ -47,16 +54,19 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def candidate_plans(
-    workload: Workload, num_gpus: int, gpus_per_node: int, pp: int, *, dp_only: bool = False
+    workload: Workload, num_gpus: int, gpus_per_node: int, pp: int, *, zero: bool = True
 ) -> Iterator[ParallelPlan]:
-    """Every plan of `pp` stages on `num_gpus` GPUs the model can be split by (TP inside a node)."""
+    """Every plan of `pp` stages on `num_gpus` GPUs the model can be split by (TP inside a node), each sharding
+    stage of `SEARCHED_SHARDING` where the shard group has several ranks (`zero`: the ZeRO stages too; the
+    runtime builds them without EP and with coupled encoders only)."""
     if num_gpus % pp:
         return
-    per_stage = num_gpus // pp
-    shape = workload.shape
-    long = (shape.seq_len or 0) >= LONG_SEQ and not dp_only
-    for tp in [1] if dp_only else powers_of_two(min(per_stage, gpus_per_node)):
-        for cp in powers_of_two(per_stage // tp) if long else [1]:
+    per_stage, shape = num_gpus // pp, workload.shape
+    schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]
+    if pp > 1 and shape.n_layers >= 2 * pp:
+        schedules.append(("Interleaved1F1B", 2))
+    for tp in powers_of_two(min(per_stage, gpus_per_node)):
+        for cp in powers_of_two(per_stage // tp) if (shape.seq_len or 0) >= LONG_SEQ else [1]:
             dp = per_stage // (tp * cp)
             if dp * tp * cp != per_stage:
                 continue
@@ -67,28 +77,17 @@ def candidate_plans(
                 splits.add((dp // inside, inside))
             for replicate, shard in sorted(splits):
                 eps = [e for e in powers_of_two(shard * cp) if shape.num_experts % e == 0] if shape.num_experts else [1]
-                for ep in [1] if dp_only else eps:
-                    for kind in ("ulysses", "ring") if cp > 1 else ("ulysses",):
-                        schedules: list[tuple[PipelineSchedule, int]] = [("1F1B", 1)]
-                        if pp > 1 and shape.n_layers >= 2 * pp:
-                            schedules.append(("Interleaved1F1B", 2))
-                        for schedule, virtual in schedules:
-                            try:
-                                plan = ParallelPlan(
-                                    dp_replicate=replicate,
-                                    dp_shard=shard,
-                                    tp=tp,
-                                    pp=pp,
-                                    cp=cp,
-                                    ep=ep,
-                                    cp_kind=kind,
-                                    pp_schedule=schedule,
-                                    virtual_stages=virtual,
-                                )
-                                plan.check_model(shape)
-                            except PlanError:
-                                continue
-                            yield plan
+                for ep, kind, (schedule, virtual) in itertools.product(eps, CP_KINDS[: 1 + (cp > 1)], schedules):
+                    stages = SEARCHED_SHARDING if zero and ep == 1 and shard * cp > 1 else ("fsdp",)
+                    for sharding in stages:
+                        try:
+                            plan = ParallelPlan(
+                                replicate, shard, tp, pp, cp, ep, kind, schedule, virtual, sharding=sharding
+                            )
+                            plan.check_model(shape)
+                        except PlanError:
+                            continue
+                        yield plan
 
 
 def lssp_groups(workload: Workload, ranks: int, gpus_per_node: int) -> list[int]:
@@ -281,7 +280,6 @@ def search_cell(
     *,
     eff: Efficiency,
     layout: EncoderLayout = "omni",
-    dp_only: bool = False,
 ) -> CellResult:
     """The Cell's best plans whose encoders are laid out as `layout` (`encoder_variants`)."""
     nodes, per_node = cell_shape(num_gpus, gpus_per_node)
@@ -291,7 +289,8 @@ def search_cell(
     # add its per-micro-batch rounds; DistTrain's (disaggregated) overlaps the two sides at any depth
     schedules = encoder_schedules(gpu) if pp > 1 or layout == "disaggregated" else ("phased",)
     for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, schedules):
-        plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, dp_only=dp_only)
+        zero = all(e.layout == "coupled" for e in encoders)  # ZeRO's runtime reduces coupled encoders only
+        plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, zero=zero)
         found, reason = search_plans(workload, gpu, plans, encoders, gpus_per_node=per_node, eff=eff)
         fits += found
         reasons.append(reason)
@@ -314,14 +313,13 @@ def best_for_gpus(
     *,
     eff: Efficiency | None = None,
     layout: EncoderLayout = "omni",
-    dp_only: bool = False,
 ) -> CellResult | None:
-    """The fastest Cell over pipeline depths for this GPU count (pp=1 only when dp_only); None if none fits."""
+    """The fastest Cell over pipeline depths for this GPU count; None if none fits."""
     if eff is None:
         gpu, eff = calibrated(gpu)
     best, best_time = None, math.inf
-    for pp in [1] if dp_only else pipeline_depths(workload, num_gpus):
-        cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout, dp_only=dp_only)
+    for pp in pipeline_depths(workload, num_gpus):
+        cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout)
         if cell.best and (best is None or cell.best.step_time_s < best_time):
             best, best_time = cell, cell.best.step_time_s
     return best

@@ -261,18 +261,21 @@ def exposed_dp_seconds(terms: PlanTerms, kind: str, nbytes: float, ranks: int, s
 
 @dataclass(frozen=True)
 class FsdpTimes:
-    """FSDP's seconds over a rank's units: `wrappers` (hooks, copies) per micro-batch, the parameter
-    all-gathers per micro-batch (forward and backward) and the gradients' reduction once per step, each as
-    (latency, volume): compute can hide some of a volume (`dp_overlap`), never a latency."""
+    """The data-parallel seconds over a rank's weights. FSDP's over its units: `wrappers` (hooks, copies) per
+    micro-batch, the parameter all-gathers per micro-batch (forward and backward) and the gradients' reduction
+    once per step, each as (latency, volume): compute can hide some of a volume (`dp_overlap`), never a
+    latency. `after`: per step, what nothing hides: a ZeRO stage's reduction after the backward (omni's
+    runtime) and its parameters' all-gather after the optimizer's step (`zero_seconds`)."""
 
     wrappers: float
     gather: tuple[float, float]
     reduce: tuple[float, float]
+    after: float = 0.0
 
     def exposed(self, ov: float) -> tuple[float, float]:
         """(per micro-batch, per step) seconds with `ov` of each volume hidden, whatever compute there is."""
         (gl, gv), (rl, rv) = self.gather, self.reduce
-        return self.wrappers + gl + (1 - ov) * gv, rl + (1 - ov) * rv
+        return self.wrappers + gl + (1 - ov) * gv, rl + (1 - ov) * rv + self.after
 
 
 NO_FSDP = FsdpTimes(0.0, (0.0, 0.0), (0.0, 0.0))
@@ -287,7 +290,10 @@ def fsdp_seconds(
 ) -> FsdpTimes:
     """FSDP over a rank's units: each unit's wrapper and its collectives, the parameter all-gathers
     (forward and backward) per micro-batch, the gradients' reduce-scatter (+ HSDP all-reduce) once per step,
-    in the last micro-batch's backward. Experts under EP form their own units, sharded over `expert_shards`."""
+    in the last micro-batch's backward. Experts under EP form their own units, sharded over `expert_shards`.
+    A ZeRO or replicated stage wraps no unit: `zero_seconds`."""
+    if terms.plan.zero:
+        return zero_seconds(terms, params + expert_params)
     if not terms.fsdp:
         return NO_FSDP
     plan, eff, wbytes = terms.plan, terms.eff, terms.weight_bytes
@@ -312,6 +318,36 @@ def fsdp_seconds(
     return FsdpTimes(all_units * eff.fsdp_unit_s + tensors * eff.fsdp_tensor_s, _summed(gathers, 2.0), _summed(reduces))
 
 
+def zero_seconds(terms: PlanTerms, params: float) -> FsdpTimes:
+    """A ZeRO or replicated stage's collectives over a rank's parameters (`SHARDING_COLLECTIVES`), once per step:
+    the gradients all-reduced (ZeRO-2: reduce-scattered) over the shard group, then their share all-reduced over
+    dp_replicate; ZeRO-1/2 then all-gather the updated parameters (fp32 where the runtime keeps fp32 parameters
+    whole, `Efficiency.zero_master_sharded`). The reduction hides behind the backward only where the runtime
+    reduces during it (`Efficiency.zero_reduce_in_backward`); the all-gather follows the step, exposed."""
+    plan, eff = terms.plan, terms.eff
+    stage, shards, span = plan.sharding, terms.shards, terms.rank_span
+    grads = params * eff.grad_bytes
+    first = "reduce_scatter" if stage == "zero2" else "all_reduce"
+    reduces = [
+        dp_seconds(terms, first, grads, shards, span, 1),
+        dp_seconds(
+            terms,
+            "all_reduce",
+            grads / (shards if stage == "zero2" else 1),
+            plan.dp_replicate,
+            span * plan.dp_replicate,
+            1,
+        ),
+    ]
+    after = 0.0
+    if stage != "replicate":
+        weights = terms.weight_bytes if eff.zero_master_sharded else max(terms.weight_bytes, 4)
+        after = sum(dp_seconds(terms, "all_gather", params * weights, shards, span, 1))
+    if eff.zero_reduce_in_backward:
+        return FsdpTimes(0.0, (0.0, 0.0), _summed(reduces), after)
+    return FsdpTimes(0.0, (0.0, 0.0), (0.0, 0.0), after + sum(sum(part) for part in reduces))
+
+
 def hidden_dp_seconds(terms: PlanTerms, fsdp: FsdpTimes, compute: float) -> tuple[float, float]:
     """(per micro-batch, per step) FSDP seconds a stage pays when only its own compute hides DP traffic: a
     micro-batch's gathers hide behind at most its compute, the step's reduction behind what the gathers left
@@ -321,14 +357,14 @@ def hidden_dp_seconds(terms: PlanTerms, fsdp: FsdpTimes, compute: float) -> tupl
     hidden_gather = min(ov * gv, compute)
     backward = compute * (terms.passes - 1) / terms.passes
     left = backward * (1 - hidden_gather / compute) if compute else 0.0
-    return fsdp.wrappers + gl + gv - hidden_gather, rl + rv - min(ov * rv, left)
+    return fsdp.wrappers + gl + gv - hidden_gather, rl + rv - min(ov * rv, left) + fsdp.after
 
 
 def optimizer_seconds(terms: PlanTerms, params: float, tensors: float) -> float:
     """The optimizer's update and the gradient norm over a rank's parameters: per tensor (plain, or DTensor
     when sharded by FSDP or TP) and per byte."""
     eff = terms.eff
-    per_tensor = eff.dtensor_s if terms.fsdp or terms.plan.tp > 1 else eff.tensor_s
+    per_tensor = eff.dtensor_s if terms.fsdp or terms.plan.zero or terms.plan.tp > 1 else eff.tensor_s
     return tensors * per_tensor + params * terms.optimizer_traffic / terms.mem_rate
 
 
@@ -336,7 +372,7 @@ def param_group_seconds(terms: PlanTerms) -> float:
     """The runtime's AdamW groups parameters by decay and by kind (plain, or DTensors of one mesh): the dense
     model's, TP's (encoders are not split by TP), the experts' under EP; each group costs a foreach call."""
     plan, eff = terms.plan, terms.eff
-    sharded = terms.fsdp or plan.tp > 1
+    sharded = terms.fsdp or plan.zero or plan.tp > 1
     return 2 * (1 + (plan.tp > 1) + (plan.ep > 1)) * (eff.dtensor_group_s if sharded else eff.tensor_group_s)
 
 
@@ -355,7 +391,8 @@ def weights_seconds(terms: PlanTerms, st: Sums, first: bool) -> tuple[FsdpTimes,
         expert_params,
         expert_units,
     )
-    sharded_params = (dense_params + expert_params) / (terms.shards if terms.fsdp else 1)
+    steps_slices = terms.fsdp or terms.plan.sharding in ("zero1", "zero2")  # a rank steps its 1/shards
+    sharded_params = (dense_params + expert_params) / (terms.shards if steps_slices else 1)
     optimizer = param_group_seconds(terms) + optimizer_seconds(terms, sharded_params, tensors)
     return fsdp, optimizer
 

@@ -41,6 +41,13 @@ class Efficiency:
     # share of DP gradient traffic hidden behind backward (0: the CPU runtime's); at most the backward of the
     # step's last micro-batch, during which the gradients are reduced (`stage.price_stage`)
     dp_overlap: float = 0.8
+    # How the runtime runs a ZeRO stage (`ParallelPlan.sharding`). Megatron-LM's distributed optimizer and
+    # DeepSpeed's ZeRO keep whole compute-precision weights and shard the fp32 master copy with the optimizer
+    # states, and reduce gradients in buckets during the backward (hidden like FSDP's: `dp_overlap`; ZeRO-2 then
+    # never holds them whole). omni's runtime (`parallel.zero`) keeps fp32 parameters whole (autocast casts them)
+    # and reduces once after the backward, exposed, ZeRO-2 freeing the whole gradients only then: both False.
+    zero_master_sharded: bool = False
+    zero_reduce_in_backward: bool = False
     tp_overlap: float = 0.0  # share of TP collectives hidden
     ep_overlap: float = 0.0
     cp_overlap: float = 0.5  # ring CP: share of the K/V passing hidden behind block attention
@@ -159,9 +166,11 @@ class PlanTerms:
     passes: float  # forward, backward (2x), recomputed forward: in forward-pass units
     weight_bytes: int  # bytes per weight at the workload's precision
     state_bytes: float  # model-state bytes per parameter: weights, gradients, optimizer (+ fp32 master copy)
+    master_bytes: float  # of them, the fp32 master copy's (2-byte weights only)
+    optimizer_state_bytes: float  # of them, the optimizer's states'
     optimizer_traffic: float  # bytes the optimizer's update streams per parameter
-    shards: int  # FSDP shards model states over dp_shard x cp; dp_replicate copies them
-    fsdp: bool  # the runtime wraps every block in FSDP (HSDP) whenever there is more than one replica
+    shards: int  # the shard group, dp_shard x cp: what the plan's sharding stage splits; dp_replicate copies
+    fsdp: bool  # the runtime wraps every block in FSDP (HSDP) whenever there is more than one replica (FSDP stage)
     expert_shards: int  # the experts' own FSDP group: the ranks with the same EP index
     tokens: float  # packed tokens per micro-batch
     rank_span: int  # ranks of one FSDP group lie within this many consecutive ranks
@@ -200,9 +209,11 @@ class PlanTerms:
             passes=3.0 + recompute,
             weight_bytes=weight_bytes,
             state_bytes=weight_bytes + eff.grad_bytes + optimizer_states + (4.0 if weight_bytes == 2 else 0.0),
+            master_bytes=4.0 if weight_bytes == 2 else 0.0,
+            optimizer_state_bytes=optimizer_states,
             optimizer_traffic=eff.optimizer_bytes_per_param * traffic,
             shards=shards,
-            fsdp=plan.dp * plan.cp > 1,
+            fsdp=plan.dp * plan.cp > 1 and not plan.zero,
             expert_shards=max(1, shards // plan.ep),
             tokens=workload.tokens_per_sample * options.micro_batch,
             rank_span=split * plan.dp_shard,

@@ -25,7 +25,7 @@ class TableOracle:
     ):
         self.rates, self.units, self.shares = rates, units or {}, shares or {}
 
-    def throughput(self, model, global_batch, gpu_type, num_gpus, *, dp_only=False):
+    def throughput(self, model, global_batch, gpu_type, num_gpus):
         return self.rates.get((model, gpu_type, num_gpus), (None, None))[0]
 
     def best_plan(self, model, global_batch, gpu_type, num_gpus):

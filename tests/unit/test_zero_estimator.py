@@ -1,0 +1,98 @@
+"""The estimator's sharding stages: memory per stage as each runtime allocates it, the collectives per stage, and
+the plan search choosing ZeRO where whole parameters fit and FSDP where they do not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from omni_core.common.catalog import GpuCatalog
+from omni_core.common.plan import ParallelPlan
+from omni_core.estimator.cost import Efficiency, Options, estimate_step
+from omni_core.estimator.lm_workloads import transformer
+from omni_core.estimator.memory import param_state_bytes
+from omni_core.estimator.search import search_cell
+from omni_core.estimator.stage import SHARDING_COLLECTIVES, zero_seconds
+from omni_core.estimator.terms import PlanTerms
+
+CATALOG = GpuCatalog()
+A100 = CATALOG["a100-80gb"]
+MEGATRON = Efficiency(zero_master_sharded=True, zero_reduce_in_backward=True)
+
+
+def gpt(name: str, layers: int, dim: int, precision: str = "bf16"):
+    return transformer(name, n_layers=layers, dim=dim, heads=dim // 128, kv_heads=dim // 128, ffn=4 * dim,
+                       gated=False, bias=True, vocab=51200, seq_len=2048, global_batch=512, precision=precision)
+
+
+def terms(plan: str, eff: Efficiency = Efficiency(), precision: str = "bf16") -> PlanTerms:
+    return PlanTerms.of(gpt("gpt-1.3b", 24, 2048, precision), A100, ParallelPlan.parse(plan), Options(), eff, 8)
+
+
+@pytest.mark.parametrize("plan,omni,megatron", [
+    # bf16 AdamW: 2-byte weights, fp32 master (4), fp32 gradients (4), two fp32 states (8); 8 shard ranks
+    ("dp8", 18 / 8, 18 / 8),
+    ("dp8z2", 2 + 4 + 4 + 8 / 8, 2 + 4 / 8 + 12 / 8),  # omni: gradients whole until after the backward
+    ("dp8z1", 2 + 4 + 4 + 8 / 8, 2 + 4 + 12 / 8),  # Megatron's distributed optimizer: master with the states
+    ("dp8z0", 18, 18),
+])
+def test_state_bytes_per_parameter_are_what_each_stage_and_runtime_hold(plan, omni, megatron):
+    assert param_state_bytes(terms(plan), 8) == pytest.approx(omni)
+    assert param_state_bytes(terms(plan, MEGATRON), 8) == pytest.approx(megatron)
+
+
+def test_fp32_training_has_no_master_copy_to_shard():
+    assert param_state_bytes(terms("dp8z1", precision="fp32"), 8) == pytest.approx(4 + 4 + 8 / 8)
+
+
+def test_zero_collectives_are_the_stage_s_kinds_once_per_step_and_exposed_in_omni_s_runtime():
+    """ZeRO-1: the gradients all-reduced, fp32 parameters all-gathered; ZeRO-2: reduce-scattered instead;
+    replicated: the all-reduce alone; none hidden where the runtime reduces after the backward."""
+    params = 1e9
+    for plan, kinds in (("dp8z1", ("all_reduce", "all_gather")), ("dp8z2", ("reduce_scatter", "all_gather")),
+                        ("dp8z0", ("all_reduce",))):
+        t = terms(plan)
+        assert tuple(kind for kind, _ in SHARDING_COLLECTIVES[t.plan.sharding]) in (kinds, kinds[::-1])
+        moved = {"all_reduce": params * 4, "reduce_scatter": params * 4, "all_gather": params * 4}
+        expected = sum(t.net.time(kind, moved[kind], 8, t.rank_span) for kind in kinds)
+        times = zero_seconds(t, params)
+        assert times.after == pytest.approx(expected)
+        assert times.gather == (0.0, 0.0) and times.reduce == (0.0, 0.0) and times.wrappers == 0.0
+    t = terms("dp8z2", MEGATRON)  # reduced during the backward (hideable), bf16 weights gathered after the step
+    hidden = zero_seconds(t, params)
+    assert hidden.after == pytest.approx(t.net.time("all_gather", params * 2, 8, t.rank_span))
+    assert sum(hidden.reduce) == pytest.approx(t.net.time("reduce_scatter", params * 4, 8, t.rank_span))
+
+
+def test_zero_memory_sits_between_fsdp_and_replicated_and_fits_where_fsdp_must():
+    w = gpt("gpt-13b", 40, 5120)
+    peak = {name: estimate_step(w, A100, ParallelPlan.parse(name), Options(1, True), gpus_per_node=8).peak_mem_bytes
+            for name in ("dp8", "dp8z2", "dp8z1", "dp8z0")}
+    assert peak["dp8"] < peak["dp8z2"] <= peak["dp8z1"] < peak["dp8z0"]
+    assert peak["dp8"] < A100.usable_bytes < peak["dp8z1"]
+
+
+def test_search_prefers_zero_where_whole_parameters_fit_and_fsdp_where_they_do_not():
+    """1.3B on 8 A100s: ZeRO's states fit beside whole parameters and it pays one all-gather per step, FSDP
+    two per micro-batch and its units' hooks, so ZeRO wins; 13B: whole parameters do not fit, FSDP is best
+    without TP and ZeRO only beside TP."""
+    w = gpt("gpt-1.3b", 24, 2048)
+    small = search_cell(w, A100, 8, 8, 1, eff=Efficiency())
+    assert small.best.plan.sharding in ("zero1", "zero2")
+    fsdp = estimate_step(w, A100, replace(small.best.plan, sharding="fsdp"), small.best.options, gpus_per_node=8)
+    assert fsdp.fits and fsdp.step_time_s > small.best.step_time_s
+    large = search_cell(gpt("gpt-13b", 40, 5120), A100, 8, 8, 1, eff=Efficiency())
+    assert large.best.plan.sharding == "fsdp" and large.best.plan.tp == 1
+    zero = [e.plan for e in large.runners_up if e.plan.zero]
+    assert zero and all(p.tp > 1 for p in zero)
+
+
+def test_search_tries_no_zero_stage_with_experts_or_own_encoder_layouts():
+    from omni_core.estimator.search import candidate_plans
+
+    plans = list(candidate_plans(gpt("gpt-1.3b", 24, 2048), 8, 8, 1))
+    assert {p.sharding for p in plans} == {"fsdp", "zero1", "zero2"}
+    assert all(p.dp_shard * p.cp > 1 for p in plans if p.zero)
+    assert not [p for p in candidate_plans(gpt("gpt-1.3b", 24, 2048), 8, 8, 1, zero=False) if p.zero]
+    assert replace(ParallelPlan.parse("dp8z1"), sharding="fsdp").name == "dp8"

@@ -56,14 +56,12 @@ class FlopModel:
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> FlopModel:
-        """The recipe's model: its flavor, with each part `model.pretrained` names as its config.json describes
-        it, so a pretrained LLM's or tower's cost is its own, not the flavor's (configs only: no weights read;
-        the tokenizer's few added placeholder rows are left out of the head)."""
-        from omni_core.models.pretrained import omni_args  # imports torch: only where a cost is priced
+        """The recipe's model (`models.pretrained.recipe_model_args`): its flavor, with each part
+        `model.pretrained` names as its config.json describes it and the model section's options, so a
+        pretrained LLM's or tower's cost is its own (the tokenizer's few added rows are left out of the head)."""
+        from omni_core.models.pretrained import recipe_model_args
 
-        cfg = recipe.data
-        pretrained = recipe.model.pretrained.model_dump()
-        return cls.for_args(omni_args(recipe.model.flavor, pretrained, patch_size=cfg.patch_size, n_mels=cfg.n_mels)[0])
+        return cls.for_args(recipe_model_args(recipe)[0])
 
     @classmethod
     def for_args(cls, args: OmniModelArgs) -> FlopModel:

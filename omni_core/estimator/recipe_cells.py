@@ -35,11 +35,17 @@ def flavor_workload(
     recipe: Recipe, flavor: str, batch: int, profile: DatasetProfile | None = None, name: str = "", precision: str = ""
 ) -> Workload:
     """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences,
-    in `precision` (default: the estimate's, `estimate.precision`). Balancing loaders (`data.balance`) leave
-    the imbalance the profile simulated for the recipe's policy (none when there is no profile to read)."""
+    in `precision` (default: the estimate's, `estimate.precision`). The recipe's own flavor is the recipe's
+    model: its pretrained parts as their configs describe them (`models.pretrained.recipe_model_args`).
+    Balancing loaders (`data.balance`) leave the imbalance the profile simulated for the recipe's policy (none
+    when there is no profile to read)."""
     from omni_core.models.flavors import get_flavor
+    from omni_core.models.pretrained import recipe_model_args
 
-    args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
+    if flavor == recipe.model.flavor:
+        args = recipe_model_args(recipe)[0]
+    else:
+        args = get_flavor(flavor, patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
     workload = omni_workload(
         args,
         seq_len=recipe.data.seq_len,

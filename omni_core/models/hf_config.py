@@ -461,3 +461,24 @@ def audio_config(args: AudioArgs) -> dict[str, Any]:
         "max_source_positions": args.max_frames // 2,
         "activation_function": {"gelu_tanh": "gelu_pytorch_tanh"}.get(args.activation, args.activation),
     }
+
+
+PARTS = ("llm", "vision", "audio")
+PartArgs = LLMArgs | VisionArgs | AudioArgs
+
+
+def part_args(directory: str | Path, part: str) -> tuple[PartArgs, str, str]:
+    """The args of the part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, from its
+    config.json, with the layout its weights are in and their prefix. Raises `ConfigRefused` naming the key for
+    a setting omni cannot honour, FileNotFoundError for a missing config.json."""
+    config, source = read_config(directory)
+    if part == "llm":
+        llm_args, layout = llm_args_from_config(config, source)
+        return llm_args, layout, ""
+    if part == "vision":
+        vision_args, prefix = vision_args_from_config(config, source)
+        return vision_args, "siglip", prefix
+    if part == "audio":
+        audio_args, prefix = audio_args_from_config(config, source)
+        return audio_args, "whisper", prefix
+    raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omni_core.models import hf_config
-from omni_core.models.args import AudioArgs, LLMArgs, VisionArgs
+from omni_core.models.args import LLMArgs, VisionArgs
 from omni_core.models.audio import AudioEncoder, sinusoids
 from omni_core.models.llm import LLM
 from omni_core.models.vision import VisionEncoder
@@ -282,28 +282,7 @@ def load_safetensors(module: nn.Module, path: str | Path, layout: str, prefix: s
         target.copy_(read_shard(file, key, target.shape, None))
 
 
-PARTS = ("llm", "vision", "audio")
-PartArgs = LLMArgs | VisionArgs | AudioArgs
-
-
-def part_args(directory: str | Path, part: str) -> tuple[PartArgs, str, str]:
-    """The args of the part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, from its
-    config.json, with the layout its weights are in and their prefix. Raises `ConfigRefused` naming the key for
-    a setting omni cannot honour, FileNotFoundError for a missing config.json."""
-    config, source = hf_config.read_config(directory)
-    if part == "llm":
-        llm_args, layout = hf_config.llm_args_from_config(config, source)
-        return llm_args, layout, ""
-    if part == "vision":
-        vision_args, prefix = hf_config.vision_args_from_config(config, source)
-        return vision_args, "siglip", prefix
-    if part == "audio":
-        audio_args, prefix = hf_config.audio_args_from_config(config, source)
-        return audio_args, "whisper", prefix
-    raise ValueError(f"unknown model part {part!r}; parts: {', '.join(PARTS)}")
-
-
-def part_module(args: PartArgs) -> nn.Module:
+def part_module(args: hf_config.PartArgs) -> nn.Module:
     """The module a part's args build (on the current default device)."""
     if isinstance(args, LLMArgs):
         return LLM(args)
@@ -314,7 +293,7 @@ def load_pretrained(directory: str | Path, part: str) -> tuple[nn.Module, str]:
     """The model part (`llm`, `vision` or `audio`) a transformers checkpoint directory holds, built from its
     config.json and filled from its safetensors; with the layout it was read in. Raises `ConfigRefused`
     naming the key for a setting omni cannot honour, ValueError naming the tensor for weights that do not fit."""
-    args, layout, prefix = part_args(directory, part)
+    args, layout, prefix = hf_config.part_args(directory, part)
     module = part_module(args)
     load_safetensors(module, directory, layout, prefix)
     return module, layout

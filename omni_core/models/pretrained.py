@@ -1,18 +1,21 @@
 """A model whose parts start from transformers checkpoints (`recipe.model.pretrained`): each given part's
 architecture comes from its config.json and replaces the flavor's, the dims that connect the parts (the
-projectors' widths) follow from the parts, and the parts not given stay the flavor's."""
+projectors' widths) follow from the parts, and the parts not given stay the flavor's. Configs only (no torch):
+the estimator and the loader's cost model price the same model the runtime builds."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from omni_core.models import hf_import
+from omni_core.models import hf_config
 from omni_core.models.args import AudioArgs, LLMArgs, OmniModelArgs, VisionArgs
 from omni_core.models.flavors import get_flavor
+
+if TYPE_CHECKING:
+    from omni_core.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ def omni_args(
     for part, directory in pretrained.items():
         if directory is None:
             continue
-        part_args, layout, prefix = hf_import.part_args(directory, part)
+        part_args, layout, prefix = hf_config.part_args(directory, part)
         source = Path(directory) / "config.json"
         if isinstance(part_args, VisionArgs) and part_args.patch_dim != 3 * patch_size * patch_size:
             raise ValueError(
@@ -62,9 +65,35 @@ def omni_args(
     return args, parts
 
 
+def recipe_model_args(
+    recipe: Recipe, parts: Sequence[str] = hf_config.PARTS, vocab_size: int = 0
+) -> tuple[OmniModelArgs, dict[str, PretrainedPart]]:
+    """The recipe's model: `omni_args` over the parts of `model.pretrained` named in `parts` (all by default),
+    with the model section's options (the vision feature layer, Qwen2-Audio's pool and projector)."""
+    pretrained = recipe.model.pretrained.model_dump()
+    args, found = omni_args(
+        recipe.model.flavor,
+        {part: folder for part, folder in pretrained.items() if part in parts},
+        patch_size=recipe.data.patch_size,
+        n_mels=recipe.data.n_mels,
+        vocab_size=vocab_size,
+    )
+    m = recipe.model
+    return replace(
+        args,
+        vision=replace(args.vision, final_norm=m.vision_final_norm),
+        audio=replace(args.audio, pool=m.audio_pool),
+        audio_projector=m.audio_projector,
+    ), found
+
+
 def check_weights(args: OmniModelArgs, parts: Mapping[str, PretrainedPart]) -> None:
     """Every pretrained part's files hold exactly the tensors its config describes, with their shapes
     (headers only: the modules are built on the meta device). Raises ValueError naming file and tensor."""
+    import torch
+
+    from omni_core.models import hf_import
+
     for part, where in parts.items():
         with torch.device("meta"):
             module = hf_import.part_module(getattr(args, part))

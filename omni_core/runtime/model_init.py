@@ -8,7 +8,6 @@ values a whole model's `init_weights` gives on that device type), so no rank eve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -18,32 +17,18 @@ from omni_core.common.tokenizer import tokenizer_for
 from omni_core.common.torch_compat import local_box, local_shard
 from omni_core.models import hf_import
 from omni_core.models.args import OmniModelArgs
-from omni_core.models.hf_import import PARTS
+from omni_core.models.hf_config import PARTS
 from omni_core.models.llm import LLM
 from omni_core.models.omni import InitSpec, OmniModel, initial_value
-from omni_core.models.pretrained import PretrainedPart, omni_args
+from omni_core.models.pretrained import PretrainedPart, recipe_model_args
 from omni_core.recipe.schema import Recipe
 
 
 def recipe_args(recipe: Recipe, parts: Sequence[str] = PARTS) -> tuple[OmniModelArgs, dict[str, PretrainedPart]]:
     """The recipe's model args and its pretrained parts (`parts` of `model.pretrained`: all by default). An LLM
     gets the rows of the tokens its tokenizer adds (the media placeholders) beyond its config's vocabulary."""
-    pretrained = recipe.model.pretrained.model_dump()
-    vocab = tokenizer_for(recipe).vocab_size if pretrained["llm"] is not None and "llm" in parts else 0
-    args, found = omni_args(
-        recipe.model.flavor,
-        {part: folder for part, folder in pretrained.items() if part in parts},
-        patch_size=recipe.data.patch_size,
-        n_mels=recipe.data.n_mels,
-        vocab_size=vocab,
-    )
-    m = recipe.model
-    return replace(
-        args,
-        vision=replace(args.vision, final_norm=m.vision_final_norm),
-        audio=replace(args.audio, pool=m.audio_pool),
-        audio_projector=m.audio_projector,
-    ), found
+    llm = recipe.model.pretrained.llm is not None and "llm" in parts
+    return recipe_model_args(recipe, parts, tokenizer_for(recipe).vocab_size if llm else 0)
 
 
 def unfilled_model(recipe: Recipe, device: torch.device) -> OmniModel:

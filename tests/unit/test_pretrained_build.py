@@ -101,3 +101,25 @@ def test_the_log_names_the_pretrained_parts(tmp_path: Path) -> None:
     assert model_name(build_recipe(tmp_path, {})) == "debug"
     some = build_recipe(tmp_path, {"model.pretrained": {"llm": "/m/Qwen2-0.5B", "vision": "/m/siglip"}})
     assert model_name(some) == "llm Qwen2-0.5B + vision siglip (otherwise the debug flavor)"
+
+
+def test_the_estimate_prices_the_recipes_pretrained_model(tmp_path: Path) -> None:
+    """`omni estimate` and the runtime's plan check price the model the recipe builds: its pretrained LLM (2
+    layers, 4 query and 2 KV heads here), not the debug flavor it replaces, and without importing torch."""
+    import subprocess
+    import sys
+
+    from omni_core.estimator.recipe_cells import flavor_workload
+    from omni_core.models.flavors import get_flavor
+
+    parts = write_parts(tmp_path / "parts")
+    recipe = build_recipe(tmp_path, {"model.pretrained": parts})
+    shape = flavor_workload(recipe, "debug", 2).shape
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads) == (2, 4, 2)
+    debug = get_flavor("debug", patch_size=PATCH_SIZE, n_mels=N_MELS).llm
+    assert flavor_workload(build_recipe(tmp_path, {}), "debug", 2).shape.n_layers == debug.n_layers != 2
+    code = (
+        "import sys; from omni_core.models.pretrained import omni_args; "
+        f"omni_args('debug', {parts!r}, patch_size={PATCH_SIZE}, n_mels={N_MELS}); print('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

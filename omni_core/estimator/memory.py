@@ -48,18 +48,32 @@ def gathered_bytes(terms: PlanTerms, st: Sums) -> float:
     return 2 * st.max_params / terms.plan.tp * terms.weight_bytes if terms.fsdp and terms.shards > 1 else 0.0
 
 
+def in_flight(terms: PlanTerms, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole micro-batches of all its
+    layers, under the runtime's schedule (torch.distributed.pipelining's, which are Megatron-LM's): GPipe all of
+    the step's; 1F1B its warm-up forwards and the steady state's one, one per stage from this one to the last;
+    interleaved 1F1B its warm-up chunks and one, each chunk 1/v of its layers: (v - 1) rounds of micro-batches
+    plus two per stage to the last (`_get_warmup_ops`), at most all of the step's."""
+    plan, m = terms.plan, terms.micro_batches
+    if plan.pp_schedule == "GPipe":
+        return m
+    if plan.pp_schedule == "Interleaved1F1B":
+        v = plan.virtual_stages
+        per_round = m // max(1, m // plan.pp)
+        return min((v - 1) * per_round + 2 * (plan.pp - 1 - stage) + 1, m * v) / v
+    return min(m, plan.pp - stage)
+
+
 def activation_bytes(terms: PlanTerms, st: Sums, stage: int) -> float:
-    """The activations stage `stage` keeps for the micro-batches in flight (GPipe: all of the step's; 1F1B:
-    one per stage from this one to the last); with checkpointing only the layers' outputs (selective: with
-    what it keeps besides, `terms.Options.selective`), plus the largest layer's activations while it is
-    recomputed."""
-    plan, mb, options = terms.plan, terms.options.micro_batch, terms.options
-    micro_batches = terms.micro_batches
-    in_flight = micro_batches if plan.pp_schedule == "GPipe" else min(micro_batches, plan.pp - stage)
+    """The activations stage `stage` keeps for the micro-batches in flight (`in_flight`); with checkpointing
+    only the layers' outputs (selective: with what it keeps besides, `terms.Options.selective`), plus the
+    largest layer's activations while it is recomputed."""
+    mb, options = terms.options.micro_batch, terms.options
+    held = in_flight(terms, stage)
     if not options.checkpoint:
-        return st.act_bytes * mb / terms.split * in_flight
+        return st.act_bytes * mb / terms.split * held
     kept = {"": st.out_bytes, "layer": (st.out_bytes + st.act_bytes) / 2, "op": st.out_bytes + st.sac_bytes}
-    return (kept[options.selective] * in_flight + st.max_act) * mb / terms.split
+    return (kept[options.selective] * held + st.max_act) * mb / terms.split
 
 
 def coupled_encoder_bytes(terms: PlanTerms) -> float:

@@ -96,3 +96,33 @@ def test_search_tries_no_zero_stage_with_experts_or_own_encoder_layouts():
     assert all(p.dp_shard * p.cp > 1 for p in plans if p.zero)
     assert not [p for p in candidate_plans(gpt("gpt-1.3b", 24, 2048), 8, 8, 1, zero=False) if p.zero]
     assert replace(ParallelPlan.parse("dp8z1"), sharding="fsdp").name == "dp8"
+
+
+@pytest.mark.parametrize("plan,stage,held", [
+    ("dp1-pp4", 0, 4), ("dp1-pp4", 3, 1),  # 1F1B: one per stage from this one to the last
+    ("dp1-pp4g", 0, 8),  # GPipe: the step's 8
+    # interleaved, v=2, 8 micro-batches in rounds of 4: ((v - 1) x 4 + 2 x (pp - 1 - stage) + 1) chunks of 1/v
+    ("dp1-pp4v2", 0, (4 + 6 + 1) / 2), ("dp1-pp4v2", 3, (4 + 0 + 1) / 2),
+])
+def test_activations_in_flight_per_pipeline_schedule_are_the_runtime_s(plan, stage, held):
+    from omni_core.estimator.memory import in_flight
+
+    t = PlanTerms.of(gpt("gpt-1.3b", 24, 2048), A100, ParallelPlan.parse(plan), Options(64), Efficiency(), 8)
+    assert t.micro_batches == 8
+    assert in_flight(t, stage) == held
+
+
+def test_in_flight_matches_torch_pipelining_warmup():
+    """The interleaved count is torch's own warm-up (`_get_warmup_ops`, private: checked where it exists)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    warmup = getattr(schedules, "_get_warmup_ops", None)
+    if warmup is None:
+        pytest.skip("this torch has no _get_warmup_ops")
+    from omni_core.estimator.memory import in_flight
+
+    for pp, v, mb in ((4, 2, 64), (8, 3, 16), (4, 4, 128)):
+        t = PlanTerms.of(gpt("gpt-1.3b", 24, 2048), A100, ParallelPlan(pp=pp, virtual_stages=v,
+                         pp_schedule="Interleaved1F1B"), Options(mb), Efficiency(), 8)
+        m = t.micro_batches
+        for stage in range(pp):
+            assert in_flight(t, stage) == min(warmup(stage, v, m // max(1, m // pp), pp, m) + 1, m * v) / v

@@ -30,7 +30,6 @@ CARRIED_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
-    "generation_config.json",
 )
 PREPROCESSOR = "preprocessor_config.json"  # a tower's processor config, as transformers saves it
 
@@ -181,8 +180,24 @@ def write_directory(
         # the processors read their template from this file only (a tokenizer's may sit in tokenizer_config.json)
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
     tokenizer.backend.save(str(out / "tokenizer.json"))  # with the placeholders the model was trained with
+    _write_json(out / "generation_config.json", generation_config(llm_dir, tokenizer))
     _write_json(out / "preprocessor_config.json", {**preprocessor, "processor_class": processor["processor_class"]})
     _write_json(out / "processor_config.json", processor)
+
+
+def generation_config(llm_dir: Path, tokenizer: HFTokenizer) -> dict[str, Any]:
+    """The LLM's generation_config.json with the tokenizer's EOS among its stop ids: replies were trained to end
+    there (`data.conversation.chat_renderer`) and omni's evaluation stops there, so transformers' `generate`
+    does too, whatever the base checkpoint's config lists."""
+    path = llm_dir / "generation_config.json"
+    config: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    listed = config.get("eos_token_id")
+    stops = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    if tokenizer.eos_id not in stops:
+        stops.append(tokenizer.eos_id)
+    config["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    config.setdefault("pad_token_id", tokenizer.pad_id)
+    return config
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -206,3 +206,22 @@ def test_a_recipe_without_the_llava_parts_is_refused(tmp_path: Path, unset: str,
     )
     with pytest.raises(ExportRefused, match=named):  # before any checkpoint is looked for
         export_checkpoint(recipe, str(tmp_path / "no_checkpoint"), tmp_path / "export")
+
+
+@pytest.mark.parametrize("listed", [None, "<|endoftext|>"])
+def test_exported_generation_stops_at_the_tokenizers_eos(tmp_path: Path, listed: str | None) -> None:
+    """transformers' generate stops where omni trained replies to end (the tokenizer's EOS), beside whatever
+    the base checkpoint's generation_config.json lists; an LLM without one gets it too."""
+    from transformers import GenerationConfig
+
+    llm, vision = parts(tmp_path / "parts")
+    tokenizer = HFTokenizer.from_pretrained(llm)
+    (llm / "generation_config.json").unlink(missing_ok=True)
+    if listed is not None:
+        other = tokenizer.backend.token_to_id(listed)
+        (llm / "generation_config.json").write_text(json.dumps({"eos_token_id": other, "temperature": 0.7}))
+    out = export_llava(llava_ready(llm, vision), llm, vision, tmp_path / "export")
+    config = GenerationConfig.from_pretrained(out)
+    expected = [tokenizer.eos_id] if listed is None else [other, tokenizer.eos_id]
+    assert config.eos_token_id == (expected[0] if len(expected) == 1 else expected)
+    assert config.pad_token_id == tokenizer.pad_id and (listed is None or config.temperature == 0.7)

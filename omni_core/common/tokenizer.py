@@ -29,7 +29,7 @@ VOCAB_SIZE = 264  # rounded up to a multiple of 8, above every special id
 
 PLACEHOLDER_IDS = {"image": IMAGE_ID, "audio": AUDIO_ID, "video": VIDEO_ID}
 # The placeholder strings a pretrained tokenizer gets by default (LLaVA's is `<image>`); a model family with its
-# own (Qwen2-Audio's `<|AUDIO|>`) passes an override map to `HFTokenizer.from_pretrained`.
+# own (Qwen2-Audio's `<|AUDIO|>`) names it in the recipe's model.placeholders.
 PLACEHOLDER_TOKENS = {"image": "<image>", "audio": "<audio>", "video": "<video>"}
 # The named special tokens a chat template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -146,6 +146,11 @@ class ByteTokenizer:
 BYTE_TOKENIZER = ByteTokenizer()
 
 
+class PlaceholderError(ValueError):
+    """Media placeholder tokens that cannot be used (model.placeholders): an unknown medium, or one token for two
+    roles."""
+
+
 @dataclass(frozen=True, eq=False)
 class HFTokenizer:
     """A pretrained LLM's fast tokenizer (`tokenizers`), with its special tokens and chat template as
@@ -190,10 +195,10 @@ class HFTokenizer:
             raise ValueError(f"{config_file}: eos_token is missing (documents and assistant turns end with it)")
         wanted = PLACEHOLDER_TOKENS | dict(placeholders or {})
         if unknown := sorted(set(wanted) - set(PLACEHOLDER_TOKENS)):
-            raise ValueError(f"placeholder tokens for {unknown}: only {sorted(PLACEHOLDER_TOKENS)} have encoders")
+            raise PlaceholderError(f"placeholder tokens for {unknown}: only {sorted(PLACEHOLDER_TOKENS)} have encoders")
         named = set(tokens.values())
         if len(set(wanted.values())) < len(wanted) or named & set(wanted.values()):
-            raise ValueError(
+            raise PlaceholderError(
                 f"placeholder tokens {wanted} must differ from each other and from the named special tokens "
                 "(an encoder's rows would land on another's, or on text)"
             )
@@ -321,7 +326,8 @@ def _chat_template(folder: Path, config: dict[str, Any], path: Path) -> str | No
 
 
 def tokenizer_for(recipe: Recipe) -> Tokenizer:
-    """The recipe's tokenizer: the pretrained LLM's when model.pretrained.llm names its folder, else the byte
-    tokenizer of the synthetic debug flavors."""
+    """The recipe's tokenizer: the pretrained LLM's when model.pretrained.llm names its folder (with the
+    model.placeholders tokens for media), else the byte tokenizer of the synthetic debug flavors."""
     folder = recipe.model.pretrained.llm
-    return BYTE_TOKENIZER if folder is None else HFTokenizer.from_pretrained(folder)
+    placeholders = {str(kind): token for kind, token in recipe.model.placeholders.items()}
+    return BYTE_TOKENIZER if folder is None else HFTokenizer.from_pretrained(folder, placeholders)

@@ -64,6 +64,12 @@ class ModelConfig(Strict):
         description="The audio projector: mlp, omni's two-layer GELU MLP; linear, one Linear from the encoder's "
         "width to the LLM's, Qwen2-Audio's multi_modal_projector (needed by `omni export` of an audio model)",
     )
+    placeholders: dict[Literal["image", "audio", "video"], str] = Field(
+        default_factory=dict,
+        description="The token standing for each medium's embeddings in the LLM's vocabulary, where a model family "
+        "has its own (Qwen2-VL's <|image_pad|>, Qwen2-Audio's <|AUDIO|>) and its chat template writes it; by "
+        "default <image>, <audio>, <video>, added as special tokens where the vocabulary lacks them",
+    )
     # the names of omni_core.models.args.AttentionKind (the recipe layer imports no model code; a test compares)
     attention: Literal["auto", "sdpa", "flex", "varlen"] = Field(
         "auto",
@@ -73,14 +79,25 @@ class ModelConfig(Strict):
     )
 
     @model_serializer(mode="wrap")
-    def _qwen2_audio_options_only_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The audio options are left out of a dump at their defaults, so that the recipes and training hashes
-        (checkpoint folders) from before them stay what they were."""
+    def _options_only_when_set(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The audio options and the placeholders are left out of a dump at their defaults, so that the recipes
+        and training hashes (checkpoint folders) from before them stay what they were."""
         out = dump(self)
         for name in ("audio_pool", "audio_projector"):
             if getattr(self, name) == type(self).model_fields[name].default:
                 out.pop(name, None)
+        if not self.placeholders:
+            out.pop("placeholders", None)
         return dict(out)
+
+    @model_validator(mode="after")
+    def _placeholders_name_a_vocabulary(self) -> ModelConfig:
+        if self.placeholders and self.pretrained.llm is None:
+            raise ValueError(
+                "placeholders: tokens of a pretrained LLM's vocabulary; without model.pretrained.llm the byte "
+                "tokenizer's placeholders are fixed ids"
+            )
+        return self
 
     @field_validator("freeze")
     @classmethod

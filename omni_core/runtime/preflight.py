@@ -132,6 +132,7 @@ def _model(recipe: Recipe) -> tuple[OmniModelArgs | None, list[Finding]]:
 def _pretrained(recipe: Recipe, part: str) -> list[Finding]:
     """A pretrained part's folder, its config.json (every key honoured, `hf_config`), its inputs against the
     data settings and its tensors' names and shapes (the files' headers), as the build will read them."""
+    from omni_core.common.tokenizer import PlaceholderError
     from omni_core.models.pretrained import check_weights
     from omni_core.runtime.model_init import recipe_args
 
@@ -144,6 +145,8 @@ def _pretrained(recipe: Recipe, part: str) -> list[Finding]:
         ]
     try:
         check_weights(*recipe_args(recipe, parts=(part,)))
+    except PlaceholderError as error:
+        return [Finding("model.placeholders", str(error))]
     except (OSError, ValueError) as error:  # hf_config.ConfigRefused is a ValueError
         return [Finding(field, str(error))]
     return []

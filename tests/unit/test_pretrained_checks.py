@@ -72,3 +72,22 @@ def test_the_plan_is_checked_against_the_pretrained_llm(tmp_path: Path) -> None:
     found = problems(tmp_path, {"model.pretrained.llm": str(tmp_path / "llm"), "parallel.nproc": 2, "parallel.pp": 2})
     assert "parallel: plan dp1-pp2 does not fit the model: pp=2 would put the tied embedding" in found
     assert f"(model {tmp_path / 'llm'}, 2 ranks)" in found
+
+
+def test_a_model_familys_own_placeholders(tmp_path: Path) -> None:
+    """model.placeholders names the tokens a model family's vocabulary and chat template already use for media
+    (here <|endoftext|> stands for images): those ids are the placeholders, only the others are added; a
+    token that would serve twice is named before launch, and placeholders without a pretrained LLM at load."""
+    from omni_core.common.tokenizer import HFTokenizer, tokenizer_for
+
+    llm = str(write_llm(tmp_path / "llm"))
+    recipe = build_recipe(tmp_path, {"model.pretrained.llm": llm, "model.placeholders": {"image": "<|endoftext|>"}})
+    tokenizer = tokenizer_for(recipe)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.added_tokens == ("<audio>", "<video>")
+    assert tokenizer.placeholder_ids["image"] == tokenizer.backend.token_to_id("<|endoftext|>")
+    assert recipe.training_hash() != build_recipe(tmp_path, {"model.pretrained.llm": llm}).training_hash()
+    assert "placeholders" not in build_recipe(tmp_path, {}).model.model_dump()  # older hashes stand
+    found = problems(tmp_path, {"model.pretrained.llm": llm, "model.placeholders": {"audio": "<|im_end|>"}})
+    assert "model.placeholders: placeholder tokens" in found and "must differ" in found
+    with pytest.raises(RecipeError, match="placeholders: tokens of a pretrained LLM's vocabulary"):
+        build_recipe(tmp_path, {"model.placeholders": {"image": "<x>"}})

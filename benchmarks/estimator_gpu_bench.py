@@ -6,15 +6,17 @@ The table is priced by `omni_core.estimator.published` and the held-out check is
 this script runs them and prints their summaries.
 
 Each row is one measured configuration: a model shape (GPT or Llama), a global batch, a GPU type and count,
-the source's parallel plan (TP x PP x CP x DP, replicated or FSDP-sharded; interleaved pipeline stages; gradients
-reduced during or after the backward), its activation recomputation and its
-measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens per
-second per GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan on that Cell with the
-catalogue's datasheet figures and the default `Efficiency` (no calibration: no GPU here), choosing only what
-the source does not state: the micro-batch (1-8, the fastest that fits). Reported:
+the source's parallel plan (TP x PP x CP x DP, replicated, FSDP-sharded or a ZeRO stage; interleaved pipeline
+stages; gradients reduced during or after the backward), the runtime that ran it, its activation recomputation
+and its measured throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens
+per second per GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan on
+that Cell with the catalogue's datasheet figures and the default `Efficiency` as the row's runtime overlaps and
+allocates (`published.RUNTIMES`; no calibration: no GPU here), choosing only what the source does not state,
+the fastest that fits: the micro-batch (1-8), and where a row leaves them empty the interleaved stages per rank
+and the recomputation. Reported:
 
 - `rows`: per row, predicted and measured step seconds and `log2_error` = log2(predicted / measured)
-  (negative: optimistic);
+  (negative: optimistic), the plan and recomputation priced and which of them were `searched`;
 - `by_gpu[type]` and `by_nodes[count]`: rows, median |log2 error|, share of rows within 1.5x, median signed
   log2 error;
 - `mape_pct`, `within_1_5x_share`, `median_abs_log2`;

@@ -4,11 +4,14 @@ by field, each row's measured step time, the source's plan priced on its Cell, a
 `benchmarks/estimator_gpu_bench.py` writes.
 
 Each row is a model shape (GPT or Llama), a global batch, a GPU type and count, the source's parallel plan
-(TP x PP x CP x DP, replicated or FSDP-sharded; interleaved pipeline stages; gradients reduced during or after
-the backward), its activation recomputation and its measured throughput (TFLOP/s per GPU, turned into a step
-time with the source's own FLOP count; tokens per second per GPU; or seconds per iteration), or that it ran out
-of memory. The estimator prices that plan with the catalogue's datasheet figures and the default `Efficiency`,
-choosing only what the source does not state: the micro-batch (1-8, the fastest that fits).
+(TP x PP x CP x DP, replicated, FSDP-sharded or a ZeRO stage; interleaved pipeline stages; gradients reduced
+during or after the backward), the runtime that ran it, its activation recomputation and its measured
+throughput (TFLOP/s per GPU, turned into a step time with the source's own FLOP count; tokens per second per
+GPU; or seconds per iteration), or that it ran out of memory. The estimator prices that plan with the
+catalogue's datasheet figures and the default `Efficiency` as the row's runtime overlaps and allocates
+(`RUNTIMES`), choosing only what the source does not state, the fastest that fits: the micro-batch (1-8), and
+where the row leaves them empty the interleaved stages per rank and the recomputation (`SEARCHED_RECOMPUTE`);
+each priced row names what was chosen.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
 from omni_core.common.catalog import GpuCatalog
-from omni_core.common.plan import ParallelPlan
+from omni_core.common.plan import ParallelPlan, Sharding
 from omni_core.estimator.accuracy import Row, family_spearman, grouped_summary, summary
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
 from omni_core.estimator.lm_workloads import transformer
@@ -37,7 +41,40 @@ SOURCE_CP: Final = "ulysses"
 # how the data-parallel gradients are reduced: in buckets during the backward (PyTorch DDP, FSDP, ZeRO; or not
 # stated), or in one all-reduce after the last backward (Megatron-LM's "local" DDP), which hides none of it
 GRAD_SYNC = ("overlapped", "after")
-MEASURES = ("tflops_per_gpu", "tokens_per_s_per_gpu", "step_s", "oom")
+MEASURES = ("tflops_per_gpu", "mcore_tflops_per_gpu", "tokens_per_s_per_gpu", "step_s", "oom")
+# The runtime a row ran on, as the `Efficiency` choices that price what it overlaps and how it holds a ZeRO stage
+# (the defaults are omni's runtime's: FSDP2, TP's collectives exposed):
+RUNTIMES: dict[str, dict[str, Any]] = {
+    # Megatron-LM as Narayanan et al. 2021 and MT-NLG ran it: TP's collectives exposed, DP as `grad_sync` says
+    "megatron": {},
+    # DeepSpeed's ZeRO (MT-NLG's ZeRO-1): the fp32 master copy sharded with the states, gradients reduced in
+    # buckets during the backward, the parameters all-gathered after the step
+    "deepspeed": {"zero_master_sharded": True, "zero_reduce_in_backward": True},
+    # Megatron-Core's distributed optimizer with every overlap its README's H100 runs name: --overlap-grad-reduce,
+    # --overlap-param-gather (the all-gather in the next forward), --tp-comm-overlap (TP's collectives decomposed
+    # into their matmuls); gradients accumulated and reduced in bf16, its default (`grad_reduce_in_fp32` False
+    # unless --accumulate-allreduce-grads-in-fp32)
+    "megatron-core": {
+        "grad_bytes": 2.0,
+        "zero_master_sharded": True,
+        "zero_reduce_in_backward": True,
+        "zero_gather_in_forward": True,
+        "tp_async": True,
+    },
+    # PyTorch's FSDP2 (torchtitan, NeMo AutoModel): omni's runtime's own choices
+    "fsdp2": {},
+}
+# "": the dp / dp_shard columns say it (FSDP over dp_shard)
+SHARDING: dict[str, Sharding] = {
+    "": "fsdp",
+    "fsdp": "fsdp",
+    "zero2": "zero2",
+    "zero1": "zero1",
+    "replicate": "replicate",
+}
+# the recomputation tried where a row leaves it unstated: what Megatron-LM offers that the cost model prices
+# (its selective recomputation of the attention core keeps nothing a flash kernel would store: as none)
+SEARCHED_RECOMPUTE = ("none", "full")
 # the row's recomputation as Options (checkpoint, selective): torchtitan's selective activation checkpointing
 # keeps every second block ("layer", its default frequency 2) or a per-operator save list ("op")
 RECOMPUTE = {"none": (False, ""), "full": (True, ""), "selective-layer": (True, "layer"), "selective-op": (True, "op")}
@@ -58,12 +95,19 @@ def _row_problem(row: TableRow) -> str:
     """What is wrong with one row, or ""."""
     if row["measure"] not in MEASURES:
         return f"measure={row['measure']!r}; known: {', '.join(MEASURES)}"
-    if row["recompute"] not in RECOMPUTE:
-        return f"recompute={row['recompute']!r}; known: {', '.join(RECOMPUTE)}"
+    if row["recompute"] and row["recompute"] not in RECOMPUTE:
+        return f"recompute={row['recompute']!r}; known: {', '.join(RECOMPUTE)}, or empty (searched)"
     if row["grad_sync"] not in GRAD_SYNC:
         return f"grad_sync={row['grad_sync']!r}; known: {', '.join(GRAD_SYNC)}"
-    if not row["vp"].isdigit() or int(row["vp"]) < 1 or int(row["layers"]) % (int(row["pp"]) * int(row["vp"])):
-        return f"vp={row['vp']!r} must be a count of stages per rank dividing the layers per rank"
+    if row["runtime"] not in RUNTIMES:
+        return f"runtime={row['runtime']!r}; known: {', '.join(RUNTIMES)}"
+    if row["sharding"] not in SHARDING:
+        return (
+            f"sharding={row['sharding']!r}; known: {', '.join(filter(None, SHARDING))}, or empty (FSDP over dp_shard)"
+        )
+    vp = row["vp"]
+    if vp and (not vp.isdigit() or int(vp) < 1 or int(row["layers"]) % (int(row["pp"]) * int(vp))):
+        return f"vp={vp!r} must be a count of stages per rank dividing the layers per rank, or empty (searched)"
     if row["arch"] not in ("gpt", "llama"):
         return f"arch={row['arch']!r}; known: gpt, llama"
     if row["measure"] != "oom" and not row["value"]:
@@ -94,8 +138,22 @@ def measured_step_s(row: TableRow) -> float:
     b, s, layers, h, v, gpus = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab", "gpus"))
     if row["measure"] == "tokens_per_s_per_gpu":
         return b * s / (float(row["value"]) * gpus)
-    flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    if row["measure"] == "mcore_tflops_per_gpu":
+        flops = mcore_flops(row)
+    else:
+        flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
     return flops / (float(row["value"]) * 1e12 * gpus)
+
+
+def mcore_flops(row: TableRow) -> float:
+    """Megatron-Core's FLOP count of an iteration, what its logged TFLOP/s per GPU divides
+    (`num_floating_point_operations` in megatron/training/training.py of NVIDIA/Megatron-LM, commit f2e5db4):
+    forward and backward of the model (no recomputation), 12 B s l h^2 ((1 + g/a + s/h) + f/h x (3/2 gated) +
+    V / 2lh), with g the key-value heads, a the heads, f the FFN width."""
+    b, s, layers, h, v = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab"))
+    attention = 1 + int(row["kv_heads"]) / int(row["heads"]) + s / h
+    mlp = int(row["ffn"]) / h * (1.5 if row["arch"] == "llama" else 1.0)
+    return 12 * b * s * layers * h * h * (attention + mlp + v / (2 * layers * h))
 
 
 def row_workload(row: TableRow) -> Workload:
@@ -116,9 +174,10 @@ def row_workload(row: TableRow) -> Workload:
     )
 
 
-def row_plan(row: TableRow) -> ParallelPlan:
-    """The source's parallel plan; interleaved 1F1B where it ran several stages per rank."""
-    vp = int(row["vp"])
+def row_plan(row: TableRow, vp: int | None = None) -> ParallelPlan:
+    """The source's parallel plan (`vp` interleaved stages per rank where the row leaves them to the search);
+    interleaved 1F1B where it ran several stages per rank."""
+    vp = vp or int(row["vp"])
     return ParallelPlan(
         dp_replicate=int(row["dp"]),
         dp_shard=int(row["dp_shard"]),
@@ -128,20 +187,40 @@ def row_plan(row: TableRow) -> ParallelPlan:
         cp_kind=SOURCE_CP,
         virtual_stages=vp,
         pp_schedule="Interleaved1F1B" if vp > 1 else "1F1B",
+        sharding=SHARDING[row["sharding"]],
     )
 
 
-def predicted(row: TableRow, catalog: GpuCatalog) -> Estimate:
-    """The source's plan and recomputation on the row's Cell, at the micro-batch that prices fastest (the least
-    step time, or the closest to fitting when none fits)."""
-    workload, plan = row_workload(row), row_plan(row)
+def row_efficiency(row: TableRow) -> Efficiency:
+    """The default `Efficiency` as the row's runtime overlaps and allocates (`RUNTIMES`, `grad_sync`)."""
     eff = Efficiency(dp_overlap=0.0) if row["grad_sync"] == "after" else Efficiency()
-    checkpoint, selective = RECOMPUTE[row["recompute"]]
-    per_rank = int(row["global_batch"]) // plan.dp
+    return replace(eff, **RUNTIMES[row["runtime"]])
+
+
+def row_choices(row: TableRow) -> list[tuple[ParallelPlan, Options]]:
+    """Every (plan, options) the row's unstated choices allow: micro-batches 1-8 (or the stated one), interleaved
+    stages per rank that divide its layers per rank (or the stated count), recomputation (or the stated one)."""
+    per_stage = int(row["layers"]) // int(row["pp"])
+    vps = (
+        [int(row["vp"])]
+        if row["vp"]
+        else [v for v in range(1, 9) if per_stage % v == 0 and (v == 1 or row["pp"] != "1")]
+    )
+    recomputes = [row["recompute"]] if row["recompute"] else list(SEARCHED_RECOMPUTE)
+    plans = [row_plan(row, vp) for vp in vps]
+    per_rank = int(row["global_batch"]) // plans[0].dp
     stated = (int(row["micro_batch"]),) if row["micro_batch"] else MICRO_BATCHES
-    options = [Options(mb, checkpoint, selective) for mb in stated if per_rank % mb == 0]
+    options = [Options(mb, *RECOMPUTE[r]) for r in recomputes for mb in stated if per_rank % mb == 0]
+    return [(plan, o) for plan in plans for o in options]
+
+
+def predicted(row: TableRow, catalog: GpuCatalog) -> Estimate:
+    """The source's plan and recomputation on the row's Cell, as the row's runtime runs it, with what the
+    source leaves unstated chosen to price fastest (`row_choices`: the least step time, or the closest to
+    fitting when none fits)."""
+    workload, eff = row_workload(row), row_efficiency(row)
     gpu, per_node = catalog[row["gpu"]], int(row["gpus_per_node"])
-    estimates = [estimate_step(workload, gpu, plan, o, gpus_per_node=per_node, eff=eff) for o in options]
+    estimates = [estimate_step(workload, gpu, plan, o, gpus_per_node=per_node, eff=eff) for plan, o in row_choices(row)]
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: e.step_time_s)
@@ -190,7 +269,9 @@ def _priced_row(row: TableRow, est: Estimate) -> Row:
         "gpus": int(row["gpus"]),
         "nodes": math.ceil(int(row["gpus"]) / int(row["gpus_per_node"])),
         "plan": est.plan.name,
-        "recompute": row["recompute"],
+        "runtime": row["runtime"],
+        "recompute": _recompute_name(est.options),
+        "searched": [k for k in ("micro_batch", "vp", "recompute") if not row[k]],
         "global_batch": int(row["global_batch"]),
         "micro_batch": est.options.micro_batch,
         "measured_s": measured,
@@ -198,6 +279,10 @@ def _priced_row(row: TableRow, est: Estimate) -> Row:
         "peak_gb": est.peak_mem_bytes / 1e9,
         "log2_error": math.log2(est.step_time_s / measured) if est.fits else None,
     }
+
+
+def _recompute_name(options: Options) -> str:
+    return next(name for name, choice in RECOMPUTE.items() if choice == (options.checkpoint, options.selective))
 
 
 def _report(rows: list[Row], priced: list[Row], oom: dict[str, Any]) -> dict[str, Any]:

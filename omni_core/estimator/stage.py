@@ -162,13 +162,21 @@ def host_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> floa
 
 
 def tp_seconds(terms: PlanTerms, st: Sums) -> float:
-    """TP's all-gather / reduce-scatter pairs (sequence parallel), forward ones mirrored in backward."""
-    tp = terms.plan.tp
+    """TP's all-gather / reduce-scatter pairs (sequence parallel), forward ones mirrored in backward. Where the
+    runtime decomposes them into their matmuls (`Efficiency.tp_async`) their volume hides behind the micro-batch's
+    matmuls (forward, backward, recomputation), their latency and what exceeds those matmuls stay exposed."""
+    tp, eff = terms.plan.tp, terms.eff
     if tp <= 1:
         return 0.0
     per_coll = st.tp_bytes * terms.options.micro_batch / terms.plan.cp / max(st.tp_colls, 1)
     pair = terms.net.time("all_gather", per_coll, tp, tp, 0) + terms.net.time("reduce_scatter", per_coll, tp, tp, 0)
-    return (1 - terms.eff.tp_overlap) * st.tp_colls * pair * (2 + terms.recompute) / 2
+    exposed = (1 - eff.tp_overlap) * st.tp_colls * pair * (2 + terms.recompute) / 2
+    if not eff.tp_async:
+        return exposed
+    latency = terms.net.time("all_gather", 0.0, tp, tp, 0) + terms.net.time("reduce_scatter", 0.0, tp, tp, 0)
+    latency *= st.tp_colls * (2 + terms.recompute) / 2
+    matmuls = st.flops * terms.options.micro_batch / terms.split / terms.mm_rate * terms.passes
+    return latency + max(0.0, exposed - latency - matmuls)
 
 
 def cp_exchange_seconds(terms: PlanTerms, ring: RingAttention | None, st: Sums) -> float:
@@ -323,7 +331,9 @@ def zero_seconds(terms: PlanTerms, params: float) -> FsdpTimes:
     the gradients all-reduced (ZeRO-2: reduce-scattered) over the shard group, then their share all-reduced over
     dp_replicate; ZeRO-1/2 then all-gather the updated parameters (fp32 where the runtime keeps fp32 parameters
     whole, `Efficiency.zero_master_sharded`). The reduction hides behind the backward only where the runtime
-    reduces during it (`Efficiency.zero_reduce_in_backward`); the all-gather follows the step, exposed."""
+    reduces during it (`Efficiency.zero_reduce_in_backward`); the all-gather follows the step, exposed, unless
+    the runtime runs it in the next forward (`zero_gather_in_forward`: hidden like the reduction, in the window
+    `hidden_dp_seconds` gives it, the last micro-batch's backward)."""
     plan, eff = terms.plan, terms.eff
     stage, shards, span = plan.sharding, terms.shards, terms.rank_span
     grads = params * eff.grad_bytes
@@ -342,7 +352,11 @@ def zero_seconds(terms: PlanTerms, params: float) -> FsdpTimes:
     after = 0.0
     if stage != "replicate":
         weights = terms.weight_bytes if eff.zero_master_sharded else max(terms.weight_bytes, 4)
-        after = sum(dp_seconds(terms, "all_gather", params * weights, shards, span, 1))
+        gather = dp_seconds(terms, "all_gather", params * weights, shards, span, 1)
+        if eff.zero_gather_in_forward:
+            reduces.append(gather)
+        else:
+            after = sum(gather)
     if eff.zero_reduce_in_backward:
         return FsdpTimes(0.0, (0.0, 0.0), _summed(reduces), after)
     return FsdpTimes(0.0, (0.0, 0.0), (0.0, 0.0), after + sum(sum(part) for part in reduces))

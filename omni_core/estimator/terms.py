@@ -48,7 +48,14 @@ class Efficiency:
     # and reduces once after the backward, exposed, ZeRO-2 freeing the whole gradients only then: both False.
     zero_master_sharded: bool = False
     zero_reduce_in_backward: bool = False
+    # and all-gathers the updated parameters during the next step's forward (Megatron's --overlap-param-gather),
+    # hidden like the reduction; omni's and DeepSpeed's all-gather after the step, exposed
+    zero_gather_in_forward: bool = False
     tp_overlap: float = 0.0  # share of TP collectives hidden
+    # the runtime decomposes TP's all-gathers and reduce-scatters into the matmuls they feed (Megatron-Core's
+    # --tp-comm-overlap, torchtitan's async TP, on Hopper): their volume hides behind those matmuls, the excess
+    # and every latency exposed (`stage.tp_seconds`). omni's runtime does not: exposed
+    tp_async: bool = False
     ep_overlap: float = 0.0
     cp_overlap: float = 0.5  # ring CP: share of the K/V passing hidden behind block attention
     pp_overlap: float = 0.5  # share of pipeline sends hidden

@@ -113,7 +113,8 @@ def test_a_calibration_stored_with_per_gpu_links_loads_as_per_node(tmp_path, mon
 
 def test_published_table_benchmark_writes_its_keys():
     report = published.score(TABLE)
-    assert report["sources"] == ["automodel2025", "megatron2020", "narayanan2021", "smith2022", "torchtitan2024"]
+    assert report["sources"] == ["automodel2025", "mcore2024", "megatron2020", "narayanan2021", "smith2022",
+                                 "torchtitan2024"]
     assert set(report["by_gpu"]) == {"a100-40gb", "a100-80gb", "h100", "v100"} and len(report["rows"]) >= 34
     assert {"by_gpu", "by_nodes", "by_recompute", "mape_pct", "within_1_5x_share", "median_abs_log2",
             "spearman_by_family", "oom", "targets"} <= set(report)

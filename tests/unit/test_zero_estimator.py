@@ -4,11 +4,13 @@ the plan search choosing ZeRO where whole parameters fit and FSDP where they do 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
+from omni_core.estimator import published
 from omni_core.estimator.cost import Efficiency, Options, estimate_step
 from omni_core.estimator.lm_workloads import transformer
 from omni_core.estimator.memory import param_state_bytes
@@ -126,3 +128,72 @@ def test_in_flight_matches_torch_pipelining_warmup():
         m = t.micro_batches
         for stage in range(pp):
             assert in_flight(t, stage) == min(warmup(stage, v, m // max(1, m // pp), pp, m) + 1, m * v) / v
+
+
+TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_gpu_training.csv"
+MCORE_MFU = {"1.7b": 41, "7.1b": 47, "16b": 49, "32b": 46, "70b": 42, "119b": 43, "177b": 44, "314b": 48, "462b": 47}
+
+
+def test_megatron_core_rows_are_the_readme_s_shapes_and_bf16_throughputs():
+    """Transcribed from a table image, so checked against the table's other columns: each shape has the
+    parameter count its row names (GPT with a 131,072-token vocabulary, untied, 4,096 positions, 4h FFN), and
+    each TFLOP/s per GPU over the H100's bf16 peak is the MFU it lists (bf16, not FP8, whose peak is twice)."""
+    rows = [r for r in published.read_table(TABLE) if r["source"] == "mcore2024"]
+    assert len(rows) == len(MCORE_MFU)
+    for row in rows:
+        size = row["model"].split("-")[1]
+        layers, h, v, s = (int(row[k]) for k in ("layers", "hidden", "vocab", "seq_len"))
+        params = 12 * layers * h * h + 13 * layers * h + (2 * v + s) * h  # untied embedding and output head
+        assert params / 1e9 == pytest.approx(float(size[:-1]), rel=0.05), size  # the labels round (1.75 -> 1.7)
+        mfu = 100 * float(row["value"]) * 1e12 / CATALOG["h100"].compute_flops("bf16")
+        assert abs(mfu - MCORE_MFU[size]) < 0.6, size  # to the README's rounding (46.5 reads 47 there)
+
+
+def test_megatron_core_flops_are_its_closed_form():
+    """`mcore_flops` for a GPT without grouped queries, FFN 4h: 72 B s l h^2 (1 + s / 6h + V / 12lh)."""
+    row = next(r for r in published.read_table(TABLE) if r["model"] == "gpt-177b-v131k")
+    b, s, layers, h, v = (int(row[k]) for k in ("global_batch", "seq_len", "layers", "hidden", "vocab"))
+    closed = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert published.mcore_flops(row) == pytest.approx(closed)
+    assert published.measured_step_s(row) == pytest.approx(closed / (432.8e12 * 2304))
+
+
+def test_a_row_is_priced_as_its_runtime_and_names_what_it_searched():
+    report = published.score(TABLE)
+    mcore = [r for r in report["rows"] if r["source"] == "mcore2024"]
+    assert all(r["searched"] == ["micro_batch", "vp", "recompute"] and r["runtime"] == "megatron-core" for r in mcore)
+    assert all(ParallelPlan.parse(r["plan"]).sharding == "zero1" for r in mcore)
+    assert {r["recompute"] for r in mcore} <= {"none", "full"}
+    mt_nlg = [r for r in report["rows"] if r["source"] == "smith2022"]
+    assert all(r["searched"] == ["micro_batch"] and r["plan"].startswith(("dp8z1", "dp10z1", "dp12z1")) for r in mt_nlg)
+    eff = published.row_efficiency(next(r for r in published.read_table(TABLE) if r["source"] == "mcore2024"))
+    assert eff.tp_async and eff.zero_master_sharded and eff.zero_gather_in_forward and eff.grad_bytes == 2.0
+    assert published.row_efficiency(next(r for r in published.read_table(TABLE) if r["source"] == "torchtitan2024")) \
+        == Efficiency()
+
+
+def test_unknown_runtime_or_sharding_in_the_table_is_refused_by_field(tmp_path):
+    lines = TABLE.read_text().splitlines()
+    bad = tmp_path / "table.csv"
+    bad.write_text("\n".join([lines[0], lines[1].replace(",megatron", ",jax")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: runtime='jax'"):
+        published.read_table(bad)
+    bad.write_text("\n".join([lines[0], lines[-1].replace(",zero1,", ",zero3,")]) + "\n")
+    with pytest.raises(ValueError, match=r"table\.csv:2: sharding='zero3'"):
+        published.read_table(bad)
+
+
+def test_async_tp_hides_the_volume_behind_its_matmuls_and_keeps_the_latency():
+    from omni_core.estimator.pipeline import stage_sums
+    from omni_core.estimator.stage import tp_seconds
+
+    w = gpt("gpt-13b", 40, 5120)
+    plan = ParallelPlan.parse("dp1-tp8")
+    exposed = PlanTerms.of(w, A100, plan, Options(1), Efficiency(), 8)
+    decomposed = PlanTerms.of(w, A100, plan, Options(1), Efficiency(tp_async=True), 8)
+    st = stage_sums(w, 1)[0]
+    latency = st.tp_colls * (2 / 2) * sum(exposed.net.time(k, 0.0, 8, 8, 0) for k in ("all_gather", "reduce_scatter"))
+    assert tp_seconds(exposed, st) > latency
+    assert tp_seconds(decomposed, st) == pytest.approx(latency)  # the matmuls outlast the volume
+    slow = PlanTerms.of(w, replace(A100, intra_bw=A100.intra_bw / 1000), plan, Options(1), Efficiency(tp_async=True), 8)
+    assert tp_seconds(slow, st) > latency  # a link too slow for its matmuls shows what they cannot hide

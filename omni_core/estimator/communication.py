@@ -6,8 +6,12 @@ uses the intra-node link. A group across nodes gets the nodes' NICs' share of it
 all run the same collective at once (SPMD), so a group with g of a node's k ranks gets g/k of the NICs'
 bandwidth (a ring through the node carries its traffic over them), never more than the intra-node link;
 the calibration's per-kind factors
-(`Efficiency.collectives`, e.g. gloo's all-to-all) scale the link's all-reduce figures. It knows links and
-ranks only, nothing of plans, so the calibration (`omni_core.measure.calibrate`) fits its figures with it.
+(`Efficiency.collectives`, e.g. gloo's all-to-all) scale the link's all-reduce figures. An all-reduce across
+GPU nodes takes NCCL's double binary tree where its latency is lower than the ring's, 2 log2(n) steps instead of
+2(n - 1) (NCCL chooses the tree for latency-bound sizes; it moves about the ring's bytes), which is what the
+step's small synchronising all-reduces over thousands of ranks cost; inside a node, and on CPU ranks (gloo's
+ring), the ring. It knows links and ranks only, nothing of plans, so the calibration
+(`omni_core.measure.calibrate`) fits its figures with it.
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ def ring_volume(kind: str, n: int) -> tuple[int, float]:
     return 1, 1.0
 
 
-def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float, calls: float = 1.0) -> float:
-    """Alpha-beta time of `calls` collectives moving `nbytes` per rank in total over n ranks (`ring_volume`)."""
+def collective_time(
+    kind: str, nbytes: float, n: int, bw: float, lat: float, calls: float = 1.0, tree: bool = False
+) -> float:
+    """Alpha-beta time of `calls` collectives moving `nbytes` per rank in total over n ranks (`ring_volume`);
+    `tree`: an all-reduce's latency steps are a double binary tree's where fewer, 2 ceil(log2 n)."""
     if n <= 1 and kind != "p2p":
         return 0.0
     steps, volume = ring_volume(kind, n)
+    if tree and kind == "all_reduce":
+        steps = min(steps, 2 * math.ceil(math.log2(n)))
     return calls * steps * lat + volume * nbytes / bw
 
 
@@ -51,7 +60,7 @@ def kind_scales(collectives: tuple[tuple[str, float, float], ...]) -> dict[str, 
 class Network:
     """Collective times on one Cell: the link by the group's span (intra- or inter-node), per-kind factors."""
 
-    __slots__ = ("inter_lat", "intra", "nic_bw", "per_node", "scales")
+    __slots__ = ("inter_lat", "intra", "nic_bw", "per_node", "scales", "tree")
 
     def __init__(
         self,
@@ -66,14 +75,16 @@ class Network:
         self.nic_bw, self.inter_lat = gpu.nic_bw * link, gpu.inter_lat
         self.per_node = gpus_per_node
         self.scales = kind_scales(collectives)
+        self.tree = gpu.name != "cpu"  # NCCL's trees across GPU nodes; the CPU device's ranks (gloo) reduce in rings
 
     def time(self, kind: str, nbytes: float, n: int, span: int, calls: float = 1.0) -> float:
         """`calls` collectives of `kind` over n ranks lying within `span` consecutive ranks (evenly spaced)."""
         if n <= 1 and kind != "p2p":
             return 0.0
-        bw, lat = self.intra if span <= self.per_node else self.across_nodes(n, span)
+        across = span > self.per_node
+        bw, lat = self.across_nodes(n, span) if across else self.intra
         lat_scale, bw_scale = self.scales.get(kind, _UNSCALED)
-        return collective_time(kind, nbytes, n, bw * bw_scale, lat * lat_scale, calls)
+        return collective_time(kind, nbytes, n, bw * bw_scale, lat * lat_scale, calls, tree=across and self.tree)
 
     def send(self, nbytes: float, across: bool, senders: int, calls: float = 1.0) -> float:
         """`calls` point-to-point messages moving `nbytes` in all, inside a node, or across nodes while

@@ -36,11 +36,22 @@ def test_a_group_across_nodes_gets_its_share_of_each_nodes_nics():
     assert one_per_node == pytest.approx(collective_time("all_reduce", nbytes, 2, A100.nic_bw / 8, A100.inter_lat))
     whole_nodes = net.time("all_reduce", nbytes, 16, 16)  # one group holds every rank of both nodes
     assert whole_nodes == pytest.approx(collective_time("all_reduce", nbytes, 16, min(A100.intra_bw, A100.nic_bw),
-                                                        A100.inter_lat))
+                                                        A100.inter_lat, tree=True))
     # a PCIe server's one NIC: two GPUs of a node that talk across nodes at once share its 12.5 GB/s
     pcie = Network(A40, 2)
     assert pcie.time("all_reduce", nbytes, 2, 4) == pytest.approx(
         collective_time("all_reduce", nbytes, 2, A40.nic_bw / 2, A40.inter_lat))
+
+
+def test_a_small_all_reduce_across_gpu_nodes_takes_a_trees_latency_and_a_ring_elsewhere():
+    """NCCL's double binary tree: 2 log2(n) latency steps across nodes (2 x 12 for 4,096 ranks, not 2 x 4,095);
+    inside a node, and among CPU ranks (gloo), the ring's 2(n - 1)."""
+    net = Network(A100, 8)
+    assert net.time("all_reduce", 0.0, 4096, 4096) == pytest.approx(2 * 12 * A100.inter_lat)
+    assert net.time("all_reduce", 0.0, 8, 8) == pytest.approx(2 * 7 * A100.intra_lat)
+    cpu = CATALOG["cpu"]
+    cores = Network(cpu, 4)
+    assert cores.time("all_reduce", 0.0, 16, 16) == pytest.approx(2 * 15 * cpu.inter_lat)
 
 
 def test_dp_traffic_is_hidden_only_behind_the_last_micro_batchs_backward():

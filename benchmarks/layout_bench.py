@@ -21,6 +21,13 @@ span of encoder and LLM work (`runtime.layout_metrics.layout_values`), mean over
 the bubble the joint schedule fills. On CPU `peak_mem_mb` is the peak resident set of
 the launch (all its mixes so far).
 
+`--dynamic` runs instead one drifting run per layout (world 2): the mix moves from 1:9 to 9:1 image:text over
+the timed steps (`DRIFT`, a `data.synthetic.schedule`), each layout keeps one plan for the whole run (of its
+plans at world 2, the one predicted fastest on the data of the first timed step), and the run's measured
+seconds (the sum of its timed steps, each its slowest rank's) are compared with the sum of its steps predicted
+one by one, each on a profile of DYNAMIC_WINDOW samples drawn at that step: `dynamic[layout]` = plan,
+`measured_run_s`, `predicted_run_s`, `error_pct`, per-step seconds both ways, and each ratio to coupled.
+
 Run it alone (it forks one rank per core at world 2); the report records the load average. On a GPU machine
 it runs the same cases with nccl, one GPU per rank.
 """
@@ -41,16 +48,18 @@ import torch
 from omni_core.common.plan import EncoderPlan, ParallelPlan
 from omni_core.data.balance import balance_for
 from omni_core.data.dataset import open_dataset
+from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
-from omni_core.data.profile import profile_dataset
+from omni_core.data.profile import data_ranks, profile_dataset, profile_source
+from omni_core.data.profile_result import DatasetProfile
 from omni_core.estimator.calibration import calibration_digest
 from omni_core.estimator.recipe_cells import predicted_step_times
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
-from omni_core.runtime.perf import peak_memory_mb
-from omni_core.runtime.ranks import preimport, run_ranks
 from omni_core.runtime.optimizer import Optimizers
+from omni_core.runtime.perf import peak_memory_mb
 from omni_core.runtime.plan_rules import resolve_plan, shards_per_node
+from omni_core.runtime.ranks import preimport, run_ranks
 from omni_core.runtime.replica import build_replica
 from omni_core.runtime.step import train_step
 from omni_core.runtime.trainer import resolve_dtype
@@ -70,6 +79,9 @@ PLANS = {2: ["dp2", "dp1-tp2", "dp1-pp2"], 4: ["dp4", "dp2-tp2", "dp2-pp2"]}
 LAYOUTS = ("coupled", "omni", "omni_joint", "disaggregated")
 LSSP_LAYOUT = "omni_lssp"  # full runs only: omni with images over LSSP_TOKENS patches split over 2 ranks
 LSSP_TOKENS = 256
+DRIFT = ({"text": 0.9, "image": 0.1}, {"text": 0.1, "image": 0.9})  # --dynamic: 1:9 to 9:1 over the timed steps
+DYNAMIC_STEPS = {True: (1, 6), False: (1, 20)}  # --dynamic (warm-up, timed) steps: quick, full
+DYNAMIC_WINDOW = 16  # samples profiled at each step for its prediction
 
 
 def layout_plan(llm: str, layout: str, world: int) -> ParallelPlan:
@@ -93,11 +105,17 @@ def layout_plan(llm: str, layout: str, world: int) -> ParallelPlan:
     return ParallelPlan(**{**plan.__dict__, "encoders": EncoderPlan("disaggregated", ranks=ranks, schedule="joint")})
 
 
-def bench_recipe(root: Path, mix: dict[str, float], plan: ParallelPlan) -> Recipe:
+def fixed_cases() -> dict[str, dict]:
+    """Each mix of MIXES as the `data.synthetic` settings of one case."""
+    return {name: {"mix": mix} for name, mix in MIXES.items()}
+
+
+def bench_recipe(root: Path, case: dict, plan: ParallelPlan) -> Recipe:
+    """The bench's recipe for `plan` on `case` (`data.synthetic` settings: a mix, or a mix schedule)."""
     return Recipe.model_validate({
         "experiment": {"name": "layout-bench", "output_dir": str(root / "out"), "seed": 7},
         "data": {"source": "dynamic", "seq_len": SEQ_LEN, "max_image_patches": 400,
-                 "synthetic": {"num_samples": 200, "mix": mix,
+                 "synthetic": {"num_samples": 200, **case,
                                "image_side_px": {"min": IMAGE_SIDE_PX[0], "max": IMAGE_SIDE_PX[1]}}},
         "model": {"flavor": FLAVOR},
         "parallel": plan.recipe_fields(),
@@ -106,15 +124,15 @@ def bench_recipe(root: Path, mix: dict[str, float], plan: ParallelPlan) -> Recip
     })
 
 
-def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int]) -> dict:
-    """Every mix under one plan on this rank: per timed step its seconds and metrics."""
+def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int], cases: dict[str, dict]) -> dict:
+    """Every case under one plan on this rank: per timed step its seconds and metrics."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=device)
     plan = ParallelPlan.parse(name)
     out = {}
-    for mix_name, mix in MIXES.items():
-        recipe = bench_recipe(Path(root), mix, plan)
+    for mix_name, case in cases.items():
+        recipe = bench_recipe(Path(root), case, plan)
         if resolve_plan(recipe, world) != plan:
             raise ValueError(f"the bench recipe does not express plan {name}")
         dtype = resolve_dtype(recipe.train.dtype, device)
@@ -139,12 +157,14 @@ def _rank(rank: int, world: int, root: str, name: str, steps: tuple[int, int]) -
     return out
 
 
-def launch(root: Path, name: str, steps: tuple[int, int]) -> dict:
-    """One launch of `name` (all mixes): per mix the step-level figures over its ranks."""
+def launch(root: Path, name: str, steps: tuple[int, int], cases: dict[str, dict] | None = None) -> dict:
+    """One launch of `name` (every case, by default every mix): per case the step-level figures over its ranks
+    (`step_s_each`: each timed step's slowest rank)."""
+    cases = cases or fixed_cases()
     world = ParallelPlan.parse(name).world_size
-    ranks = run_ranks(_rank, world, str(root), name, steps, backend="auto")
+    ranks = run_ranks(_rank, world, str(root), name, steps, cases, backend="auto")
     result = {}
-    for mix in MIXES:
+    for mix in cases:
         per_step = list(zip(*(r[mix]["records"] for r in ranks), strict=True))
         step_s = [max(rec["step_s"] for rec in step) for step in per_step]
         first = [step[0] for step in per_step]  # tokens, samples and the world-reduced metrics agree on all ranks
@@ -156,6 +176,7 @@ def launch(root: Path, name: str, steps: tuple[int, int]) -> dict:
             "llm_s": statistics.median(r["llm_s_max"] for r in first),
             "bubble_pct": statistics.median(r.get("bubble_pct", 0.0) for r in first),
             "step_s": statistics.median(step_s),
+            "step_s_each": step_s,
         }
     return result
 
@@ -164,14 +185,14 @@ def predicted(root: Path, world: int) -> dict[str, dict[str, dict[str, float | N
     """The estimator's speedup over coupled per mix, plan and layout (each plan at its own recipe's gradient
     accumulation: the same global batch), from this machine's calibration if one is stored."""
     out: dict = {}
-    for mix_name, mix in MIXES.items():
-        profile, _ = profile_dataset(bench_recipe(root, mix, ParallelPlan()), root / "profile" / mix_name)
+    for mix_name, case in fixed_cases().items():
+        profile, _ = profile_dataset(bench_recipe(root, case, ParallelPlan()), root / "profile" / mix_name)
         for llm in PLANS[world]:
             times = {}
             for layout in LAYOUTS:
                 plan = layout_plan(llm, layout, world)
                 try:
-                    times[layout] = predicted_step_times(bench_recipe(root, mix, plan), [plan], profile)[plan.name]
+                    times[layout] = predicted_step_times(bench_recipe(root, case, plan), [plan], profile)[plan.name]
                 except ValueError as err:
                     print(f"prediction {mix_name} {plan.name}: {err}", file=sys.stderr)
             out.setdefault(mix_name, {})[llm] = {
@@ -207,7 +228,7 @@ def measure(root: Path, rounds: dict[int, int], layouts: tuple[str, ...], steps:
     results: dict = {}
     for (mix, llm, layout), seen in rounds_seen.items():
         rates = [s["samples_per_s"] for s in seen]
-        median = {key: statistics.median(s[key] for s in seen) for key in seen[0] if key != "plan"}
+        median = {key: statistics.median(s[key] for s in seen) for key in seen[0] if key not in ("plan", "step_s_each")}
         median.update(plan=seen[0]["plan"], rounds=len(seen),
                       spread_pct=100 * (max(rates) - min(rates)) / statistics.median(rates))
         results.setdefault(mix, {}).setdefault(llm, {})[layout] = median
@@ -215,6 +236,69 @@ def measure(root: Path, rounds: dict[int, int], layouts: tuple[str, ...], steps:
         for mix in MIXES:
             results.setdefault(mix, {}).setdefault(llm, {})[layout] = {"error": error}
     return results, {f"{llm}/{layout}": e for (llm, layout), e in errors.items()}
+
+
+def drift_case(steps: tuple[int, int]) -> dict:
+    """`--dynamic`'s data: the mix moves from DRIFT[0] to DRIFT[1] over the timed steps (warm-up at the first)."""
+    warm, timed = steps
+    return {"mix": DRIFT[0], "schedule": [{"step": warm, "mix": DRIFT[0]}, {"step": warm + timed - 1, "mix": DRIFT[1]}]}
+
+
+def step_profile(recipe: Recipe, step: int) -> DatasetProfile:
+    """DYNAMIC_WINDOW samples of the recipe's data as drawn from optimizer step `step` on."""
+    return profile_source(open_dataset(recipe), recipe.data, recipe.experiment.seed, FlopModel.for_recipe(recipe),
+                          DYNAMIC_WINDOW, by_record=True, balance_ranks=data_ranks(recipe),
+                          step_batches=recipe.train.grad_accum, at_step=step)
+
+
+def dynamic_plans(root: Path, steps: tuple[int, int], world: int) -> dict[str, ParallelPlan]:
+    """Each layout's one plan for the run: of its plans at `world`, the fastest predicted on the data of the
+    first timed step (the window a job is planned on)."""
+    chosen = {}
+    for layout in LAYOUTS:
+        plans = {p.name: p for p in (layout_plan(llm, layout, world) for llm in PLANS[world])}
+        priced = {}
+        for name, plan in plans.items():
+            recipe = bench_recipe(root, drift_case(steps), plan)
+            try:
+                priced[name] = predicted_step_times(recipe, [plan], step_profile(recipe, steps[0]))[name]
+            except ValueError as err:
+                print(f"prediction {name}: {err}", file=sys.stderr)
+        chosen[layout] = plans[min(priced, key=lambda n: priced[n])]
+    return chosen
+
+
+def dynamic(root: Path, steps: tuple[int, int], rounds: int, world: int = 2) -> dict:
+    """`--dynamic`: each layout's one plan over the drifting run, measured (the sum of its timed steps, each
+    its slowest rank's; median over rounds) against the sum of its steps predicted one by one, each on the
+    data drawn at that step."""
+    plans = dynamic_plans(root, steps, world)
+    timed = range(steps[0], sum(steps))
+    predicted = {}
+    for layout, plan in plans.items():
+        recipe = bench_recipe(root, drift_case(steps), plan)
+        predicted[layout] = [predicted_step_times(recipe, [plan], step_profile(recipe, s))[plan.name] for s in timed]
+    measured: dict[str, list[list[float]]] = {layout: [] for layout in plans}
+    for _ in range(rounds):
+        for layout, plan in plans.items():
+            started = time.perf_counter()
+            result = launch(root, plan.name, steps, {"drift": drift_case(steps)})
+            measured[layout].append(result["drift"]["step_s_each"])
+            print(f"dynamic {layout:14} {plan.name:24} measured {sum(measured[layout][-1]):6.2f} s "
+                  f"predicted {sum(predicted[layout]):6.2f} s  ({time.perf_counter() - started:.0f} s)", flush=True)
+    out: dict = {}
+    for layout, plan in plans.items():
+        runs = [sum(r) for r in measured[layout]]
+        run_s, pred_s = statistics.median(runs), sum(predicted[layout])
+        out[layout] = {"plan": plan.name, "measured_run_s": run_s, "predicted_run_s": pred_s,
+                       "error_pct": 100 * (pred_s / run_s - 1), "spread_pct": 100 * (max(runs) - min(runs)) / run_s,
+                       "measured_step_s": [statistics.median(s) for s in zip(*measured[layout])],
+                       "predicted_step_s": predicted[layout]}
+    base = out["coupled"]
+    for figures in out.values():
+        figures["measured_vs_coupled"] = base["measured_run_s"] / figures["measured_run_s"]
+        figures["predicted_vs_coupled"] = base["predicted_run_s"] / figures["predicted_run_s"]
+    return out
 
 
 def speedups(results: dict, layout: str) -> dict:
@@ -227,17 +311,44 @@ def speedups(results: dict, layout: str) -> dict:
     return out
 
 
+def main_dynamic(quick: bool, out: str) -> None:
+    """`--dynamic`: the drifting run alone, each layout one plan (world 2)."""
+    steps = DYNAMIC_STEPS[quick]
+    started = time.perf_counter()
+    report: dict = {"load_average": {"start": os.getloadavg()},
+                    "workload": {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
+                                 "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
+                                 "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
+                                 "calibration": calibration_digest("cpu") or "catalogue",
+                                 "device": "cuda" if torch.cuda.is_available() else "cpu"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        preimport()
+        report["dynamic"] = dynamic(Path(tmp), steps, rounds=1)
+    report["load_average"]["end"] = os.getloadavg()
+    report["wall_s"] = time.perf_counter() - started
+    Path(out).write_text(json.dumps(report, indent=2))
+    for layout, f in report["dynamic"].items():
+        print(f"{layout:14} {f['plan']:24} run measured {f['measured_run_s']:6.2f} s "
+              f"predicted {f['predicted_run_s']:6.2f} s ({f['error_pct']:+.1f}%)  "
+              f"vs coupled measured {f['measured_vs_coupled']:.2f} predicted {f['predicted_vs_coupled']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="world 2, one round, fewer steps, QUICK_SEQ_LEN-token "
                         "micro-batches, half as many per step (< 2 min on CPU)")
     parser.add_argument("--out", default="layout.json")
+    parser.add_argument("--dynamic", action="store_true", help="only the drifting run: each layout one plan, "
+                        "its steps predicted one by one against the measured run (world 2)")
     args = parser.parse_args()
     # the targets are at world 2 (one rank per core): its rounds are the medians; world 4 is one round
     rounds, steps = ({2: 1}, (1, 1)) if args.quick else ({2: 3, 4: 1}, (1, 3))
     if args.quick:  # half the tokens per micro-batch, half the micro-batches: every case within two minutes
         global SEQ_LEN, GLOBAL_MICRO
         SEQ_LEN, GLOBAL_MICRO = QUICK_SEQ_LEN, GLOBAL_MICRO // 2
+    if args.dynamic:
+        main_dynamic(args.quick, args.out)
+        return
     layouts = LAYOUTS if args.quick else (*LAYOUTS, LSSP_LAYOUT)
     started = time.perf_counter()
     report: dict = {"load_average": {"start": os.getloadavg()},

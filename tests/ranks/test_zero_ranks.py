@@ -8,9 +8,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
 from omni_core.data.synthetic import ensure_dataset
+from omni_core.estimator.cost import Efficiency, Options
+from omni_core.estimator.memory import param_state_bytes
+from omni_core.estimator.recipe_cells import flavor_workload
 from omni_core.estimator.stage import SHARDING_COLLECTIVES
+from omni_core.estimator.terms import PlanTerms
 from omni_core.parallel.zero import zero_shards
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.gradients import finish_gradients
@@ -123,6 +128,13 @@ def test_each_stage_shards_what_it_names_and_issues_the_collectives_the_estimato
             assert sorted({kind for kind, _ in large}) == sorted(kind for kind, _ in SHARDING_COLLECTIVES[stage])
             assert all(n == pytest.approx(params, rel=0.02) for _, n in large), f"{name}: {large}"
             assert not out[name]["on_host"]
+    # the estimator's model states per parameter are what the runtime held at its peak (fp32 here): whole
+    # weights, whole gradients until the reduction after the backward, and the stage's optimizer states
+    workload = flavor_workload(build_recipe(tmp_path, PLANS), "debug", 2, precision="fp32")
+    for name in STAGES:
+        terms = PlanTerms.of(workload, GpuCatalog()["a100-80gb"], ParallelPlan.parse(name), Options(), Efficiency(), 2)
+        held = 4 * (2 * out[name]["params"] + out[name]["states"]) / out[name]["params"]
+        assert held == pytest.approx(param_state_bytes(terms, 2), rel=0.02), name
 
 
 @pytest.mark.parametrize("saved,resumed", [("dp4z1", "dp2-tp2"), ("dp2-pp2", "dp2z2-tp2"), ("dp2z2-tp2", "dp2x2z1")])

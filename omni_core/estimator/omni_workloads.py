@@ -142,7 +142,7 @@ def _mel_frames(audio_tokens: float) -> float:
 def _audio_encoder(args: OmniModelArgs, mix: _SequenceMix, frames: float, b: int) -> list[Layer]:
     """The audio encoder over the sequence's clips (`frames` mel frames): its conv subsampling, its blocks
     (bidirectional attention per clip) and the audio projector."""
-    a, llm, audio_tokens, clips = args.audio, args.llm, mix.audio_tokens, mix.clips
+    a, audio_tokens, clips = args.audio, mix.audio_tokens, mix.clips
     conv = Layer(
         "audio.conv",
         params=3 * a.dim * (a.n_mels + a.dim) + 4 * a.dim,
@@ -175,8 +175,15 @@ def _audio_encoder(args: OmniModelArgs, mix: _SequenceMix, frames: float, b: int
     return [
         conv,
         *([blocks] * a.n_layers),
-        projector("projector.audio", a.dim, args.projector_mult * llm.dim, llm.dim, audio_tokens, b),
+        projector("projector.audio", *_audio_projector(args), audio_tokens / a.pool, b),
     ]
+
+
+def _audio_projector(args: OmniModelArgs) -> tuple[int, int, int]:
+    """(in, hidden, out) of the audio projector, which runs on the encoder's pooled tokens (`AudioArgs.pool`)."""
+    from omni_core.models.flops import projector_dims  # imports torch (common.batch), as `_mel_frames` does
+
+    return projector_dims(args)["audio"]
 
 
 def _with_dummy_calls(encoder: list[Layer], mix: _SequenceMix) -> list[Layer]:

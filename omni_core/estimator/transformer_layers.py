@@ -292,6 +292,10 @@ def vit(
 
 
 def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, dtype_bytes: int = 2) -> Layer:
+    """A two-layer GELU MLP in_dim -> hidden -> out_dim over `tokens`; hidden 0: one Linear in_dim -> out_dim
+    (`models.flops.projector_dims`, Qwen2-Audio's projector)."""
+    if hidden == 0:
+        return _linear_projector(name, in_dim, out_dim, tokens, dtype_bytes)
     params = in_dim * hidden + hidden + hidden * out_dim + out_dim
     b = dtype_bytes
     return Layer(
@@ -306,6 +310,25 @@ def projector(name: str, in_dim: int, hidden: int, out_dim: int, tokens: float, 
         tp_bytes=b * tokens * out_dim,
         ops=PROJECTOR_OPS,
         tensors=4,
+        units=1,
+    )
+
+
+def _linear_projector(name: str, in_dim: int, out_dim: int, tokens: float, b: int) -> Layer:
+    """One Linear with its bias: its input read, its output written, no activation kept but its input."""
+    params = in_dim * out_dim + out_dim
+    return Layer(
+        name,
+        params=params,
+        flops=2 * tokens * in_dim * out_dim,
+        mm_bytes=b * tokens * (in_dim + out_dim),
+        mm_weight_bytes=b * in_dim * out_dim,
+        act_bytes=b * tokens * in_dim,
+        out_bytes=b * tokens * out_dim,
+        mem_bytes=b * tokens * 2 * out_dim,
+        tp_bytes=b * tokens * out_dim,
+        ops=PROJECTOR_OPS,
+        tensors=2,
         units=1,
     )
 

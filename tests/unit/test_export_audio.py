@@ -295,3 +295,30 @@ def test_a_pooled_encoder_is_not_saved_as_a_whisper_encoder(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="a WhisperEncoder has no pooling, this encoder pools 2"):
         hf_import.save_pretrained(AudioEncoder(AudioArgs(pool=2)), tmp_path / "whisper")
     assert not (tmp_path / "whisper").exists()
+
+
+@pytest.mark.parametrize(("kind", "pool"), [("mlp", 1), ("linear", 2)])
+def test_the_estimator_prices_the_audio_projector_the_model_builds(tmp_path: Path, kind: str, pool: int) -> None:
+    """Qwen2-Audio's options reach the estimator: the audio projector's parameters are the model's (one Linear
+    under `linear`) and, on profiled audio data, it runs on the pooled tokens."""
+    from omni_core.data.dataset import open_dataset
+    from omni_core.data.flops import FlopModel
+    from omni_core.data.profile import profile_source
+    from omni_core.data.synthetic import ensure_dataset
+    from omni_core.estimator.omni_workloads import omni_workload
+    from omni_core.models.flavors import get_flavor
+    from tests.helpers.recipes import build_recipe
+
+    recipe = build_recipe(tmp_path, {"data.synthetic.num_samples": 16, "data.synthetic.mix": {"audio": 1.0}})
+    ensure_dataset(recipe)
+    profile = profile_source(open_dataset(recipe), recipe.data, 1, FlopModel.for_recipe(recipe))
+    base = get_flavor("debug", patch_size=recipe.data.patch_size, n_mels=recipe.data.n_mels)
+
+    def audio_projector(pooled: int):
+        args = replace(base, audio=replace(base.audio, pool=pooled), audio_projector=kind)
+        layers = omni_workload(args, seq_len=recipe.data.seq_len, global_batch=2, profile=profile).encoder
+        return OmniModel(args), next(layer for layer in layers if layer.name == "projector.audio")
+
+    model, projector = audio_projector(pool)
+    assert projector.params == sum(p.numel() for p in model.projectors["audio"].parameters())
+    assert projector.flops > 0 and projector.flops * pool == pytest.approx(audio_projector(1)[1].flops)

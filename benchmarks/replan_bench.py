@@ -2,8 +2,9 @@
 
     python benchmarks/replan_bench.py [--quick] --out replan.json
 
-The workload is recipes/drifting_mix.yaml (text only at the start, image-heavy later) on this machine's
-2 ranks, each way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
+The workload is recipes/drifting_mix.yaml (text only at the start, image-heavy from step 4, loaded without
+balancing: its header says why the estimator predicts the best plan to move) on this machine's 2 ranks, each
+way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
 - `initial`: the best static plan for the data at the start (`replan.best_overrides` on the first window);
 - `oracle`: the best static plan for the whole run's data (a profile of as many samples as the run reads);
 - `replanned`: starts as `initial`, and the watcher re-plans it when the drift pays (`replan.enabled`), its
@@ -11,8 +12,12 @@ The workload is recipes/drifting_mix.yaml (text only at the start, image-heavy l
 Rounds interleave the three ways; figures are medians over rounds with their spread. `total_s` is the wall
 time of the stage (restarts included), `tokens_per_s` the tokens trained over it, `replan_cost_s` what the
 way spent outside steps beyond `initial` (the re-plans' restarts and saves), `prediction_error_pct` the
-estimator's step time against the measured one, per launch (median). Run it alone; the report records the
-load average.
+estimator's step time against the measured one, per launch (median). `switch` (per round) is the look that
+re-planned: its step, the checkpoint the job stopped at, both plans, the predicted gain per step
+(1 - best / running, both on the look's window) and in seconds, the cost it was weighed against, and the
+gain measured after the switch: the re-planned run's steps after its first one under the new plan against the
+same steps of `initial` (`perf/step_s`, logged every step). Run it alone; the report records the load
+average.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ def workload(root: Path, quick: bool) -> list[str]:
     mix moves as early in it."""
     base = [f"tracking.uri=sqlite:///{root}/mlflow.db", "parallel.plan=explicit", "train.timeout_s=1200"]
     if quick:
-        base += ["train.steps=16", "train.ckpt_every=4", "train.log_every=2", "replan.window=20",
-                 'data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 8, mix: {text: 0.05, image: 0.95}}]']
+        base += ["train.steps=16", "train.ckpt_every=4", "replan.every_steps=2", "replan.window=20",
+                 'data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 2, mix: {text: 0.05, image: 0.95}}]']
     return base
 
 
@@ -75,13 +80,43 @@ def run_way(root: Path, overrides: list[str], name: str) -> dict:
     result = train_flow(str(RECIPE), [*overrides, f"experiment.output_dir={out}", f"experiment.name={name}"])
     total = time.perf_counter() - tic
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
-    [run] = client.search_runs([client.get_experiment_by_name(name).experiment_id], "attributes.run_name = 'train'")
+    experiment = client.get_experiment_by_name(name).experiment_id
+    [run] = client.search_runs([experiment], "attributes.run_name = 'train'")
     errors = [m.value for m in client.get_metric_history(run.info.run_id, "estimate/error_pct")]
+    step_s = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "perf/step_s")}
     tokens = result.tokens_per_s * result.wall_s
     return {"total_s": total, "tokens_per_s": tokens / total, "step_s_total": result.wall_s,
             "outside_steps_s": total - result.wall_s, "replans": run.data.metrics.get("replan/replans", 0.0),
             "prediction_error_pct": statistics.median(errors) if errors else float("nan"),
-            "final_plan": result.plan, "final_loss": result.final_loss}
+            "final_plan": result.plan, "final_loss": result.final_loss,
+            "step_s": step_s, "looks": looks(client, experiment, out)}
+
+
+def looks(client, experiment: str, folder: Path) -> list[dict]:
+    """The way's looks (its `replan-<step>` runs), in step order: each decision as the watcher logged it."""
+    runs = client.search_runs([experiment], "attributes.run_name LIKE 'replan-%'")
+    decisions = [json.loads(Path(client.download_artifacts(r.info.run_id, "decision.json", str(folder))).read_text())
+                 for r in runs]
+    return sorted(decisions, key=lambda d: d["step"])
+
+
+def switch(replanned: dict, initial: dict) -> dict | None:
+    """The look that re-planned a run (None: none did) with its predicted gain, beside the gain measured after
+    the switch: the new launch's steps after its first (which pays the restart) against the same steps of
+    the initial plan's run."""
+    decision = next((d for d in replanned["looks"] if d["replan"]), None)
+    if decision is None:
+        return None
+    after = [s for s in replanned["step_s"] if s > decision["stop_step"] + 1 and s in initial["step_s"]]
+    mean_replanned = statistics.mean(replanned["step_s"][s] for s in after) if after else float("nan")
+    mean_initial = statistics.mean(initial["step_s"][s] for s in after) if after else float("nan")
+    predicted = 1 - decision["predicted_best_s"] / decision["predicted_running_s"]
+    measured = 1 - mean_replanned / mean_initial
+    return {"look_step": decision["step"], "stop_step": decision["stop_step"], "from": decision["running_plan"],
+            "to": decision["best_plan"], "reason": decision["reason"], "cost_s": decision["cost_s"],
+            "predicted_gain_s": decision["gain_s"], "predicted_gain_pct": 100 * predicted,
+            "measured_gain_pct": 100 * measured, "measured_gain_s": len(after) * (mean_initial - mean_replanned),
+            "steps_compared": len(after), "gain_error_pct": 100 * (predicted / measured - 1) if measured else None}
 
 
 def warm_up() -> None:
@@ -102,7 +137,8 @@ def summary(runs: list[dict], initial: list[dict]) -> dict:
         "prediction_error_pct": statistics.median(r["prediction_error_pct"] for r in runs),
         "spread_pct": 100 * (max(total) - min(total)) / statistics.median(total),
         "final_plan": runs[-1]["final_plan"], "final_loss": statistics.median(r["final_loss"] for r in runs),
-        "rounds": runs,
+        "looks": [[(d["step"], d["replan"], d["reason"]) for d in r["looks"]] for r in runs],
+        "rounds": [{k: v for k, v in r.items() if k != "looks"} for r in runs],
     }
 
 
@@ -115,6 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="replan-bench-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
     base = workload(root, args.quick)
     recipe = load_recipe(RECIPE, base)
     initial = best_overrides(recipe, window_profile(recipe, 0, 0), GPU)
@@ -139,9 +176,11 @@ def main() -> None:
                                                            for i, r in zip(runs["initial"], runs[way])) for way in WAYS}
     report["replanned_vs_oracle"] = statistics.median(o["total_s"] / r["total_s"]
                                                       for o, r in zip(runs["oracle"], runs["replanned"]))
+    report["switch"] = [switch(r, i) for r, i in zip(runs["replanned"], runs["initial"])]
     report["load_average"]["end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("plans", "speedup_vs_initial", "replanned_vs_oracle")}, indent=2))
+    keys = ("plans", "speedup_vs_initial", "replanned_vs_oracle", "switch")
+    print(json.dumps({k: report[k] for k in keys}, indent=2))
 
 
 if __name__ == "__main__":

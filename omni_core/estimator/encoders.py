@@ -25,6 +25,7 @@ the others (`disaggregated_encoders`; `cost` composes the two sides).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -79,13 +80,28 @@ def embedding_bytes(workload: Workload) -> float:
     return sum(layer.out_bytes for layer in workload.encoder if layer.name.startswith("projector."))
 
 
+@functools.cache
+def expected_max_normal(n: int) -> float:
+    """E[max] of `n` independent standard normals: integral of x n phi(x) Phi(x)^(n-1) over a fine grid (0.56
+    for two, 1.03 for four, 2.34 for 64). sqrt(2 ln n), its large-n bound, overstates them: 1.18, 1.67 and 2.88."""
+    if n <= 1:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-10_000, 10_001):
+        x = i * step
+        total += (
+            x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+        )
+    return total * step
+
+
 def unbalanced_factor(cv: float, samples: float, ranks: int) -> float:
     """Without rebalancing, a step waits for the rank that drew the most encoder work: E[max] over `ranks`
-    of totals over `samples` samples each, with per-sample spread `cv`, ~ mean * (1 + cv/sqrt(samples) *
-    sqrt(2 ln ranks))."""
+    of totals over `samples` samples each, with per-sample spread `cv` (normal totals), mean * (1 +
+    cv/sqrt(samples) * E[max of `ranks` standard normals])."""
     if ranks <= 1 or not cv:
         return 1.0
-    return 1.0 + cv / math.sqrt(samples) * math.sqrt(2 * math.log(ranks))
+    return 1.0 + cv / math.sqrt(samples) * expected_max_normal(ranks)
 
 
 def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency) -> float:

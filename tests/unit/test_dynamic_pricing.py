@@ -127,3 +127,16 @@ def test_a_run_is_one_plan_per_system_and_the_sum_of_its_steps(data):
             assert est.fits
             total += est.step_time_s
         assert price.run_s == pytest.approx(total, rel=1e-9)
+
+
+def test_the_slowest_rank_is_the_expected_maximum_not_its_bound():
+    from omni_core.estimator.encoders import expected_max_normal, unbalanced_factor
+
+    # E[max] of n standard normals (tabulated: 0.5642, 0.8463, 1.0294, 1.4236) and the mean of |X1 - X2| / 2
+    for n, known in ((2, 0.5642), (3, 0.8463), (4, 1.0294), (8, 1.4236)):
+        assert expected_max_normal(n) == pytest.approx(known, abs=2e-4)
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(64) < np.sqrt(2 * np.log(64))
+    # two ranks of 2 samples each, per-sample spread 0.88: 1 + 0.88 / sqrt(2) * 0.564
+    assert unbalanced_factor(0.88, 2, 2) == pytest.approx(1 + 0.88 / np.sqrt(2) / np.sqrt(np.pi), rel=1e-3)
+    assert unbalanced_factor(0.88, 2, 1) == 1.0 and unbalanced_factor(0.0, 2, 8) == 1.0

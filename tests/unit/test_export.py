@@ -139,22 +139,32 @@ def align_overrides(root: Path, found: dict[str, str]) -> list[str]:
     ]
 
 
+def train_and_export(
+    root: Path, settings: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[OmniModel, str, str]:
+    """Two alignment steps under `settings`, then `omni export` of the checkpoint folder (its newest step) to
+    root/export: the trained model, its checkpoint and what the command printed."""
+    align = load_recipe(ALIGN, settings)
+    train(align, CPU, tracker=RecordingTracker(), log=lambda _: None)
+    out = root / "export"
+    overrides = [f"--set={o}" for o in settings]
+    assert main(["export", str(ALIGN), str(root / "mllm_align"), "--to", str(out), *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert f"to {out}" in printed
+    checkpoint = latest_checkpoint(LocalStore(root / "mllm_align"))
+    assert checkpoint is not None
+    return load_model(align, checkpoint)[0], checkpoint, printed
+
+
 def test_omni_export_writes_a_trained_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint as the trainer saves it (two alignment steps of the shipped stage, LLaVA's feature layer),
     exported by the command line from its checkpoint folder (the newest step)."""
     llm, vision = parts(tmp_path / "parts")
     found = {"llm": str(llm), "vision": str(vision)}
     settings = [*align_overrides(tmp_path, found), "model.vision_final_norm=false", "model.pretrained.audio=null"]
-    align = load_recipe(ALIGN, settings)
-    train(align, CPU, tracker=RecordingTracker(), log=lambda _: None)
+    model, checkpoint, _ = train_and_export(tmp_path, settings, capsys)
+    assert_same_logits(model, tmp_path / "export", llm, vision)
     overrides = [f"--set={o}" for o in settings]
-    out = tmp_path / "export"
-    assert main(["export", str(ALIGN), str(tmp_path / "mllm_align"), "--to", str(out), *overrides]) == 0
-    assert f"to {out}" in capsys.readouterr().out
-    checkpoint = latest_checkpoint(LocalStore(tmp_path / "mllm_align"))
-    assert checkpoint is not None
-    model, _ = load_model(align, checkpoint)
-    assert_same_logits(model, out, llm, vision)
 
     unset = [o for o in overrides if "vision_final_norm" not in o and "pretrained.audio" not in o]
     norm_on = [*unset, "--set=model.vision_final_norm=true", "--set=model.pretrained.audio=null"]

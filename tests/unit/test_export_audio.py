@@ -25,14 +25,9 @@ from omni_core.models.hf_export_audio import export_qwen2_audio
 from omni_core.models.omni import OmniModel
 from omni_core.models.pretrained import omni_args
 from omni_core.recipe import load_recipe
-from omni_core.runtime.checkpoint import latest_checkpoint
-from omni_core.runtime.ckpt_store import LocalStore
-from omni_core.runtime.evaluate import load_model
-from omni_core.runtime.trainer import train
 from tests.helpers.hf_parts import write_audio, write_llm
 from tests.helpers.models import N_MELS, PATCH_SIZE
-from tests.helpers.runtime import CPU, RecordingTracker
-from tests.unit.test_export import ALIGN, align_overrides
+from tests.unit.test_export import ALIGN, align_overrides, train_and_export
 
 RATE = 16000
 CHUNK_S = 1  # the test extractor's chunk: 100 feature frames, the encoder's 50 positions, 25 LLM tokens
@@ -211,17 +206,11 @@ def test_omni_export_writes_a_trained_audio_checkpoint(tmp_path: Path, capsys: p
     vision tower too, is refused by name."""
     llm, audio = parts(tmp_path / "parts")
     settings = qwen2_audio_overrides(tmp_path, llm, audio)
-    align = load_recipe(ALIGN, settings)
-    train(align, CPU, tracker=RecordingTracker(), log=lambda _: None)
-    overrides = [f"--set={o}" for o in settings]
-    out = tmp_path / "export"
-    assert main(["export", str(ALIGN), str(tmp_path / "mllm_align"), "--to", str(out), *overrides]) == 0
-    assert f"to {out} (Qwen2AudioForConditionalGeneration)" in capsys.readouterr().out
-    checkpoint = latest_checkpoint(LocalStore(tmp_path / "mllm_align"))
-    assert checkpoint is not None
-    model, _ = load_model(align, checkpoint)
+    model, checkpoint, printed = train_and_export(tmp_path, settings, capsys)
+    assert f"to {tmp_path / 'export'} (Qwen2AudioForConditionalGeneration)" in printed
     assert model.args.audio.pool == 2 and model.args.audio_projector == "linear"
-    assert logit_gap(model, out, llm, audio) <= 1e-4
+    assert logit_gap(model, tmp_path / "export", llm, audio) <= 1e-4
+    overrides = [f"--set={o}" for o in settings]
 
     refused = tmp_path / "refused"
     with_vision = [*overrides, f"--set=model.pretrained.vision={llm}"]

@@ -320,6 +320,7 @@ def run_steps(
             saving = time.perf_counter()
             progress.checkpoint, progress.saved_step = run.checkpoint(step, history), step
             control.ckpt_s = time.perf_counter() - saving
+            window.exclude(control.ckpt_s)
             if step < last_step and control.stop_requested():
                 run.log(f"stopping at step {step} as the watcher asked (re-plan); checkpoint {progress.checkpoint}")
                 break
@@ -411,6 +412,11 @@ class Window:
 
     def seconds(self) -> float:
         return max(time.perf_counter() - self.started, 1e-9)
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent between steps (a checkpoint save) out of the window's rates, as the run's
+        step time leaves them out: the watcher weighs a re-plan's gain in these seconds against its cost."""
+        self.started += seconds
 
     def rates(self) -> dict[str, float]:
         elapsed = self.seconds()

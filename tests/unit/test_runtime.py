@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,6 +123,23 @@ def test_training_lowers_loss_and_evaluates(tmp_path):
         assert 0 < score.samples <= recipe.eval.generate_samples and 0 <= score.word_accuracy <= 1
         assert score.answer_exact_match >= score.exact_match and 0 <= score.answer_token_f1 <= 1
         assert score.examples and all(reference for _, reference in score.examples)
+
+
+def test_a_checkpoint_save_is_not_counted_in_the_next_steps_time(tmp_path, monkeypatch):
+    from omni_core.runtime.trainer import TrainingRun
+
+    save = TrainingRun.checkpoint
+
+    def slow_save(self, step, history):
+        time.sleep(1.0)
+        return save(self, step, history)
+
+    monkeypatch.setattr(TrainingRun, "checkpoint", slow_save)
+    recipe = build_recipe(tmp_path, {"train.steps": 4, "train.ckpt_every": 2, "train.log_every": 1})
+    tracker = RecordingTracker()
+    result = train(recipe, CPU, tracker=tracker, log=lambda _: None)
+    assert result.step_s < 1.0  # the saves' seconds are outside the run's steps
+    assert tracker.metrics[3]["perf/step_s"] < 1.0  # and outside the log window after a save
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):

@@ -92,6 +92,11 @@ class ScheduleConfig(Strict):
     )
     trace: str = Field("", description="Job trace CSV replayed by `omni simulate`; empty: the recipe's jobs")
     trace_format: Literal["auto", "crius", "itp", "philly"] = "auto"
+    trace_gpu_types: dict[str, str] = Field(
+        default_factory=dict,
+        description="A trace's GPU type names -> the cluster's node-group types, where they differ (the Crius "
+        "artifact's `a100` is a 40 GB part: {a100: a100-40gb}); unmapped names are the cluster's own",
+    )
     trace_seed: StrictInt = Field(0, description="Seed of the mapping from raw trace rows to model jobs")
     trace_keep: StrictFloat = Field(1.0, gt=0, le=1, description="Seeded share of raw-trace jobs kept")
     trace_start_s: StrictFloat = Field(
@@ -101,14 +106,14 @@ class ScheduleConfig(Strict):
         60.0,
         ge=0,
         description="Seconds a job loses restoring its checkpoint at each (re)start, under every policy whose "
-        "source charges none of its own (`sia` pays its simulator's 30 s; the Crius artifact charges 0: "
-        "macro_def.py CKPT_RESUME_OVERHEAD)",
+        "source charges none of its own (`sia` pays its simulator's 30 s, `gavel` its simulator's 0 s; the "
+        "Crius artifact charges 0: macro_def.py CKPT_RESUME_OVERHEAD)",
     )
     search_charge: Literal["new_config", "every_start"] = Field(
         "new_config",
         description="When a (re)start also pays its policy's plan search: the first time the job runs on a "
         "config (a found plan is kept), or at every (re)start, as the Crius artifact's simulator charges it "
-        "(Gavel and Sia, whose papers resume a preempted job with its plan, pay it once per config either way)",
+        "(`sia`, whose paper resumes a preempted job with its plan, pays it once per config either way)",
     )
     iteration_scale: StrictFloat = Field(
         1.0,

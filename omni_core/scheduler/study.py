@@ -8,8 +8,8 @@ A relative `schedule.trace` resolves against the folder of the recipe file that 
 a study and its trace copied elsewhere together still run from any working directory; a path given on the
 command line (`--trace`, `--set`) resolves against the working directory, as the user typed it. The study's
 conventions (`schedule.iteration_scale`, `arrival_compression`, `fixed_horizon`, `busy_min_throughput`,
-`max_gpus_per_job`, `restart_s`, `search_charge`) are applied here, in the policies and in the simulator, so
-a study matches the Crius artifact's by setting them.
+`max_gpus_per_job`, `restart_s`, `search_charge`, `trace_gpu_types`) are applied here, in the policies and in the
+simulator, so a study matches the Crius artifact's by setting them.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def prepare(recipe: Recipe, *, trace: str | None = None, oracle: ThroughputOracl
             keep=s.trace_keep,
             max_gpus=s.max_gpus_per_job,
             start_s=s.trace_start_s,
+            gpu_type_names=s.trace_gpu_types,
         )
         jobs = loaded.jobs
     jobs = scale_jobs(jobs, iteration_scale=s.iteration_scale, arrival_compression=s.arrival_compression)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -133,8 +134,10 @@ def _rows(path: str | Path, fmt: TraceFormat):
             yield reader.line_num, row
 
 
-def read_crius(path: str | Path, gpu_types: set[str]) -> Trace:
-    """The Crius artifact's trace: jobs with model, batch, iterations, deadline and requested GPUs."""
+def read_crius(path: str | Path, gpu_types: set[str], type_names: Mapping[str, str] | None = None) -> Trace:
+    """The Crius artifact's trace: jobs with model, batch, iterations, deadline and requested GPUs; a GPU type
+    named in `type_names` (trace name -> cluster type, lower case) is requested as that cluster type."""
+    names = {k.lower(): v for k, v in (type_names or {}).items()}
     trace = Trace(str(path), "crius")
     for line, row in _rows(path, "crius"):
         trace.rows += 1
@@ -142,6 +145,7 @@ def read_crius(path: str | Path, gpu_types: set[str]) -> Trace:
             if None in row:
                 raise _RowError("too many fields")
             gpu_type = _field(row, "gpu_type").lower()
+            gpu_type = names.get(gpu_type, gpu_type)
             if gpu_type not in gpu_types:
                 raise _RowError(f"unknown GPU type {gpu_type!r} (cluster has {sorted(gpu_types)})")
             arrival = _number(row, "submission_time")
@@ -258,12 +262,21 @@ def load_trace(
     keep: float = 1.0,
     max_gpus: int = 32,
     start_s: float = 0.0,
+    gpu_type_names: Mapping[str, str] | None = None,
 ) -> Trace:
     """Read any of the three formats into model jobs (raw traces through `map_raw_jobs`), replaying from
-    `start_s` seconds after the first arrival (the window's first job then arrives at 0)."""
+    `start_s` seconds after the first arrival (the window's first job then arrives at 0). `gpu_type_names`
+    maps a Crius trace's GPU type names to the cluster's (`schedule.trace_gpu_types`); raw traces name none,
+    so a mapping for one is refused, as is one onto a type the cluster lacks."""
     kind: TraceFormat = detect_format(path) if fmt == "auto" else fmt  # type: ignore[assignment]
+    names = dict(gpu_type_names or {})
+    unknown = sorted(v for v in names.values() if v not in table.gpu_types)
+    if unknown:
+        raise ValueError(f"schedule.trace_gpu_types maps onto {unknown}, not the cluster's {list(table.gpu_types)}")
+    if names and kind != "crius":
+        raise ValueError(f"schedule.trace_gpu_types: the {kind} trace names no GPU types to map")
     if kind == "crius":
-        trace = read_crius(path, set(table.gpu_types))
+        trace = read_crius(path, set(table.gpu_types), names)
     else:
         raw, issues, rows = read_raw(path, kind)
         if raw and start_s:

@@ -280,6 +280,29 @@ def test_raw_trace_mapping_is_seeded_and_keeps_the_raw_duration():
             assert job.num_gpus in (1, 2, 4)
 
 
+def test_a_trace_gpu_type_maps_to_the_clusters_and_the_crius_study_runs_the_40gb_a100(tmp_path: Path):
+    from omni_core.common.catalog import GpuCatalog
+    from omni_core.recipe import load_located
+
+    crius = tmp_path / "crius.csv"
+    crius.write_text(CRIUS_HEADER + "x,10,100,M,500,8,2,A100\ny,20,100,M,500,8,2,a\n")
+    trace = read_crius(crius, {"a100-40gb", "a"}, {"a100": "a100-40gb"})
+    assert [j.gpu_type for j in trace.jobs] == ["a100-40gb", "a"] and not trace.issues
+    assert "unknown GPU type 'a100'" in read_crius(crius, {"a100-40gb", "a"}).issues[0].message  # unmapped
+    table = ThroughputTable(TOY, {"a100-40gb": 8, "a": 8}, 8)
+    with pytest.raises(ValueError, match=r"trace_gpu_types maps onto \['a100-80gb'\]"):
+        load_trace(crius, table, gpu_type_names={"a100": "a100-80gb"})
+    itp = tmp_path / "itp.csv"
+    itp.write_text("job_id,submission_time,duration,num_gpu\nx,0,100,1\n")
+    with pytest.raises(ValueError, match="the itp trace names no GPU types"):
+        load_trace(itp, table, gpu_type_names={"a100": "a100-40gb"})
+    # the Crius artifact's A100 is 40 GB (resources/hardware_specs.py): the study runs the catalogue's 40 GB part
+    recipe, _ = load_located(Path(__file__).resolve().parents[2] / "recipes" / "crius_study.yaml")
+    assert recipe.schedule.trace_gpu_types == {"a100": "a100-40gb"}
+    a100 = [g.gpu_type for g in recipe.cluster.node_groups if g.gpu_type.startswith("a100")]
+    assert a100 == ["a100-40gb"] and 39 < GpuCatalog()["a100-40gb"].mem_gb * 1e9 / 2**30 < 40  # 39.59 GiB usable
+
+
 def test_load_trace_reads_the_real_crius_trace():
     path = TRACES / "crius" / "simulate_trace_philly.csv"  # its first 200 jobs (tests/data/README.md)
     table = ThroughputTable(TOY, {"a100": 320, "v100": 320, "a40": 320, "a10": 320}, 32)

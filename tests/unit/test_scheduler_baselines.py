@@ -263,12 +263,40 @@ schedule: {{max_gpus_per_job: 2, search_charge: every_start, restart_s: 0, polic
     for policy in ("crius", "sia-artifact"):
         segments = study.run(policy).segments
         assert max(s.num_gpus for s in segments) <= 2
+
+
+def starts(policy: str, config: tuple[str, int], restart_s: float, every_start: bool = True) -> tuple[float, float]:
+    """What the same job pays for its first and second start on `config` under `policy`."""
+    p, job = make_policy(policy, search_every_start=every_start), Job("j", "M", 8, 100, 0.0)
+    return p.start_s(job, config, restart_s), p.start_s(job, config, restart_s)
+
+
+def test_each_policy_pays_for_a_start_what_its_source_charges():
+    # the Crius artifact (scheduler.py _get_cluster_perf): the search at every start, 150 s a GPU up to 600 s
+    # for a baseline, 10 s a GPU up to 40 s for Crius's pruned search; the study's restore on top
+    assert starts("fcfs", ("a", 2), 0.0) == (300.0, 300.0)
+    assert starts("crius", ("a", 2), 0.0) == (20.0, 20.0) and starts("crius", ("a", 16), 5.0) == (45.0, 45.0)
+    assert starts("sia-artifact", ("a", 8), 0.0) == (600.0, 600.0)
+    # Gavel: that search at every start too (no exemption in either source), and never a restore: its
+    # simulator charges none, whatever the study's restore
+    assert starts("gavel", ("a", 2), 60.0) == (300.0, 300.0)
+    assert starts("gavel", ("a", 2), 60.0, every_start=False) == (300.0, 0.0)  # a study that keeps found plans
+    # Sia's paper resumes a job with its plan: the search once per config, and its simulator's 30 s restore
+    assert starts("sia", ("a", 2), 60.0) == (330.0, 30.0)
+    # real mode: nothing searched, and the launch's own restore
     job = Job("j", "M", 8, 100, 0.0)
-    every = make_policy("fcfs", search_every_start=True)
-    assert every.start_s(job, ("a", 2), 0.0) == every.start_s(job, ("a", 2), 0.0) == 300.0  # paid every time
-    for kept, restore in (
-        (make_policy("gavel", search_every_start=True), 0.0),
-        (make_policy("sia", search_every_start=True), 30.0),
-    ):
-        # their sources resume a job from its checkpoint with its plan: the search once per config
-        assert (kept.start_s(job, ("a", 2), 0.0), kept.start_s(job, ("a", 2), 0.0)) == (300.0 + restore, restore)
+    assert Gavel().without_search_costs().start_s(job, ("a", 2), 5.0) == 5.0
+
+
+def test_a_declared_gpu_count_caps_each_policy_as_its_source_does():
+    """The trace's requested count: Gavel and FCFS run exactly it; Sia's paper stops a fixed-batch job there
+    (cluster.py target_num_replicas); the Crius artifact lets Crius and its Sia take any count up to 16."""
+    c = cluster(a=(2, 4))
+    table = ThroughputTable(TableOracle(linear("M", {"a": 1.0})), c.capacity(), 8)
+    job = Job("j", "M", 8, 10**6, 0.0, gpu_type="a", num_gpus=2)
+    most = {}
+    for policy in ("crius", "fcfs", "gavel", "sia", "sia-artifact"):
+        plan = simulate([job], cluster(a=(2, 4)), make_policy(policy), table, round_s=300, rounds=6, restart_s=0.0,
+                        fixed_horizon=True)  # fmt: skip
+        most[policy] = max(s.num_gpus for s in plan.segments)
+    assert most == {"crius": 8, "fcfs": 2, "gavel": 2, "sia": 2, "sia-artifact": 8}

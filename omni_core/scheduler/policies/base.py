@@ -61,9 +61,12 @@ class Policy:
     the simulator charges that, so each policy pays for its own design, on the same oracle.
 
     `search_every_start`: the plan search is paid at every (re)start, as the Crius artifact's simulator charges
-    it (scheduler.py `_get_cluster_perf`, e3c8535), not only the first time a job runs on a config; except
-    for a policy whose source resumes a preempted job from its checkpoint with the plan it had (`keeps_plans`):
-    the artifact's charge would add a search its source never pays."""
+    it (scheduler.py:376-388 `_get_cluster_perf`, e3c8535), not only the first time a job runs on a config;
+    except for a policy whose source resumes a preempted job from its checkpoint with the plan it had
+    (`keeps_plans`): the artifact's charge would add a search its source never pays.
+
+    `own_restore_s`: a (re)start's checkpoint restore as the policy's own source charges it, in place of the
+    study's `restart_s` (None: the study's)."""
 
     name = ""
     migrates = True  # may the placement repack a fragmented group (moving jobs)?
@@ -81,6 +84,7 @@ class Policy:
         self.search_s_per_gpu = search_s_per_gpu
         self.search_max_s = search_max_s
         self.search_every_start = search_every_start and not self.keeps_plans
+        self.own_restore_s: float | None = None
         self._ran: set[tuple[str, Config]] = set()
 
     def decide(self, view: View) -> dict[str, Config]:
@@ -94,18 +98,24 @@ class Policy:
         """The policy as real mode runs it: omni's estimator answers a plan search (or a profile) at once, and
         a launch's own restore is what it measures, so no start is charged more."""
         self.search_s_per_gpu = self.search_max_s = 0.0
+        self.own_restore_s = None
         return self
+
+    def restore_s(self, study_restart_s: float) -> float:
+        """Seconds a (re)start restores its checkpoint: the policy's own source's figure, else the study's."""
+        return study_restart_s if self.own_restore_s is None else self.own_restore_s
 
     def search_s(self, n_gpus: ArrayLike) -> np.ndarray:
         """Seconds to find the best plan on `n_gpus` GPUs of a config the job never ran on."""
         return np.minimum(self.search_s_per_gpu * np.asarray(n_gpus, dtype=float), self.search_max_s)
 
     def start_s(self, job: Job, config: Config, restart_s: float) -> float:
-        """Seconds `job` loses starting on `config`: the checkpoint restore every policy pays, and the plan
-        search the first time the job runs on that config (a found plan is kept), or every time."""
+        """Seconds `job` loses starting on `config` in a study whose restore is `restart_s`: the checkpoint
+        restore (`restore_s`), and the plan search the first time the job runs on that config (a found plan
+        is kept), or every time."""
         new = (job.id, config) not in self._ran or self.search_every_start
         self._ran.add((job.id, config))
-        return restart_s + (float(self.search_s(config[1])) if new else 0.0)
+        return self.restore_s(restart_s) + (float(self.search_s(config[1])) if new else 0.0)
 
 
 def configs_of(table: ThroughputTable, held: Sequence[Cell | None], jobs: Sequence[Job]) -> dict[str, Config]:

@@ -5,7 +5,23 @@ over each job's time share of every GPU type at the user's GPU count, realised b
 Its throughput matrix is the job as its user submitted it: plain data parallelism, every worker a replica
 (the paper's jobs are PyTorch data-parallel, their throughputs measured per accelerator type; the Crius
 artifact's gavel_sched.py `_gen_thr_matrix` at e3c8535 queries data-parallel profiles, `only_dp=True`). So
-its rates are `ThroughputTable.replicated`: no sharded or model-parallel plan, no gradient accumulation."""
+its rates are `ThroughputTable.replicated`: no sharded or model-parallel plan, no gradient accumulation.
+
+What a (re)start costs, as its sources charge it (Gavel: github.com/stanford-futuredata/gavel at c4fa400,
+scheduler/scheduler.py; the Crius artifact: github.com/sjtu-epcc/arena at e3c8535):
+- no restore: Gavel's simulator runs a scheduled job for throughput x round seconds with no preemption or
+  restore term (scheduler.py:959-992 `_get_num_steps`), and the Crius artifact's restore is 0 (macro_def.py:128
+  CKPT_RESUME_OVERHEAD);
+- no profiling: its throughput matrix is the oracle's, measured offline per accelerator type
+  (scheduler.py:2253-2262 `_set_initial_throughput`); it estimates online only co-located pairs, when packing
+  with partial profiling (scheduler.py:233-236);
+- the plan search: Gavel's own jobs run as submitted, with no plan to search; a study runs every policy's jobs
+  at the best plan (the Crius artifact's --enable_alpa), and the Crius artifact charges Gavel that plan's
+  unpruned search (macro_def.py:122,124: 150 s a GPU up to 600 s) each time a job lands on GPUs it did not
+  hold, its first start included (scheduler.py:376-388 `_get_cluster_perf`, the jobs from 1123-1147
+  `_parse_crs_table_change`; gavel_sched.py:577-585). So it pays it as the study charges every policy
+  (`search_charge`), with no exemption: a lease renewed on the same GPUs pays nothing, a job resumed on
+  others pays the search again."""
 
 from __future__ import annotations
 
@@ -26,13 +42,11 @@ class Gavel(Policy):
     no GPU idle. Each round (Gavel's round-based mechanism, section 5: its paper uses 6-minute rounds, here
     the simulator's round) jobs get GPU types in order of priority X[j, t] / share of its time so far spent
     on t, highest first, while the GPUs are free; a job placed where it ran keeps running (Gavel's lease
-    renewal), any other pays a restart: the study's restore, and the plan search the first time the job runs
-    on that config (a resumed job keeps its plan: `keeps_plans`). Jobs with no share fill what is left,
-    oldest first."""
+    renewal), any other pays a (re)start as the module docstring cites: no restore, and the plan search.
+    Jobs with no share fill what is left, oldest first."""
 
     name = "gavel"
     every_round = True
-    keeps_plans = True  # section 5: leases end and renew each round; a preempted job resumes from its checkpoint
 
     def __init__(
         self,
@@ -43,6 +57,7 @@ class Gavel(Policy):
         search_every_start: bool = False,
     ):
         super().__init__(search_s_per_gpu, search_max_s, search_every_start=search_every_start)
+        self.own_restore_s = 0.0  # Gavel's simulator restores nothing (module docstring)
         self.tie_weight = tie_weight
         self._jobs: tuple[str, ...] = ()
         self._share: dict[str, np.ndarray] = {}  # job -> time share per GPU type

@@ -76,6 +76,7 @@ class Sia(Policy):
     def __init__(self, constants: SiaConstants | None = None, **costs: Any):
         super().__init__(**costs)
         self.constants = constants or SiaConstants()
+        self.own_restore_s = self.constants.restart_s
         self._units: dict[tuple[str, int], list[Unit | None]] = {}
         self._plans: dict[tuple[str, int], _OwnPlan] = {}
         self._fits: dict[tuple[str, int, int, tuple[int, ...]], pollux.PerfParams] = {}
@@ -95,12 +96,9 @@ class Sia(Policy):
     def admits(self, job: Job, table: ThroughputTable) -> bool:
         return bool(np.isfinite(self.own_plan(table, job).size).any())
 
-    def restore_s(self, study_restart_s: float) -> float:
-        return study_restart_s if self.constants.restart_s is None else self.constants.restart_s
-
     def start_s(self, job: Job, config: Config, restart_s: float) -> float:
         """What Sia's system pays, remembered: the job restores until then, and has now run on `config`."""
-        cost = super().start_s(job, config, self.restore_s(restart_s))
+        cost = super().start_s(job, config, restart_s)
         self._observed.setdefault(job.id, set()).add(config)
         self._starts[job.id] = self._starts.get(job.id, 0) + 1
         self._restoring_until[job.id] = self._now + cost

@@ -79,9 +79,10 @@ PAPER_ASSUMPTIONS = (
     "(searched), the phased schedule (the step's encoder forward, the LLM on detached embeddings, the encoder "
     "backward: no pipeline bubble hides encoder work, so the encoders' activations of the whole step are held), inputs and embeddings moved by all-to-alls. coupled (Megatron-LLaVA): encoders on "
     "pipeline stage 0 with the LLM's DP x TP, the load imbalance of unbalanced batches. disaggregated "
-    "(DistTrain-like): encoders on their own whole nodes (k/8 of the GPUs, searched), embeddings shipped across "
-    "nodes. Images: 1,024 patches (448 px at patch 14), 2x2 merged to 256 LLM tokens; text documents of 2,048 "
-    "tokens.")
+    "(DistTrain-like): encoders on GPUs of their own, as many as the LLM leaves, the LLM a Megatron-LM layout "
+    "(pipeline depths dividing its layers, DP dividing the batch; DistTrain's orchestration, "
+    "estimator.orchestration), embeddings shipped between them. Images: 1,024 patches (448 px at patch 14), 2x2 "
+    "merged to 256 LLM tokens; text documents of 2,048 tokens.")
 
 
 def plans_per_second(min_seconds: float = 1.0) -> float:

@@ -25,8 +25,9 @@ from omni_core.data.image import patch_grid
 from omni_core.data.sample import KIND_CODE
 from omni_core.data.workload import MixSchedule, draw_lengths
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
+from omni_core.estimator.orchestration import pipeline_depths
 from omni_core.estimator.paper_workloads import MERGE, PAPER_WORKLOADS, SequenceMix, mix_workload, paper_args
-from omni_core.estimator.search import pipeline_depths, search_cell
+from omni_core.estimator.search import search_cell
 from omni_core.estimator.workloads import Workload
 from omni_core.recipe.data_sections import DataConfig, SyntheticConfig
 
@@ -285,7 +286,7 @@ def ranked_plans(
     also with activation checkpointing, fastest first: what a system picks from, in order."""
     per_node = min(num_gpus, 8)
     found: list[Estimate] = []
-    for pp in pipeline_depths(workload, num_gpus):
+    for pp in pipeline_depths(workload, num_gpus, layout):
         cell = search_cell(workload, gpu, num_gpus, per_node, pp, eff=eff, layout=layout)
         found += [cell.best, *cell.runners_up] if cell.best else []
     found += [

@@ -6,6 +6,7 @@ plans of that layout (`ParallelPlan.encoders`, priced by `cost.estimate_step`; s
     coupled        encoders on the first pipeline stage with the LLM's DP x TP, no rebalancing (Megatron-LLaVA)
     disaggregated  encoders on ranks of their own (DistTrain-style): the step is the slower of the encoder ranks
                    and the LLM ranks, plus shipping the embeddings between them; the split is searched
+                   among DistTrain's (`orchestration`: the GPUs a Megatron-LM layout of the LLM leaves)
 """
 
 from __future__ import annotations

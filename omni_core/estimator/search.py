@@ -8,7 +8,7 @@ checkpointing (wherever memory refused a micro-batch without it, unless the job 
 encoders' half of the plan in the searched layout (`encoder_variants`: `omni` and `disaggregated` their LSSP
 group with its long-item threshold and replicated or FSDP weights, the joint schedule beside the phased one
 where the runtime runs it and it can gain (`encoder_schedules`, with pipeline stages or disaggregated
-encoders), `disaggregated` also how many ranks the encoders get); it drops
+encoders), `disaggregated` also how many ranks the encoders get: DistTrain's splits, `orchestration`); it drops
 plans that do not fit memory and plans the runtime would refuse (the plan object's `check_model`, the pipeline
 schedule's micro-batch rules: `pipeline.schedule_refusal`), and keeps the fastest plus runners-up. `CellTable`
 is the stage's typed result; its plan names carry the encoders' half (`dp1-tp2+omni.v-sp2-t256`).
@@ -39,6 +39,13 @@ from omni_core.common.results import Result
 from omni_core.estimator.calibration import calibrated, calibration_digest
 from omni_core.estimator.cost import Efficiency, Estimate, Options, estimate_step
 from omni_core.estimator.encoders import encoder_parts, long_tokens_threshold
+from omni_core.estimator.orchestration import (
+    disaggregated_splits,
+    megatron_splits_layers,
+    node_aligned,
+    pipeline_depths,
+    powers_of_two,
+)
 from omni_core.estimator.workloads import Workload
 
 RUNNERS_UP = 3
@@ -47,10 +54,6 @@ CP_KINDS: tuple[CpKind, ...] = ("ulysses", "ring")
 SEARCHED_SHARDING: tuple[Sharding, ...] = ("fsdp", "zero2", "zero1")
 LONG_SEQ = 8192  # context parallelism is searched only from this many tokens per sample
 NO_PLAN = "no plan divides the model on these GPUs"
-
-
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 
 def candidate_plans(
@@ -125,31 +128,28 @@ def encoder_plans(
     return plans
 
 
-def disaggregated_splits(num_gpus: int, gpus_per_node: int) -> list[int]:
-    """Encoder ranks a `disaggregated` plan of `num_gpus` tries: k/8 of them (k = 1..7), whole nodes once the
-    Cell spans several."""
-    splits = {num_gpus * k // 8 for k in range(1, 8)}
-    return sorted(e for e in splits if 0 < e < num_gpus and (num_gpus <= gpus_per_node or e % gpus_per_node == 0))
-
-
 def encoder_variants(
     workload: Workload,
     layout: EncoderLayout,
     num_gpus: int,
     gpus_per_node: int,
     schedules: tuple[EncoderSchedule, ...] = ("phased",),
+    pp: int = 1,
 ) -> list[tuple[int, list[EncoderPlan]]]:
-    """(encoder-only ranks, the encoder halves to try with LLM plans on the rest) for `layout` under each of
-    `schedules`; a workload without encoder items (text only: the encoders run a dummy input wherever they
-    are) has the default half only."""
+    """(encoder-only ranks, the encoder halves to try with LLM plans of `pp` stages on the rest) for `layout`
+    under each of `schedules`; a workload without encoder items (text only: the encoders run a dummy input
+    wherever they are) has the default half only. `disaggregated`: DistTrain's splits (`orchestration`), each
+    LSSP group inside a node once the Cell spans several."""
     if not workload.items.count or layout == "coupled":
         return [(0, [EncoderPlan()])]
     if layout == "omni":
         return [(0, encoder_plans(workload, "omni", 0, num_gpus, gpus_per_node, schedules))]
-    return [
-        (k, encoder_plans(workload, "disaggregated", k, k, gpus_per_node, schedules))
-        for k in disaggregated_splits(num_gpus, gpus_per_node)
-    ]
+    model_parallel = num_gpus if (workload.shape.seq_len or 0) >= LONG_SEQ else gpus_per_node  # TP x CP
+    variants = []
+    for k in disaggregated_splits(workload, num_gpus, pp, model_parallel):
+        plans = encoder_plans(workload, "disaggregated", k, k, gpus_per_node, schedules)
+        variants.append((k, [e for e in plans if num_gpus <= gpus_per_node or node_aligned(e, num_gpus - k)]))
+    return variants
 
 
 def encoder_schedules(gpu: GpuSpec) -> tuple[EncoderSchedule, ...]:
@@ -288,9 +288,11 @@ def search_cell(
     # one stage has no bubbles for the joint schedule to fill (`encoders.omni_encoder_seconds`): it could only
     # add its per-micro-batch rounds; DistTrain's (disaggregated) overlaps the two sides at any depth
     schedules = encoder_schedules(gpu) if pp > 1 or layout == "disaggregated" else ("phased",)
-    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, schedules):
+    for ranks, encoders in encoder_variants(workload, layout, num_gpus, per_node, schedules, pp):
         zero = all(e.layout == "coupled" for e in encoders)  # ZeRO's runtime reduces coupled encoders only
-        plans = candidate_plans(workload, num_gpus - ranks, per_node, pp, zero=zero)
+        plans: Iterable[ParallelPlan] = candidate_plans(workload, num_gpus - ranks, per_node, pp, zero=zero)
+        if ranks:  # DistTrain's LLM is Megatron-LM's (`orchestration`)
+            plans = (p for p in plans if megatron_splits_layers(p, workload.shape.n_layers))
         found, reason = search_plans(workload, gpu, plans, encoders, gpus_per_node=per_node, eff=eff)
         fits += found
         reasons.append(reason)
@@ -299,10 +301,6 @@ def search_cell(
     return CellResult(
         gpu.name, num_gpus, nodes, per_node, pp, fits[0] if fits else None, fits[1 : 1 + RUNNERS_UP], reason
     )
-
-
-def pipeline_depths(workload: Workload, num_gpus: int) -> list[int]:
-    return [p for p in powers_of_two(num_gpus) if p <= workload.shape.n_layers]
 
 
 def best_for_gpus(
@@ -318,7 +316,7 @@ def best_for_gpus(
     if eff is None:
         gpu, eff = calibrated(gpu)
     best, best_time = None, math.inf
-    for pp in pipeline_depths(workload, num_gpus):
+    for pp in pipeline_depths(workload, num_gpus, layout):
         cell = search_cell(workload, gpu, num_gpus, gpus_per_node, pp, eff=eff, layout=layout)
         if cell.best and (best is None or cell.best.step_time_s < best_time):
             best, best_time = cell, cell.best.step_time_s
@@ -447,7 +445,7 @@ def job_cells(
         gpu, eff = calibrated(catalog[gpu_type])
         per_node = gpus_per_node.get(gpu_type, gpu.gpus_per_node)
         for n in powers_of_two(count):
-            for pp in pipeline_depths(workload, n):
+            for pp in pipeline_depths(workload, n, layout):
                 cell = search_cell(workload, gpu, n, per_node, pp, eff=eff, layout=layout)
                 if cell.best:
                     rows.append(cell_row(job, cell, layout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,8 +125,8 @@ def replanned(r: Recipe, run: MlflowTracker, run_dir: Path, run_name: str) -> Tr
     """Launch, look every `replan.every_steps` steps (`scheduler.replan.Replanner`), and when a look (this
     one's, or `omni watch`'s) decides to re-plan, the job stops at its next checkpoint and is relaunched under
     the new plan. Every look is an MLflow run of its own beside this one (`replan-<step>`); the figure of the
-    whole run is logged here, and each launch's prediction (on the window its plan was chosen on) beside what
-    it measured."""
+    whole run is logged here, and each launch's prediction (over the windows it read:
+    `Replanner.launch_predicted_s`) beside what it measured."""
     from omni_core.runtime.perf import local_device_type
     from omni_core.scheduler.replan import Replanner, control_folder, replan_figure
 
@@ -154,7 +155,10 @@ def replanned(r: Recipe, run: MlflowTracker, run_dir: Path, run_name: str) -> Tr
                     look_run = log_decision(r, *looked)
                     pending_run = look_run if looked[0].replan else pending_run
             result = future.result()
-            log_prediction_error(run, run_name, predict_run(recipe, replanner.reference), result)
+            predicted = predict_run(recipe, replanner.reference)
+            if predicted is not None:  # its memory on the window its plan was chosen on, its time on all it read
+                predicted = replace(predicted, step_time_s=replanner.launch_predicted_s(result))
+            log_prediction_error(run, run_name, predicted, result)
             again = replanner.launch_ended(result)
             if switch_run:  # the measured side of the re-plan that started this launch
                 log_to_run(switch_run, run.uri, {"replan/measured_step_s": result.step_s}, step=result.steps)

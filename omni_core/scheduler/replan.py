@@ -278,6 +278,9 @@ class Replanner:
         self.gpu_type, self.folder = gpu_type, folder
         self.every = recipe.replan.every_steps or recipe.train.ckpt_every
         self.reference: DatasetProfile | None = None
+        # (first step, predicted step seconds) of the running launch on each window it read: its reference,
+        # then every look's; a launch's prediction is their mean over its steps (`launch_predicted_s`)
+        self.priced: list[tuple[int, float]] = []
         self.decisions: list[ReplanDecision] = []
         self.segments: list[Segment] = []
         self.measured: list[tuple[int, float]] = []  # (step, seconds per step) at the job's log steps
@@ -300,21 +303,34 @@ class Replanner:
         if reference is None:  # the window this launch's plan runs on: where it started
             start = progress.resumed_from_step
             reference = window_profile(self.recipe, start, progress.samples * start // max(progress.step, 1))
-            self.set_reference(reference)
+            self.set_reference(reference, start)
             self.next_look = start + self.every
         if self.stopping or progress.step < self.next_look or progress.step >= progress.steps:
             return None
         self.next_look = progress.step + self.every
         decision, window = look(self.recipe, progress, reference, self.gpu_type, self.replans)
         self.decisions.append(decision)
+        self.priced.append((progress.step, decision.predicted_running_s))
         if decision.replan:
             decision.stop_request().save(self.folder / STOP_FILE)
             self.stopping = True
         return decision, window
 
-    def set_reference(self, window: DatasetProfile) -> None:
+    def set_reference(self, window: DatasetProfile, step: int) -> None:
         self.reference = window
         window.save(self.folder / REFERENCE_FILE)
+        self.priced = [(step, predicted_step_s(self.recipe, window, self.gpu_type))]
+
+    def launch_predicted_s(self, result: TrainResult) -> float:
+        """The running launch's predicted seconds per step over the data it trained on: each window's prediction
+        (its reference, then every look's) held until the next, averaged over the launch's steps. Its
+        reference alone would price a drifting launch on data it left behind."""
+        first, last = result.resumed_from_step, result.steps
+        bounds = [(max(step, first), s) for step, s in self.priced if step < last]
+        if not bounds or last <= first:
+            return float("nan")
+        ends = [b[0] for b in bounds[1:]] + [last]
+        return sum((end - start) * s for (start, s), end in zip(bounds, ends, strict=True)) / (last - first)
 
     def launch_ended(self, result: TrainResult) -> bool:
         """Record a finished launch; True when it stopped because a watcher (this one or another) asked, and is
@@ -324,9 +340,7 @@ class Replanner:
                 plan=result.plan,
                 first_step=result.resumed_from_step,
                 last_step=result.steps,
-                predicted_step_s=predicted_step_s(self.recipe, self.reference, self.gpu_type)
-                if self.reference is not None
-                else float("nan"),
+                predicted_step_s=self.launch_predicted_s(result),
                 measured_step_s=result.step_s,
             )
         )
@@ -337,7 +351,7 @@ class Replanner:
         self.recipe = override_recipe(self.recipe, [*request.overrides, "train.resume=true"])
         self.replans += 1
         progress = read_progress(self.folder)
-        self.set_reference(window_profile(self.recipe, result.steps, progress.samples if progress else 0))
+        self.set_reference(window_profile(self.recipe, result.steps, progress.samples if progress else 0), result.steps)
         self.next_look = result.steps + self.every
         return True
 

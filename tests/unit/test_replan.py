@@ -8,7 +8,15 @@ import pytest
 
 from omni_core.common.control import TrainProgress, read_stop
 from omni_core.recipe import override_recipe
-from omni_core.scheduler.replan import Replanner, drift, look, plan_of, same_data_order, window_profile
+from omni_core.scheduler.replan import (
+    Replanner,
+    drift,
+    look,
+    plan_of,
+    predicted_step_s,
+    same_data_order,
+    window_profile,
+)
 from tests.helpers.recipes import build_recipe
 
 pytestmark = pytest.mark.usefixtures("uncalibrated")
@@ -98,6 +106,12 @@ def test_the_replanner_looks_every_checkpoint_then_relaunches_under_the_request(
     assert replanner.recipe.train.ckpt_dir == recipe.checkpoint_dir()
     assert replanner.launching() and read_stop(folder) is None  # the next launch starts with no request
     assert replanner.segments[0].measured_step_s == 1.0 and replanner.replans == 1
+    # the launch is priced on what it read: the text reference for steps 0-30, the images of the look's window
+    # for steps 30-40 (on its reference alone it would be priced as text throughout)
+    text_s = predicted_step_s(first, window_profile(first, 0, 0), "cpu")
+    assert decision.predicted_running_s > 1.2 * text_s
+    expected = (30 * text_s + 10 * decision.predicted_running_s) / 40
+    assert replanner.segments[0].predicted_step_s == pytest.approx(expected)
 
 
 def test_same_data_order_needs_the_same_shards_and_sequences_per_step(recipe):

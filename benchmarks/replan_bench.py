@@ -9,10 +9,14 @@ way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow
 - `oracle`: the best static plan for the whole run's data (a profile of as many samples as the run reads);
 - `replanned`: starts as `initial`, and the watcher re-plans it when the drift pays (`replan.enabled`), its
   re-plan cost measured on the running launch.
-Rounds interleave the three ways; figures are medians over rounds with their spread. `total_s` is the wall
+Every prediction (the watcher's and the report's) is from a calibration made right before the rounds
+(`--calibration fresh`). Rounds interleave the three ways; figures are medians over rounds with their spread. `total_s` is the wall
 time of the stage (restarts included), `tokens_per_s` the tokens trained over it, `replan_cost_s` what the
 way spent outside steps beyond `initial` (the re-plans' restarts and saves), `prediction_error_pct` the
-estimator's step time against the measured one, per launch (median). `switch` (per round) is the look that
+estimator's step time against the measured one as the train stage logs it per launch (median; a launch
+without a watcher is priced on the profile the stage was given, none here), `step_by_step` the same priced
+on the data each launch read (`predicted_vs_measured`), and `oracle_gain_per_step` the initial plan's step
+over the oracle's, predicted and measured: whether the gap the workload was designed on is there. `switch` (per round) is the look that
 re-planned: its step, the checkpoint the job stopped at, both plans, the predicted gain per step
 (1 - best / running, both on the look's window) and in seconds, the cost it was weighed against, and the
 gain measured after the switch: the re-planned run's steps after its first one under the new plan against the
@@ -40,7 +44,12 @@ from omni_core.data.flops import FlopModel  # noqa: E402
 from omni_core.data.profile import data_ranks, profile_source  # noqa: E402
 from omni_core.recipe.loader import load_recipe, override_recipe  # noqa: E402
 from omni_core.recipe.schema import Recipe  # noqa: E402
-from omni_core.scheduler.replan import best_overrides, plan_of, window_profile  # noqa: E402
+from omni_core.scheduler.replan import (  # noqa: E402
+    best_overrides,
+    plan_of,
+    predicted_step_s,
+    window_profile,
+)
 
 RECIPE = ROOT / "recipes" / "drifting_mix.yaml"
 WAYS = ("initial", "oracle", "replanned")
@@ -52,7 +61,7 @@ def workload(root: Path, quick: bool) -> list[str]:
     mix moves as early in it."""
     base = [f"tracking.uri=sqlite:///{root}/mlflow.db", "parallel.plan=explicit", "train.timeout_s=1200"]
     if quick:
-        base += ["train.steps=16", "train.ckpt_every=4", "replan.every_steps=2", "replan.window=20",
+        base += ["train.steps=10", "train.ckpt_every=4", "replan.every_steps=2", "replan.window=20",
                  'data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 2, mix: {text: 0.05, image: 0.95}}]']
     return base
 
@@ -68,6 +77,32 @@ def whole_run_profile(recipe: Recipe):
     flops = FlopModel.for_flavor(recipe.model.flavor, patch_size=cfg.patch_size, n_mels=cfg.n_mels)
     return profile_source(open_dataset(recipe), cfg, recipe.experiment.seed, flops, samples, by_record=True,
                           balance_ranks=data_ranks(recipe), step_batches=recipe.train.grad_accum)
+
+
+def launches(way: dict, overrides: list[str], steps: int) -> list[tuple[int, int, list[str]]]:
+    """(first step, last step, overrides) of each launch of a way: one, or two around a re-plan."""
+    decision = next((d for d in way["looks"] if d["replan"]), None)
+    if decision is None:
+        return [(0, steps, overrides)]
+    return [(0, decision["stop_step"], overrides), (decision["stop_step"], steps, [*overrides, *decision["overrides"]])]
+
+
+def predicted_vs_measured(recipe: Recipe, runs: list[tuple[int, int, list[str]]], step_s: dict[int, float]) -> dict:
+    """Seconds per step predicted step by step (each launch's plan priced on the window every
+    `replan.every_steps` steps it trained, held until the next: how the watcher prices a launch) beside the
+    measured mean over the same steps, each launch's first step left out on both sides (it pays the launch)."""
+    every, predicted, counted = recipe.replan.every_steps or recipe.train.ckpt_every, 0.0, 0
+    for first, last, overrides in runs:
+        launch = override_recipe(recipe, overrides)
+        for start in range(first + 1, last, every):
+            held = min(every, last - start)
+            predicted += held * predicted_step_s(launch, window_profile(launch, start - 1, 0), GPU)
+            counted += held
+    firsts = {first + 1 for first, _, _ in runs}
+    measured = [v for k, v in step_s.items() if k not in firsts]
+    mean = statistics.mean(measured) if measured else float("nan")
+    return {"predicted_step_s": predicted / counted, "measured_step_s": mean,
+            "error_pct": 100 * (predicted / counted / mean - 1)}
 
 
 def run_way(root: Path, overrides: list[str], name: str) -> dict:
@@ -119,6 +154,19 @@ def switch(replanned: dict, initial: dict) -> dict | None:
             "steps_compared": len(after), "gain_error_pct": 100 * (predicted / measured - 1) if measured else None}
 
 
+def calibrate_now(root: Path, world: int) -> dict:
+    """A fresh calibration of this host, stored under `root` and used by every prediction of this run (the
+    watcher's too): a stored one drifts with the host's state by tens of percent (`calibrate.calibrate`),
+    which would pass for the estimator's error."""
+    from omni_core.common.catalog import GpuCatalog
+    from omni_core.measure.calibrate import calibrate
+
+    os.environ["OMNI_CALIBRATION_DIR"] = str(root / "calibration")
+    spec, eff, raw = calibrate(GpuCatalog()[GPU], world=world)
+    return {"folder": os.environ["OMNI_CALIBRATION_DIR"], "seconds": raw["seconds"], "fp32_flops": spec.fp32_flops,
+            "op_overhead_s": eff.op_overhead_s, "attn_call_s": eff.attn_call_s}
+
+
 def warm_up() -> None:
     """Start Prefect's temporary server before the first timed way, which would pay for it otherwise."""
     import flows  # noqa: F401 - Prefect's settings and telemetry off, before Prefect is imported
@@ -135,6 +183,7 @@ def summary(runs: list[dict], initial: list[dict]) -> dict:
         "replans": statistics.median(r["replans"] for r in runs),
         "replan_cost_s": statistics.median(r["outside_steps_s"] - i["outside_steps_s"] for r, i in zip(runs, initial)),
         "prediction_error_pct": statistics.median(r["prediction_error_pct"] for r in runs),
+        "step_by_step": {k: statistics.median(r["step_by_step"][k] for r in runs) for k in runs[0]["step_by_step"]},
         "spread_pct": 100 * (max(total) - min(total)) / statistics.median(total),
         "final_plan": runs[-1]["final_plan"], "final_loss": statistics.median(r["final_loss"] for r in runs),
         "looks": [[(d["step"], d["replan"], d["reason"]) for d in r["looks"]] for r in runs],
@@ -144,23 +193,29 @@ def summary(runs: list[dict], initial: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 16-step run, one round (<= 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a 10-step run, one round (<= 2 minutes)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 1 quick, 2 full)")
     parser.add_argument("--out", required=True, help="JSON report")
     parser.add_argument("--workdir", default=None, help="folder for the runs (default: a fresh one under /tmp)")
+    parser.add_argument("--calibration", choices=("fresh", "stored"), default="fresh",
+                        help="calibrate this host first (default), or predict from the stored calibration")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 2)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="replan-bench-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     base = workload(root, args.quick)
     recipe = load_recipe(RECIPE, base)
+    # --quick calibrates the kernels only (the links keep the catalogue's), to stay within two minutes
+    world = 1 if args.quick else recipe.parallel.nproc
+    calibration = calibrate_now(root, world) if args.calibration == "fresh" else {
+        "folder": os.environ.get("OMNI_CALIBRATION_DIR", "the default")}
     initial = best_overrides(recipe, window_profile(recipe, 0, 0), GPU)
     oracle = best_overrides(recipe, whole_run_profile(recipe), GPU)
     ways = {"initial": [*base, *initial, "replan.enabled=false"],
             "oracle": [*base, *oracle, "replan.enabled=false"],
             "replanned": [*base, *initial, "replan.enabled=true"]}
     report: dict = {"load_average": {"start": os.getloadavg()}, "quick": args.quick, "rounds": rounds,
-                    "steps": recipe.train.steps, "workdir": str(root),
+                    "steps": recipe.train.steps, "workdir": str(root), "calibration": calibration,
                     "plans": {way: plan_of(override_recipe(recipe, o)).name for way, o in ways.items()}}
     print(f"plans: {report['plans']}", flush=True)
     warm_up()
@@ -169,17 +224,26 @@ def main() -> None:
         for way in WAYS:
             runs[way].append(run_way(root, ways[way], f"{way}-{k}"))
             r = runs[way][-1]
+            r["step_by_step"] = predicted_vs_measured(
+                recipe, launches(r, ways[way], recipe.train.steps), r["step_s"]
+            )
             print(f"round {k} {way:<10} {r['total_s']:7.1f} s  {r['tokens_per_s']:7.0f} tokens/s  "
-                  f"replans {r['replans']:.0f}  prediction error {r['prediction_error_pct']:+.1f}%", flush=True)
+                  f"replans {r['replans']:.0f}  prediction error {r['prediction_error_pct']:+.1f}%  "
+                  f"step by step {r['step_by_step']['predicted_step_s']:.3f} s predicted, "
+                  f"{r['step_by_step']['measured_step_s']:.3f} s measured", flush=True)
     report.update({way: summary(runs[way], runs["initial"]) for way in WAYS})
     report["speedup_vs_initial"] = {way: statistics.median(i["total_s"] / r["total_s"]
                                                            for i, r in zip(runs["initial"], runs[way])) for way in WAYS}
     report["replanned_vs_oracle"] = statistics.median(o["total_s"] / r["total_s"]
                                                       for o, r in zip(runs["oracle"], runs["replanned"]))
+    # is the gap the workload was designed on there when measured? initial / oracle per step, both ways
+    report["oracle_gain_per_step"] = {
+        side: statistics.median(i["step_by_step"][f"{side}_step_s"] / o["step_by_step"][f"{side}_step_s"]
+                                for i, o in zip(runs["initial"], runs["oracle"])) for side in ("predicted", "measured")}
     report["switch"] = [switch(r, i) for r, i in zip(runs["replanned"], runs["initial"])]
     report["load_average"]["end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2))
-    keys = ("plans", "speedup_vs_initial", "replanned_vs_oracle", "switch")
+    keys = ("plans", "speedup_vs_initial", "replanned_vs_oracle", "oracle_gain_per_step", "switch")
     print(json.dumps({k: report[k] for k in keys}, indent=2))
 
 

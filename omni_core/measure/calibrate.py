@@ -77,7 +77,7 @@ def calibrate(
     started = time.perf_counter()
     gpu = at.device == "cuda"
     raw: dict[str, Any] = profile_compute(repeat, at.wall_clock() if gpu else clock, at=at)
-    measured, eff = with_compute(spec, raw, at)
+    measured, eff = with_compute(at.host(spec), raw, at)
     if world > 1 and gpu:
         measured, eff, fits = with_links(measured, eff, profile_links(world, repeat, at)["collectives"], world)
         raw["collectives"] = {kind: {"alpha_s": a, "beta_bytes_s": b} for kind, (a, b) in fits.items()}

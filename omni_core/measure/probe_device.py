@@ -3,9 +3,14 @@ probe: `CPU_PROBES` (float32 at a CPU's shapes) and `CUDA_PROBES` (bf16 at shape
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_core.common.catalog import GpuSpec
 
 MATMUL_SHAPES = tuple((t, k, n) for t in (32, 256, 1024) for k, n in ((64, 256), (128, 384), (384, 1536), (768, 2048)))
 # (heads, head dim, document length, documents): two head sizes over the same score matrices (separating the
@@ -39,6 +44,11 @@ class ProbeDevice:
     def precision(self) -> str:
         """The cost model's name for the dtype."""
         return "bf16" if self.dtype == "bfloat16" else "fp32"
+
+    def host(self, spec: GpuSpec) -> GpuSpec:
+        """`spec` as measured here: on a CPU the ranks are processes time-sharing this host's cores
+        (`GpuSpec.cores`, which the cost model prices once ranks outnumber them); a GPU is one device per rank."""
+        return spec if self.device == "cuda" else replace(spec, cores=os.cpu_count() or 1)
 
     def wall_clock(self) -> Callable[[], float]:
         """perf_counter, after the device's queued work (a GPU's kernels run asynchronously)."""

@@ -19,10 +19,8 @@ their predictions `case_prediction` and the report `validation_report`.
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,8 +122,7 @@ def _calibration(
     host's cores), and for several ranks the round's links (and on CPUs the runtime's wrappers), with their
     summary as the report stores it ({} for one rank)."""
     gpu = at.device == "cuda"
-    host = device if gpu else replace(device, cores=os.cpu_count() or 1)
-    spec, eff = with_compute(host, kernels, at)
+    spec, eff = with_compute(at.host(device), kernels, at)
     if case.world == 1:
         return spec, eff, {}
     assert ranks is not None, "a round with cases of several ranks probes the ranks first"
@@ -148,7 +145,7 @@ def repredict(
     if any(c["ranks"] and "wrappers" not in c["ranks"] for c in calibrations):
         raise ValueError("re-prediction reads CPU validation reports: these calibrations hold a GPU's NCCL links")
     started = time.perf_counter()
-    host = replace(device, cores=os.cpu_count() or 1)
+    host = CPU_PROBES.host(device)
     cases: list[Case] = []
     profiles: dict[tuple[str, int], DatasetProfile] = {}
     estimates: dict[str, list[Estimate]] = {}

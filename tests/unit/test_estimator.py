@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import itertools
 import json
 from dataclasses import replace
@@ -184,6 +186,7 @@ def test_calibration_is_stored_per_device_and_used_by_the_search(tmp_path, monke
     assert (tmp_path / "cpu.json").exists() and raw["matmul_flops"] > 0
     assert spec.fp32_flops == raw["matmul_flops"] and 0 < eff.attention
     assert eff.elementwise_bw == raw["elementwise_bw"] > 0  # the element-wise probe's rate prices `mem_bytes`
+    assert spec.cores == os.cpu_count()  # ranks beyond the host's cores time-share them, as validation prices
     assert calibrated(cpu) == (spec, eff)
     digest = calibration_digest("cpu")
     gpt = transformer("gpt", n_layers=2, dim=256, heads=4, vocab=1000, seq_len=128, global_batch=8)

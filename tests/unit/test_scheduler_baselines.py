@@ -277,10 +277,10 @@ def test_each_policy_pays_for_a_start_what_its_source_charges():
     assert starts("fcfs", ("a", 2), 0.0) == (300.0, 300.0)
     assert starts("crius", ("a", 2), 0.0) == (20.0, 20.0) and starts("crius", ("a", 16), 5.0) == (45.0, 45.0)
     assert starts("sia-artifact", ("a", 8), 0.0) == (600.0, 600.0)
-    # Gavel: that search at every start too (no exemption in either source), and never a restore: its
-    # simulator charges none, whatever the study's restore
-    assert starts("gavel", ("a", 2), 60.0) == (300.0, 300.0)
-    assert starts("gavel", ("a", 2), 60.0, every_start=False) == (300.0, 0.0)  # a study that keeps found plans
+    # Gavel: that search once per config (its paper's time slices resume a job with its plan; the artifact's
+    # Gavel never preempts), and never a restore: its simulator charges none, whatever the study's restore
+    assert starts("gavel", ("a", 2), 60.0) == (300.0, 0.0)
+    assert starts("gavel", ("a", 4), 60.0) == (600.0, 0.0)
     # Sia's paper resumes a job with its plan: the search once per config, and its simulator's 30 s restore
     assert starts("sia", ("a", 2), 60.0) == (330.0, 30.0)
     # real mode: nothing searched, and the launch's own restore

@@ -19,9 +19,11 @@ scheduler/scheduler.py; the Crius artifact: github.com/sjtu-epcc/arena at e3c853
   at the best plan (the Crius artifact's --enable_alpa), and the Crius artifact charges Gavel that plan's
   unpruned search (macro_def.py:122,124: 150 s a GPU up to 600 s) each time a job lands on GPUs it did not
   hold, its first start included (scheduler.py:376-388 `_get_cluster_perf`, the jobs from 1123-1147
-  `_parse_crs_table_change`; gavel_sched.py:577-585). So it pays it as the study charges every policy
-  (`search_charge`), with no exemption: a lease renewed on the same GPUs pays nothing, a job resumed on
-  others pays the search again."""
+  `_parse_crs_table_change`; gavel_sched.py:577-585). The artifact's Gavel never preempts (it admits on
+  arrivals and departures), so there that charge falls once per placement; the paper's Gavel time-slices
+  every round (section 5: leases end and renew each round, a preempted job resumes from its checkpoint).
+  Charging the search at each of those resumes would add a search per time slice that neither source pays,
+  so the search is paid once per (job, config) and the found plan kept (`keeps_plans`)."""
 
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ class Gavel(Policy):
     no GPU idle. Each round (Gavel's round-based mechanism, section 5: its paper uses 6-minute rounds, here
     the simulator's round) jobs get GPU types in order of priority X[j, t] / share of its time so far spent
     on t, highest first, while the GPUs are free; a job placed where it ran keeps running (Gavel's lease
-    renewal), any other pays a (re)start as the module docstring cites: no restore, and the plan search.
-    Jobs with no share fill what is left, oldest first."""
+    renewal), any other pays a (re)start as the module docstring cites: no restore, and the plan search the
+    first time the job runs on that config. Jobs with no share fill what is left, oldest first."""
 
     name = "gavel"
     every_round = True
+    keeps_plans = True  # section 5: a preempted job resumes from its checkpoint (module docstring)
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ from omni_core.data.profile import data_ranks, profile_dataset, profile_source
 from omni_core.data.profile_result import DatasetProfile
 from omni_core.estimator.calibration import calibration_digest
 from omni_core.estimator.recipe_cells import predict_plan, predicted_step_times
+from omni_core.measure.calibrate import calibrate_into
 from omni_core.recipe.schema import Recipe
 from omni_core.runtime.dist import DistInfo
 from omni_core.runtime.optimizer import Optimizers
@@ -333,16 +334,22 @@ def speedups(results: dict, layout: str) -> dict:
     return out
 
 
-def main_dynamic(quick: bool, out: str) -> None:
-    """`--dynamic`: the drifting run alone, each layout one plan (world 2)."""
+def main_dynamic(quick: bool, out: str, fresh: bool) -> None:
+    """`--dynamic`: the drifting run alone, each layout one plan (world 2), predicted from a calibration made
+    right before (`fresh`) or the stored one."""
     steps = DYNAMIC_STEPS[quick]
     started = time.perf_counter()
-    report: dict = {"load_average": {"start": os.getloadavg()},
-                    "workload": {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
-                                 "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
-                                 "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
-                                 "calibration": calibration_digest("cpu") or "catalogue",
-                                 "device": "cuda" if torch.cuda.is_available() else "cpu"}}
+    report: dict = {"load_average": {"start": os.getloadavg()}}
+    with tempfile.TemporaryDirectory() as calibration:  # predictions from this host as it is now
+        report["calibration"] = calibrate_into(Path(calibration), world=2) if fresh else calibration_digest("cpu")
+        run_dynamic(report, quick, steps, out, started)
+
+
+def run_dynamic(report: dict, quick: bool, steps: tuple[int, int], out: str, started: float) -> None:
+    report["workload"] = {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
+                          "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
+                          "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
+                          "device": "cuda" if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         preimport()
         report["dynamic"] = dynamic(Path(tmp), steps, rounds=1)
@@ -363,6 +370,8 @@ def main() -> None:
     parser.add_argument("--out", default="layout.json")
     parser.add_argument("--dynamic", action="store_true", help="only the drifting run: each layout one plan, "
                         "its steps predicted one by one against the measured run (world 2)")
+    parser.add_argument("--calibration", choices=("fresh", "stored"), default="fresh",
+                        help="--dynamic: calibrate this host first (default), or predict from the stored calibration")
     args = parser.parse_args()
     # the targets are at world 2 (one rank per core): its rounds are the medians; world 4 is one round
     rounds, steps = ({2: 1}, (1, 1)) if args.quick else ({2: 3, 4: 1}, (1, 3))
@@ -370,7 +379,7 @@ def main() -> None:
         global SEQ_LEN, GLOBAL_MICRO
         SEQ_LEN, GLOBAL_MICRO = QUICK_SEQ_LEN, GLOBAL_MICRO // 2
     if args.dynamic:
-        main_dynamic(args.quick, args.out)
+        main_dynamic(args.quick, args.out, args.calibration == "fresh")
         return
     layouts = LAYOUTS if args.quick else (*LAYOUTS, LSSP_LAYOUT)
     started = time.perf_counter()

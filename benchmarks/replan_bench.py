@@ -42,6 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from omni_core.data.dataset import open_dataset  # noqa: E402
 from omni_core.data.flops import FlopModel  # noqa: E402
 from omni_core.data.profile import data_ranks, profile_source  # noqa: E402
+from omni_core.measure.calibrate import calibrate_into  # noqa: E402
 from omni_core.recipe.loader import load_recipe, override_recipe  # noqa: E402
 from omni_core.recipe.schema import Recipe  # noqa: E402
 from omni_core.scheduler.replan import (  # noqa: E402
@@ -154,23 +155,11 @@ def switch(replanned: dict, initial: dict) -> dict | None:
             "steps_compared": len(after), "gain_error_pct": 100 * (predicted / measured - 1) if measured else None}
 
 
-def calibrate_now(root: Path, world: int) -> dict:
-    """A fresh calibration of this host, stored under `root` and used by every prediction of this run (the
-    watcher's too): a stored one drifts with the host's state by tens of percent (`calibrate.calibrate`),
-    which would pass for the estimator's error."""
-    from omni_core.common.catalog import GpuCatalog
-    from omni_core.measure.calibrate import calibrate
-
-    os.environ["OMNI_CALIBRATION_DIR"] = str(root / "calibration")
-    spec, eff, raw = calibrate(GpuCatalog()[GPU], world=world)
-    return {"folder": os.environ["OMNI_CALIBRATION_DIR"], "seconds": raw["seconds"], "fp32_flops": spec.fp32_flops,
-            "op_overhead_s": eff.op_overhead_s, "attn_call_s": eff.attn_call_s}
-
-
 def warm_up() -> None:
     """Start Prefect's temporary server before the first timed way, which would pay for it otherwise."""
-    import flows  # noqa: F401 - Prefect's settings and telemetry off, before Prefect is imported
     from prefect import flow
+
+    import flows  # noqa: F401 - Prefect's settings and telemetry off, before Prefect is imported
 
     flow(name="warm-up")(lambda: None)()
 
@@ -207,7 +196,7 @@ def main() -> None:
     recipe = load_recipe(RECIPE, base)
     # --quick calibrates the kernels only (the links keep the catalogue's), to stay within two minutes
     world = 1 if args.quick else recipe.parallel.nproc
-    calibration = calibrate_now(root, world) if args.calibration == "fresh" else {
+    calibration = calibrate_into(root / "calibration", world) if args.calibration == "fresh" else {
         "folder": os.environ.get("OMNI_CALIBRATION_DIR", "the default")}
     initial = best_overrides(recipe, window_profile(recipe, 0, 0), GPU)
     oracle = best_overrides(recipe, whole_run_profile(recipe), GPU)

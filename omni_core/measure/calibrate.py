@@ -41,9 +41,11 @@ to it (so `cost.estimate_step` is unchanged), saved as JSON under $OMNI_CALIBRAT
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omni_core.common.catalog import GpuSpec
@@ -88,6 +90,24 @@ def calibrate(
     if save:
         store_calibration(measured, eff, raw)
     return measured, eff, raw
+
+
+def calibrate_into(folder: Path, world: int, device: str = "cpu") -> dict[str, Any]:
+    """Calibrate this host now, stored under `folder`, and point this process's estimates (and the processes
+    it starts) at it: what a benchmark comparing predictions with runs made right after uses, since a stored
+    calibration drifts with a shared host's state. Returns where it is and its main figures."""
+    from omni_core.common.catalog import GpuCatalog
+
+    os.environ["OMNI_CALIBRATION_DIR"] = str(folder)
+    spec, eff, raw = calibrate(GpuCatalog()[device], world=world)
+    return {
+        "folder": str(folder),
+        "seconds": raw["seconds"],
+        "fp32_flops": spec.fp32_flops,
+        "op_overhead_s": eff.op_overhead_s,
+        "attn_call_s": eff.attn_call_s,
+        "cores": spec.cores,
+    }
 
 
 if __name__ == "__main__":

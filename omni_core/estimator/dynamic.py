@@ -275,15 +275,25 @@ def first_window(mixes: list[SequenceMix], batch: int, samples: int) -> int:
     return len(mixes)
 
 
+def encoder_heaviness(workload: Workload) -> float:
+    """A step's encoder activations, what varies in memory from step to step: the heaviest steps are the
+    likeliest not to fit."""
+    return sum(layer.act_bytes for layer in workload.encoder)
+
+
 def ranked_plans(
     workload: Workload,
     gpu: GpuSpec,
     num_gpus: int,
     eff: Efficiency,
     layout: EncoderLayout,
+    heaviest: Workload | None = None,
 ) -> list[Estimate]:
     """The layout's fastest plans on `workload` over pipeline depths (each Cell's best and runners-up), each
-    also with activation checkpointing, fastest first: what a system picks from, in order."""
+    also with activation checkpointing, fastest first: what a system picks from, in order. With the run's
+    `heaviest` step, also the plans its own search finds (they fit it), priced on `workload`: the Cells keep
+    a few plans, one encoder half each, all fastest on `workload`, so where those need more memory than the
+    heaviest step leaves, the plans that fit it would otherwise never be candidates."""
     per_node = min(num_gpus, 8)
     found: list[Estimate] = []
     for pp in pipeline_depths(workload, num_gpus, layout):
@@ -294,7 +304,13 @@ def ranked_plans(
         for e in found
         if not e.options.checkpoint
     ]
-    return sorted((e for e in found if e.fits), key=lambda e: e.step_time_s)
+    if heaviest is not None:
+        found += [
+            estimate_step(workload, gpu, e.plan, e.options, gpus_per_node=per_node, eff=eff)
+            for e in ranked_plans(heaviest, gpu, num_gpus, eff, layout)
+        ]
+    unique = {(e.plan.name, e.options.micro_batch, e.options.checkpoint): e for e in found if e.fits}
+    return sorted(unique.values(), key=lambda e: e.step_time_s)
 
 
 def first_fitting(
@@ -305,7 +321,7 @@ def first_fitting(
 ) -> tuple[Estimate | None, list[str]]:
     """The first of `ranked` that fits memory at every step (tried heaviest encoder step first), and why each
     one before it did not: a job cannot change its plan when a later step needs more memory."""
-    order = sorted(steps, key=lambda w: -sum(layer.act_bytes for layer in w.encoder))
+    order = sorted(steps, key=lambda w: -encoder_heaviness(w))
     refused: list[str] = []
     for est in ranked:
         per_node = min(est.plan.world_size, 8)
@@ -393,7 +409,8 @@ class DynamicRun:
     ) -> tuple[RunPrice, Estimate | None]:
         """The system's plan: its layout's fastest on the mix it is chosen on that fits every step."""
         gpus = PAPER_WORKLOADS[self.key][1]
-        ranked = ranked_plans(chosen, self.gpu, gpus, self.eff, system.layout)
+        heaviest = max(steps, key=encoder_heaviness)
+        ranked = ranked_plans(chosen, self.gpu, gpus, self.eff, system.layout, heaviest)
         best, refused = first_fitting(ranked, steps, self.gpu, self.eff)
         run = RunPrice(name, refused=refused, source=system.source)
         if best is not None:

@@ -106,6 +106,25 @@ def test_a_plan_is_kept_only_if_it_fits_every_step():
     assert estimate_step(heavy, H100, chosen.plan, chosen.options, gpus_per_node=8).fits
 
 
+def test_the_candidates_include_the_plans_that_fit_the_heaviest_step():
+    """Each Cell keeps a few plans fastest on the data a plan is chosen on; those the heaviest step's own search
+    finds join them, priced on that data, so a plan that fits every step is not missed for being 5th."""
+    light, heavy = paper_workload("A", 0.1), paper_workload("A", 0.9)
+
+    def key(e):
+        return e.plan.name, e.options.micro_batch, e.options.checkpoint
+
+    alone = ranked_plans(light, H100, 64, Efficiency(), "coupled")
+    both = ranked_plans(light, H100, 64, Efficiency(), "coupled", heavy)
+    for_heavy = {key(e) for e in ranked_plans(heavy, H100, 64, Efficiency(), "coupled")}
+    assert for_heavy - {key(e) for e in alone} and for_heavy <= {key(e) for e in both}
+    assert [e.step_time_s for e in both] == sorted(e.step_time_s for e in both)
+    assert len({key(e) for e in both}) == len(both)  # a plan found by both searches is one candidate
+    with_heavy, _ = first_fitting(both, [light, heavy], H100, Efficiency())
+    without, _ = first_fitting(alone, [light, heavy], H100, Efficiency())
+    assert with_heavy is not None and (without is None or with_heavy.step_time_s <= without.step_time_s)
+
+
 def test_a_run_is_one_plan_per_system_and_the_sum_of_its_steps(data):
     shares = np.linspace(0.1, 0.9, 6)
     run = DynamicRun("A", data, shares, H100, Efficiency(), seed=1)

@@ -319,7 +319,10 @@ class Replanner:
     def set_reference(self, window: DatasetProfile, step: int) -> None:
         self.reference = window
         window.save(self.folder / REFERENCE_FILE)
-        self.priced = [(step, predicted_step_s(self.recipe, window, self.gpu_type))]
+        try:
+            self.priced = [(step, predicted_step_s(self.recipe, window, self.gpu_type))]
+        except ValueError:  # a plan the estimate refuses on this window: the launch goes unpriced, not unwatched
+            self.priced = [(step, float("nan"))]
 
     def launch_predicted_s(self, result: TrainResult) -> float:
         """The running launch's predicted seconds per step over the data it trained on: each window's prediction

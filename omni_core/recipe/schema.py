@@ -73,6 +73,16 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _trace_types_in_cluster(self) -> Recipe:
+        groups = {g.gpu_type for g in self.cluster.node_groups}
+        unknown = sorted(t for t in self.schedule.trace_gpu_types.values() if groups and t not in groups)
+        if unknown:
+            raise ValueError(
+                f"schedule.trace_gpu_types maps onto {unknown}, not a GPU type of cluster.node_groups {sorted(groups)}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tuned_parts_train(self) -> Recipe:
         tuned = {
             f"train.{field}.{part}"

@@ -301,6 +301,11 @@ def test_a_trace_gpu_type_maps_to_the_clusters_and_the_crius_study_runs_the_40gb
     assert recipe.schedule.trace_gpu_types == {"a100": "a100-40gb"}
     a100 = [g.gpu_type for g in recipe.cluster.node_groups if g.gpu_type.startswith("a100")]
     assert a100 == ["a100-40gb"] and 39 < GpuCatalog()["a100-40gb"].mem_gb * 1e9 / 2**30 < 40  # 39.59 GiB usable
+    # a mapping onto a type the cluster lacks is refused when the recipe is read, naming the field
+    from omni_core.recipe.loader import RecipeError, override_recipe
+
+    with pytest.raises(RecipeError, match=r"schedule.trace_gpu_types maps onto \['h900'\]"):
+        override_recipe(recipe, ["schedule.trace_gpu_types={a100: h900}"])
 
 
 def test_load_trace_reads_the_real_crius_trace():

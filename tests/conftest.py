@@ -89,8 +89,9 @@ HARNESS_STARTS = 3
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
     """A temporary Prefect API and database for the flow tests of this session. Prefect's start-up loop waits
-    for a refused connection but not for a `/health` answer slower than httpx's 5 s read timeout, which a
-    2-core machine busy with the other test stream can give: such a start is stopped and tried again."""
+    for a refused connection but not for a `/health` answer slower than httpx's 5 s read timeout, nor for a
+    connection the starting server resets, which a 2-core machine busy with the other test stream can give:
+    such a start is stopped and tried again."""
     import httpx
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.testing.utilities import prefect_test_harness
@@ -99,7 +100,7 @@ def prefect_harness() -> Iterator[None]:
         harness = prefect_test_harness(server_startup_timeout=120)
         try:
             harness.__enter__()
-        except httpx.ReadTimeout:
+        except (httpx.ReadTimeout, httpx.ReadError):
             slow = SubprocessASGIServer._instances.get(None)
             if slow is not None:
                 slow.stop()

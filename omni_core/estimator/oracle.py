@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -25,11 +25,16 @@ if TYPE_CHECKING:
 
 
 class ReplicaPlan(NamedTuple):
-    """Which fixed plan `ThroughputOracle.replicated` prices: replicas of a (tp, pp) `unit`, and whether a
-    replica may split its local batch into micro-batches (gradient accumulation)."""
+    """Which fixed plan `ThroughputOracle.replicated` prices: replicas of a (tp, pp) `unit`, whether a
+    replica may split its local batch into micro-batches (gradient accumulation: the fastest that fit, or
+    `micro_batches` of them where the job fixes that many), and whether the replicas shard the fp32 master copy
+    and the optimizer states among themselves, each stepping its slice, weights and gradients whole (ZeRO-1, as
+    Alpa's data parallelism runs with prefer_reduce_scatter); else all replicated."""
 
     unit: tuple[int, int] = (1, 1)
     micro_batching: bool = False
+    sharded_states: bool = False
+    micro_batches: int = 0  # with `micro_batching`: the job's own count (of at least one sample); 0: searched
 
 
 PLAIN_DP = ReplicaPlan()  # one GPU per replica, the whole local batch at once: plain data parallelism
@@ -49,7 +54,8 @@ class ThroughputOracle(Protocol):
         self, model: str, global_batch: int, gpu_type: str, num_gpus: int, plan: ReplicaPlan = PLAIN_DP
     ) -> ReplicaEstimate | None:
         """`num_gpus / (tp x pp)` replicas of the `plan.unit` = (tp, pp) model-parallel unit, the replicas plain
-        data parallel (weights, gradients and optimizer states replicated, never sharded), recomputation only
+        data parallel (weights, gradients and optimizer states replicated; with `plan.sharded_states` the master
+        copy and optimizer states sharded over them, the rest replicated), recomputation only
         where the job fixes it; each replica's local batch in one micro-batch, or with `plan.micro_batching` in
         the fastest micro-batches that fit (gradient accumulation). None when the plan cannot be formed."""
         ...
@@ -136,13 +142,20 @@ class CellOracle:
         if rest or tp > per_node or global_batch % max(replicas, 1) or not replicas:
             return None
         workload = self._workload(model, global_batch)
+        if replica.sharded_states:
+            eff = replace(eff, zero_master_sharded=True)
         try:
-            plan = ParallelPlan(dp_replicate=replicas, tp=tp, pp=pp)
+            if replica.sharded_states:
+                plan = ParallelPlan(dp_shard=replicas, sharding="zero1", tp=tp, pp=pp)
+            else:
+                plan = ParallelPlan(dp_replicate=replicas, tp=tp, pp=pp)
             plan.check_model(workload.shape)
         except PlanError:
             return None
         local = global_batch // replicas
         sizes = [mb for mb in powers_of_two(local) if local % mb == 0] if replica.micro_batching else [local]
+        if replica.micro_batching and replica.micro_batches:
+            sizes = [max(1, local // replica.micro_batches)]
         checkpoint = bool(workload.recompute)
         tried = [
             estimate_step(workload, gpu, plan, Options(mb, checkpoint), gpus_per_node=per_node, eff=eff) for mb in sizes

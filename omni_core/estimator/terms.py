@@ -193,6 +193,8 @@ class PlanTerms:
         cls, workload: Workload, gpu: GpuSpec, plan: ParallelPlan, options: Options, eff: Efficiency, gpus_per_node: int
     ) -> PlanTerms:
         eff = node_efficiency(eff, gpu, plan, gpus_per_node)
+        if workload.grad_precision:  # the job's gradients: its memory and its reductions' volume
+            eff = replace(eff, grad_bytes=float(BYTES[workload.grad_precision]))
         peak = gpu.compute_flops(workload.precision)
         split = plan.tp * plan.cp
         recompute = recompute_share(workload, options)

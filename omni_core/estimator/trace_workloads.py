@@ -4,6 +4,7 @@ at the shapes of the Alpa benchmark suite, with the precision, optimizer and rem
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from functools import cache
 
 from omni_core.estimator.cnn_workloads import wide_resnet
@@ -15,6 +16,14 @@ from omni_core.estimator.workloads import Workload
 # Adafactor, 16 heads, FFN 8 x hidden, every other layer a GShard MoE over expert groups of 2,048 tokens
 # (suite_*_moe.py, alpa/model/moe.py); Wide-ResNet in fp32 with SGD + momentum, which XLA runs on TF32 tensor
 # cores where the GPU has them (JAX's default matmul precision); all with rematerialisation (use_remat=True).
+# Their state per parameter (alpa-projects/alpa b8078a9, benchmark/alpa/benchmark_one_case_gpt_bert.py and
+# _moe.py create_train_state, alpa/model/model_util.py TrainState; the Crius artifact's own trainers,
+# sjtu-epcc/arena runtime/crius_worker/jax/trainer/*.py with utils.py TrainState2, are the same): the fp16
+# jobs keep fp16 weights, an fp32 master copy (use_master_copy) from which the optimizer's fp32 states are
+# made, and gradients of the fp16 weights, so fp16 (`grad_precision`); no dynamic loss scale
+# (dynamic_scale=None). GPT: 2 + 2 + 4 + 8 (AdamW) = 16 bytes; MoE: 2 + 2 + 4 + Adafactor's factored moments;
+# Wide-ResNet (fp32, no master copy): 4 + 4 + 4 (momentum). Under Alpa's data parallelism the master copy and
+# the optimizer states are sharded over the replicas (prefer_reduce_scatter): `policies.sia_artifact`.
 GPT_SPECS = {
     "760M": (1536, 24, 16),
     "1.3B": (2048, 24, 32),
@@ -56,7 +65,7 @@ def trace_workload(model: str, global_batch: int) -> Workload:
         raise ValueError(f"unknown trace model {model!r}: {family} sizes are {', '.join(specs)}")
     if family in ("bert", "gpt"):
         dim, layers, heads = specs[size]
-        return transformer(
+        gpt = transformer(
             model,
             n_layers=layers,
             dim=dim,
@@ -68,9 +77,10 @@ def trace_workload(model: str, global_batch: int) -> Workload:
             precision="fp16",
             recompute=True,
         )
+        return replace(gpt, grad_precision="fp16")
     if family == "moe":
         dim, layers, experts = specs[size]
-        return transformer(
+        moe = transformer(
             model,
             n_layers=layers,
             dim=dim,
@@ -88,6 +98,7 @@ def trace_workload(model: str, global_batch: int) -> Workload:
             recompute=True,
             tied=True,
         )
+        return replace(moe, grad_precision="fp16")
     depth, channels, width = specs[size]
     return wide_resnet(
         model, depth=depth, base_channels=channels, width_factor=width, global_batch=global_batch, recompute=True

@@ -105,8 +105,15 @@ class Workload:
     head_dim: int = 0  # the LLM's (ring attention's tiles)
     doc_span: float = 0.0  # E[L^2] / E[L] of the LLM's documents: the length of the one a random token is in
     optimizer: str = "adamw"  # a key of OPTIMIZERS: its states are part of the job's memory and its step
+    # "": gradients as the runtime keeps and reduces them (`Efficiency.grad_bytes`, fp32); else a key of BYTES:
+    # the job's own, e.g. "fp16" for Alpa's jobs, which differentiate their fp16 weights (`trace_workloads`)
+    grad_precision: str = ""
     recompute: bool | None = None  # activation recomputation the job fixes (True / False); None: searched
     cache: dict = field(default_factory=dict, compare=False, repr=False)  # stage partitions and sums by pp
+
+    def __post_init__(self) -> None:
+        if self.grad_precision and self.grad_precision not in BYTES:
+            raise ValueError(f"{self.name}: grad_precision={self.grad_precision!r}; known: {', '.join(BYTES)}")
 
     @property
     def cost_prefix(self) -> tuple[float, ...]:

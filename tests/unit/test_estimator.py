@@ -161,7 +161,7 @@ def test_omni_estimate_cli_prints_cells_as_json(tmp_path, capsys):
     from tests.helpers.recipes import write_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", {
-        "experiment.name": "est", "cluster.node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 4}],
+        "experiment.name": "est", "cluster.node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}],
         "jobs": [{"name": "gpt", "model": "bert__760M", "global_batch": 64, "iterations": 10},
                  {"name": "big", "model": "moe__70B", "global_batch": 256, "iterations": 10}],
     }, tmp_path)

@@ -10,9 +10,19 @@ from typing import Any
 
 import numpy as np
 
+from omni_core.estimator.oracle import ReplicaPlan
 from omni_core.scheduler.jobs import Config, Job, ThroughputTable
 from omni_core.scheduler.policies.assignment import assign
 from omni_core.scheduler.policies.base import Cell, Policy, View
+
+# The artifact's data-parallel jobs (sjtu-epcc/arena 65573a2, runtime/crius_worker/jax/trainer/*.py with
+# is_dp_only): one Alpa stage over all GPUs, the batch on the mesh, prefer_reduce_scatter=True, which shards
+# the fp32 master copy and the optimizer states over the replicas (ZeRO-style); num_micro_batches (train.py,
+# default 16) accumulates gradients. dp_mem.json shows both: over 4-16 GPUs and batches 128-512 a replica of
+# bert 2.6B needs 15.6 GB (6 bytes per parameter, whole) + (31.1 GB + 0.073 GB x batch) / GPUs: 31.1 GB is
+# 12 bytes per parameter (the master copy and AdamW's moments, sharded), and 0.073 GB per sample is less than
+# the layer outputs rematerialisation keeps of a whole sample (168 MB): micro-batches.
+ALPA_DP = ReplicaPlan(micro_batching=True, sharded_states=True, micro_batches=16)
 
 
 @dataclass(frozen=True)
@@ -33,11 +43,12 @@ class SiaArtifactConstants:
 class SiaArtifact(Policy):
     """Sia as the Crius artifact implements it (sia_sched.py at e3c8535).
 
-    - Plain data parallelism ("Sia should schedule jobs with DP"; AblationOptions(force_dp=True)): a config
-      is feasible when one replica's memory x `mem_margin` fits the GPU's memory x `xla_preallocation`
-      (db_querier.py), at most `max_gpus` GPUs. A job with no feasible config is never admitted. The memory is
-      the estimator's on the cluster's GPUs; the artifact reads its measured database/dp_mem.json on a 40 GB
-      A100 (hardware_specs.py), so it refuses a slightly different set of jobs (docs/architecture.md).
+    - Data parallelism ("Sia should schedule jobs with DP"; AblationOptions(force_dp=True)) as Alpa runs it
+      (`ALPA_DP`): a config is feasible when one replica's memory x `mem_margin` fits the GPU's memory x
+      `xla_preallocation` (db_querier.py), at most `max_gpus` GPUs. A job with no feasible config is never
+      admitted. The memory is the estimator's on the cluster's GPUs; the artifact reads its measured
+      database/dp_mem.json on a 40 GB A100 (hardware_specs.py), so it refuses a slightly different set of
+      jobs (docs/architecture.md).
     - Its throughput model (`_init_throughput_model`): one GPU's data-parallel samples/s times the count;
       where one GPU does not fit, the largest feasible count's samples/s over twice that count (its search
       loop doubles the count before it divides). No profiling is charged.
@@ -101,7 +112,7 @@ class SiaArtifact(Policy):
         """The artifact's throughput model per config, samples/s; NaN where its memory check refuses."""
         key = (job.model, job.global_batch)
         if key not in self._estimates:
-            replicas = table.replicated(job)
+            replicas = table.replicated(job, ALPA_DP)
             counts = np.asarray(table.counts, dtype=float)
             k = self.constants
             fits = np.isfinite(replicas.rates) & (replicas.mem_share * k.mem_margin <= k.xla_preallocation)

@@ -181,19 +181,16 @@ class EncoderStep:
 
     def _all_reduce_replicated(self) -> None:
         """Sum the replicated encoder weights' gradients over the encoders' group (one flat all-reduce; zeros
-        for a parameter this rank's backward did not reach)."""
+        for a parameter this rank's backward did not reach). The summed gradients stay views of the flat
+        buffer: copying them back into the old ones cost a pass over every encoder weight (measured ~8 ms a
+        step at world 2 for debug-enc's 13 MB, as much as the all-reduce's own bytes)."""
         if not self.params:
             return
-        grads = []
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([p.new_zeros(p.numel()) if p.grad is None else p.grad.reshape(-1) for p in self.params])
         dist.all_reduce(flat, group=self.encoder_group)
         offset = 0
-        for param, grad in zip(self.params, grads, strict=True):
-            grad.copy_(flat[offset : offset + param.numel()].view_as(param))
+        for param in self.params:
+            param.grad = flat[offset : offset + param.numel()].view_as(param)
             offset += param.numel()
 
 

@@ -28,8 +28,10 @@ threshold, weight sharding): the estimate prices the plan object the runtime exe
 Collectives use an alpha-beta model per link class and per collective kind: a group whose ranks lie in one
 node uses the intra-node link, otherwise the inter-node one. When a node has fewer compute units than
 ranks (CPU "devices": processes sharing cores, `GpuSpec.cores`), the ranks' host and compute work is
-time-shared: the step is at least their total work over the units, and a GPipe or 1F1B pipeline is
-simulated pass by pass with its busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU
+time-shared: a rank runs whole on the core it started on and one waiting in a collective lends its core, so
+the step is at least the fullest core's work (`fullest_core_seconds`: the longest rank's with its
+core-mates'), the `omni` encoders' phase too; a GPipe or 1F1B pipeline is simulated pass by pass with its
+busy ranks sharing the cores (a waiting stage lends its own); ranks of a CPU
 node also share its memory bandwidth (`Efficiency.shared_memory`). Memory per GPU: weights, gradients
 and AdamW states (what the plan's sharding stage shards divided by dp_shard x cp, copied over dp_replicate:
 `memory.param_state_bytes`), activations of the
@@ -51,6 +53,7 @@ from omni_core.common.plan import EncoderPlan, ParallelPlan
 from omni_core.estimator.communication import SMALL_MESSAGE_BYTES, Network
 from omni_core.estimator.encoders import (
     coupled_encoder_work,
+    coupled_imbalance,
     disaggregated_encoders,
     lssp_refusal,
     omni_encoder_seconds,
@@ -121,24 +124,63 @@ def sync_seconds(terms: PlanTerms) -> float:
     return terms.net.time("all_reduce", SMALL_MESSAGE_BYTES, plan.world_size, plan.world_size, syncs)
 
 
-def shared_cores_seconds(
-    terms: PlanTerms, stages: list[StageTimes], counts: list[int], encoder: float, sync: float
-) -> float:
-    """The least a step takes when a node's ranks time-share fewer cores (`GpuSpec.cores`): their average work
-    on the cores (device, wrappers, and of the links' seconds the share a collective keeps its rank's process
-    busy, `Efficiency.link_cpu_share`: the rest is waiting, which another rank's work fills) in rounds of one
-    rank per core; 0 when every rank has its own. Rounds, not the fair share n / cores: between two of the
-    step's collectives every rank must finish, and the ranks done first keep their cores polling in the
-    collective's wait (that same busy share) rather than lending them, so 3 ranks on 2 cores take 2 rounds."""
-    gpu, plan = terms.gpu, terms.plan
-    ranks_per_node = min(plan.world_size, terms.gpus_per_node)
-    if not gpu.cores or ranks_per_node <= gpu.cores:
+def fullest_core_seconds(longest: float, others: float, ranks: int, cores: int) -> float:
+    """Seconds until `ranks` ranks time-sharing `cores` cores have all done their work between two of the
+    step's collectives, one rank `longest` seconds of it and the others `others` each on average: each rank
+    runs whole on one core, the ranks spread as evenly as their count allows (a core holds ceil(ranks /
+    cores) or floor of it) but at random, and the collective waits for the fullest core: the longest rank's
+    with its core-mates', or another core's, expected over the placements. Four ranks on two cores take
+    longest + others; three, longest + others two times in three, else max(longest, 2 x others); balanced
+    ranks, ceil(ranks / cores) rounds.
+
+    Measured (issue #49; gloo on 2 cores, ranks busy k x 20 ms in a matmul loop, then an all-reduce,
+    all-gather, all-to-all or barrier): a rank waiting for a late peer sleeps (its CPU time in the collective
+    is the collective's own, 0.5-4 ms, over 20-57 ms of waiting) and lends its core, yet a busy rank keeps the
+    core it started on. Beyond the collective alone, 4 ranks of 2, 1, 1, 1 units took 2.8-3.2 units (this
+    rule 3, their total over the cores 2.5), of 3, 1, 1, 1: 3.7-3.9 (4; 3), of 2, 2, 1, 1: 3.4 (3.33; 3);
+    3 balanced ranks 1.7-2.0 (2; 1.5), 3 of 2, 1, 1: 2.3-2.6 (2.67; 2); 1 busy rank of 3 or 4: 1.0 (1)."""
+    per_core, spare = divmod(ranks, cores)  # `spare` cores hold one rank more
+    crowded = spare * (per_core + 1) / ranks  # the chance that the longest rank lands on one of those
+    on_crowded = max(longest + per_core * others, (per_core + (spare >= 2)) * others)
+    on_plain = max(longest + (per_core - 1) * others, (per_core + (spare >= 1)) * others)
+    return crowded * on_crowded + (1 - crowded) * on_plain
+
+
+def shared_ranks(terms: PlanTerms) -> int:
+    """How many ranks time-share a node's cores (`GpuSpec.cores`), or 0 when every rank has a core of its own."""
+    ranks = min(terms.plan.world_size, terms.gpus_per_node)
+    return ranks if terms.gpu.cores and ranks > terms.gpu.cores else 0
+
+
+def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: list[int], spread: float) -> float:
+    """The least the LLM's part of a step takes when a node's ranks time-share fewer cores (0 when every rank
+    has its own): each rank's work on a core (device, wrappers, and of the links' seconds the share a
+    collective keeps its rank's process on a core, `Efficiency.link_cpu_share`: its copies and reductions; the
+    rest is waiting, on no core), placed on the cores as `fullest_core_seconds` says. A stage's priced work is
+    its busiest rank's; `spread` is what that rank does beyond its stage's mean (the `coupled` encoders'
+    share of the unbalanced batches), so that the longest rank shares its core with ranks of mean work."""
+    ranks = shared_ranks(terms)
+    if not ranks:
         return 0.0
-    share = math.ceil(ranks_per_node / gpu.cores)
     idle = 1.0 - terms.eff.link_cpu_share
-    busy = sum((times.device + times.runtime - idle * times.links) * count for times, count in zip(stages, counts))
-    work = busy / plan.pp + terms.eff.step_overhead_s
-    return work * share + encoder + sync
+    work = [times.device + times.runtime - idle * times.links + terms.eff.step_overhead_s for times in stages]
+    longest = max(work)
+    mean = (sum(seconds * count for seconds, count in zip(work, counts)) - spread) / terms.plan.pp
+    return fullest_core_seconds(longest, (ranks * mean - longest) / (ranks - 1), ranks, terms.gpu.cores)
+
+
+def shared_encoder_seconds(terms: PlanTerms, encoder: float, handoff: float) -> float:
+    """The `omni` encoders' exposed seconds (`encoder`, balanced over the ranks, `handoff` of them the
+    handoff's all-to-alls) on a node's time-shared cores: their work in rounds (`fullest_core_seconds`), the
+    handoff's waiting (its links' idle share) on no core; `encoder` where every rank has a core. Measured
+    (issue #49, layout_bench's data): dp4+omni's encoder phase at world 4 on 2 cores took 0.37-0.50 s, as long
+    as dp2+omni's at world 2 (0.26-0.48 s) with twice the items per rank."""
+    ranks = shared_ranks(terms)
+    if not ranks:
+        return encoder
+    waiting = min((1.0 - terms.eff.link_cpu_share) * handoff, encoder)
+    work = encoder - waiting
+    return fullest_core_seconds(work, work, ranks, terms.gpu.cores) + waiting
 
 
 def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes], per_step: float) -> float:
@@ -148,8 +190,8 @@ def time_shared_pipeline_seconds(terms: PlanTerms, stages: list[StageTimes], per
     cores of their own, without a pipeline or interleaved (the bound `shared_cores_seconds` stands alone
     there)."""
     gpu, plan = terms.gpu, terms.plan
-    ranks_per_node = min(plan.world_size, terms.gpus_per_node)
-    if not gpu.cores or ranks_per_node <= gpu.cores or plan.pp == 1 or plan.pp_schedule == "Interleaved1F1B":
+    ranks_per_node = shared_ranks(terms)
+    if not ranks_per_node or plan.pp == 1 or plan.pp_schedule == "Interleaved1F1B":
         return 0.0
     idle = 1.0 - terms.eff.link_cpu_share
     work = [
@@ -189,7 +231,8 @@ def estimate_step(
         return est
 
     omni = plan.encoders.layout == "omni"
-    stages = price_stages(terms, groups, None if omni else coupled_encoder_work(terms))
+    coupled = None if omni else coupled_encoder_work(terms)
+    stages = price_stages(terms, groups, coupled)
     counts = [count for _, _, count in groups]
     pipeline, bubble = pipeline_seconds(plan, terms.micro_batches, [times.micro_batch for times in stages], counts)
     encoder = long_item = handoff = 0.0  # `omni`: the encoders' exposed seconds, their longest item's, the handoff's
@@ -198,11 +241,12 @@ def estimate_step(
     per_step = max(times.per_step for times in stages)
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
+    # the `coupled` encoders' rank with the most work: what it does beyond its stage's mean
+    spread = terms.micro_batches * coupled.compute * (1 - 1 / coupled_imbalance(terms)) if coupled else 0.0
     shared = max(
-        shared_cores_seconds(terms, stages, counts, encoder, sync),
-        time_shared_pipeline_seconds(terms, stages, per_step) + encoder + sync,
+        shared_cores_seconds(terms, stages, counts, spread), time_shared_pipeline_seconds(terms, stages, per_step)
     )
-    step = max(step, shared)
+    step = max(step, shared + shared_encoder_seconds(terms, encoder, handoff) + sync)
 
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step

@@ -119,14 +119,19 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
 # --- coupled -----------------------------------------------------------------------------------------------
 
 
+def coupled_imbalance(terms: PlanTerms) -> float:
+    """The `coupled` encoders' work on the rank that drew the most of it over the dp ranks' mean: unbalanced
+    batches (`unbalanced_factor`), or what the balancing loaders leave."""
+    if terms.plan.dp > 1 and terms.workload.loader_imbalance:  # balancing loaders (data.balance)
+        return terms.workload.loader_imbalance
+    return unbalanced_factor(terms.workload.encoder_cv, terms.micro_batches * terms.options.micro_batch, terms.plan.dp)
+
+
 def coupled_encoder_seconds(terms: PlanTerms, enc: Sums) -> tuple[float, float]:
     """(compute, host) seconds of the encoders per micro-batch on stage 0 (`coupled`): forward + backward
-    (+ recomputation) on the micro-batch's samples, stretched by the unbalanced batches of dp ranks (or by
-    what the balancing loaders leave)."""
-    eff, mb, plan = terms.eff, terms.options.micro_batch, terms.plan
-    imbalance = unbalanced_factor(terms.workload.encoder_cv, terms.micro_batches * mb, plan.dp)
-    if plan.dp > 1 and terms.workload.loader_imbalance:  # balancing loaders (data.balance)
-        imbalance = terms.workload.loader_imbalance
+    (+ recomputation) on the micro-batch's samples, on the rank with the most (`coupled_imbalance`)."""
+    eff, mb = terms.eff, terms.options.micro_batch
+    imbalance = coupled_imbalance(terms)
     per_sample, per_call = device_seconds(enc, terms.gpu, eff, terms.workload.precision)
     compute = (per_sample * mb + per_call) / terms.encoder_split
     host = (enc.ops + enc.sample_ops * mb) * eff.op_overhead_s + enc.attn_calls * mb * eff.attn_call_s

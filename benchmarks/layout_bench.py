@@ -25,8 +25,10 @@ the launch (all its mixes so far).
 the timed steps (`DRIFT`, a `data.synthetic.schedule`), each layout keeps one plan for the whole run (of its
 plans at world 2, the one predicted fastest on the data of the first timed step), and the run's measured
 seconds (the sum of its timed steps, each its slowest rank's) are compared with the sum of its steps predicted
-one by one, each on a profile of DYNAMIC_WINDOW samples drawn at that step: `dynamic[layout]` = plan,
-`measured_run_s`, `predicted_run_s`, `error_pct`, per-step seconds both ways, and each ratio to coupled.
+one by one, each on a profile of DYNAMIC_WINDOW samples of the mix drawn at that step: `dynamic[layout]` =
+plan, `measured_run_s`, `predicted_run_s`, `error_pct`, per-step seconds both ways, and each ratio to coupled.
+The host is calibrated before the plans are chosen and before each layout's run; `calibrations` lists them
+with the runs each predicts, and the figures are the median calibration's (`dynamic`).
 
 Run it alone (it forks one rank per core at world 2); the report records the load average. On a GPU machine
 it runs the same cases with nccl, one GPU per rank.
@@ -41,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +55,8 @@ from omni_core.data.flops import FlopModel
 from omni_core.data.loader import PackedLoader
 from omni_core.data.profile import data_ranks, profile_dataset, profile_source
 from omni_core.data.profile_result import DatasetProfile
+from omni_core.data.sample import KINDS
+from omni_core.data.workload import MixSchedule
 from omni_core.estimator.calibration import calibration_digest
 from omni_core.estimator.recipe_cells import predict_plan, predicted_step_times
 from omni_core.measure.calibrate import calibrate_into
@@ -82,7 +87,7 @@ LSSP_LAYOUT = "omni_lssp"  # full runs only: omni with images over LSSP_TOKENS p
 LSSP_TOKENS = 256
 DRIFT = ({"text": 0.9, "image": 0.1}, {"text": 0.1, "image": 0.9})  # --dynamic: 1:9 to 9:1 over the timed steps
 DYNAMIC_STEPS = {True: (1, 6), False: (1, 20)}  # --dynamic (warm-up, timed) steps: quick, full
-DYNAMIC_WINDOW = 16  # samples profiled at each step for its prediction
+DYNAMIC_WINDOW = 1024  # samples profiled at each step for its prediction: 60-200 packed sequences
 
 
 def layout_plan(llm: str, layout: str, world: int) -> ParallelPlan:
@@ -251,10 +256,18 @@ def drift_case(steps: tuple[int, int]) -> dict:
 
 
 def step_profile(recipe: Recipe, step: int) -> DatasetProfile:
-    """DYNAMIC_WINDOW samples of the recipe's data as drawn from optimizer step `step` on."""
-    return profile_source(open_dataset(recipe), recipe.data, recipe.experiment.seed, FlopModel.for_recipe(recipe),
-                          DYNAMIC_WINDOW, by_record=True, balance_ranks=data_ranks(recipe),
-                          step_batches=recipe.train.grad_accum, at_step=step)
+    """The data drawn at optimizer step `step`: DYNAMIC_WINDOW samples of the schedule's mix there, held. A
+    window read along the schedule from `step` on would drift past it, and one as short as a step's data packs
+    a few sequences whose last is partly filled: 16 samples packed 2-4 sequences 0.63-0.81 full where the
+    loader's are 0.99, and priced a step's encoders up to a third short."""
+    shares = MixSchedule(recipe.data.synthetic).at(step)
+    synthetic = recipe.data.synthetic.model_copy(
+        update={"mix": {kind: float(share) for kind, share in zip(KINDS, shares) if share > 0}, "schedule": [],
+                "num_samples": DYNAMIC_WINDOW})
+    held = recipe.model_copy(update={"data": recipe.data.model_copy(update={"synthetic": synthetic})})
+    return profile_source(open_dataset(held), held.data, held.experiment.seed, FlopModel.for_recipe(held),
+                          DYNAMIC_WINDOW, by_record=True, balance_ranks=data_ranks(held),
+                          step_batches=held.train.grad_accum)
 
 
 def dynamic_plans(root: Path, steps: tuple[int, int], world: int) -> dict[str, ParallelPlan]:
@@ -274,54 +287,91 @@ def dynamic_plans(root: Path, steps: tuple[int, int], world: int) -> dict[str, P
     return chosen
 
 
-def dynamic(root: Path, steps: tuple[int, int], rounds: int, world: int = 2) -> dict:
+def dynamic(root: Path, steps: tuple[int, int], rounds: int, world: int = 2,
+            calibrate: Callable[[], dict] | None = None) -> tuple[dict, list[dict]]:
     """`--dynamic`: each layout's one plan over the drifting run, measured (the sum of its timed steps, each
     its slowest rank's; median over rounds) against the sum of its steps predicted one by one, each on the
     data drawn at that step, plus the host data path each step measured (the slowest rank's loader seconds:
     the ranks draw and render their samples inside the step, which the estimator does not price; the
-    validation adds it the same way, `case_prediction.loader_seconds`). `estimator_error_pct` leaves it out."""
+    validation adds it the same way, `case_prediction.loader_seconds`). `estimator_error_pct` leaves it out.
+
+    `calibrate` (a fresh calibration that points this process's estimates at itself) runs before the plans
+    are chosen and again before each layout's run: this host's speed drifts by tens of percent within minutes,
+    and one calibration made in a slow moment priced a run 46% slow. Every step is priced under each of them,
+    and the run's figures come from the median one (`median_calibration`: the calibration whose predicted runs
+    of all layouts sum to the median; one whole calibration, its terms fitted together). Returns the figures
+    per layout and each calibration with its predicted run seconds per layout."""
+    calibrations = [calibrate()] if calibrate else []
     plans = dynamic_plans(root, steps, world)
-    timed = range(steps[0], sum(steps))
-    predicted, parts = {}, {}
-    for layout, plan in plans.items():
-        recipe = bench_recipe(root, drift_case(steps), plan)
-        estimates = [predict_plan(recipe, plan, step_profile(recipe, s)) for s in timed]
-        predicted[layout] = [e.step_time_s for e in estimates]
-        parts[layout] = {"encoder_s": sum(e.breakdown.get("encoder_s", 0.0) for e in estimates),
-                         "pipeline_s": sum(e.breakdown["pipeline_s"] for e in estimates)}
     measured: dict[str, list[dict]] = {layout: [] for layout in plans}
     for _ in range(rounds):
         for layout, plan in plans.items():
+            if calibrate:
+                calibrations.append(calibrate())
             started = time.perf_counter()
             measured[layout].append(launch(root, plan.name, steps, {"drift": drift_case(steps)})["drift"])
             print(f"dynamic {layout:14} {plan.name:24} measured {sum(measured[layout][-1]['step_s_each']):6.2f} s "
-                  f"predicted {sum(predicted[layout]):6.2f} s  ({time.perf_counter() - started:.0f} s)", flush=True)
-    out: dict = {}
-    for layout, plan in plans.items():
-        runs = [sum(r["step_s_each"]) for r in measured[layout]]
-        steps_s = [statistics.median(s) for s in zip(*(r["step_s_each"] for r in measured[layout]))]
-        loader = [statistics.median(s) for s in zip(*(r["loader_s_each"] for r in measured[layout]))]
-        run_s, estimator_s = statistics.median(runs), sum(predicted[layout])
-        pred_s = estimator_s + sum(loader)
-        out[layout] = {"plan": plan.name, "measured_run_s": run_s, "predicted_run_s": pred_s,
-                       "error_pct": 100 * (pred_s / run_s - 1), "estimator_run_s": estimator_s,
-                       "estimator_error_pct": 100 * (estimator_s / run_s - 1), "loader_run_s": sum(loader),
-                       "spread_pct": 100 * (max(runs) - min(runs)) / run_s,
-                       "measured_step_s": steps_s,
-                       "predicted_step_s": [p + d for p, d in zip(predicted[layout], loader)],
-                       "loader_step_s": loader,
-                       # where the time goes, summed over the run: measured, the busiest rank's encoder compute
-                       # and LLM phase (the step's world-reduced metrics); predicted, the omni encoders' exposed
-                       # seconds (coupled: inside the pipeline) and the pipeline's
-                       "measured_parts_s": {part: statistics.median(sum(r[f"{part}_each"]) for r in measured[layout])
-                                            for part in ("encoder_s", "llm_s")},
-                       "predicted_parts_s": parts[layout]}
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    estimates = priced_steps(root, steps, plans, [c["folder"] for c in calibrations] or [None])
+    chosen = median_calibration(estimates)
+    for calibration, by_layout in zip(calibrations, estimates):
+        calibration["predicted_run_s"] = {layout: sum(e.step_time_s for e in by_layout[layout]) for layout in plans}
+        calibration["median_calibration"] = calibration is calibrations[chosen]
+    out = {layout: run_figures(plan, measured[layout], estimates[chosen][layout]) for layout, plan in plans.items()}
     base = out["coupled"]
     for figures in out.values():
         figures["measured_vs_coupled"] = base["measured_run_s"] / figures["measured_run_s"]
         figures["predicted_vs_coupled"] = base["predicted_run_s"] / figures["predicted_run_s"]
         figures["estimator_vs_coupled"] = base["estimator_run_s"] / figures["estimator_run_s"]
-    return out
+    return out, calibrations
+
+
+def median_calibration(estimates: list[dict[str, list]]) -> int:
+    """Which calibration's predictions a run reports: the one whose predicted runs of every layout sum to the
+    median (of two middle ones, the faster)."""
+    totals = [sum(e.step_time_s for by_step in by_layout.values() for e in by_step) for by_layout in estimates]
+    return totals.index(statistics.median_low(totals))
+
+
+def priced_steps(root: Path, steps: tuple[int, int], plans: dict[str, ParallelPlan],
+                 folders: list[str | None]) -> list[dict[str, list]]:
+    """Per calibration folder (None: the estimates' current one), each layout's timed steps predicted one by
+    one, each on the data drawn at that step (profiled once, priced under every calibration)."""
+    profiles = {layout: (bench_recipe(root, drift_case(steps), plan), plan) for layout, plan in plans.items()}
+    data = {layout: [step_profile(recipe, s) for s in range(steps[0], sum(steps))]
+            for layout, (recipe, _) in profiles.items()}
+    priced = []
+    for folder in folders:
+        if folder is not None:
+            os.environ["OMNI_CALIBRATION_DIR"] = folder
+        priced.append({layout: [predict_plan(recipe, plan, profile) for profile in data[layout]]
+                       for layout, (recipe, plan) in profiles.items()})
+    return priced
+
+
+def run_figures(plan: ParallelPlan, measured: list[dict], estimates: list) -> dict:
+    """A layout's run, measured (median over rounds) and predicted step by step (`estimates`), the loader's
+    measured seconds added to the prediction."""
+    predicted = [e.step_time_s for e in estimates]
+    runs = [sum(r["step_s_each"]) for r in measured]
+    steps_s = [statistics.median(s) for s in zip(*(r["step_s_each"] for r in measured))]
+    loader = [statistics.median(s) for s in zip(*(r["loader_s_each"] for r in measured))]
+    run_s, estimator_s = statistics.median(runs), sum(predicted)
+    pred_s = estimator_s + sum(loader)
+    return {"plan": plan.name, "measured_run_s": run_s, "predicted_run_s": pred_s,
+            "error_pct": 100 * (pred_s / run_s - 1), "estimator_run_s": estimator_s,
+            "estimator_error_pct": 100 * (estimator_s / run_s - 1), "loader_run_s": sum(loader),
+            "spread_pct": 100 * (max(runs) - min(runs)) / run_s,
+            "measured_step_s": steps_s,
+            "predicted_step_s": [p + d for p, d in zip(predicted, loader)],
+            "loader_step_s": loader,
+            # where the time goes, summed over the run: measured, the busiest rank's encoder compute and LLM
+            # phase (the step's world-reduced metrics); predicted, the omni encoders' exposed seconds (coupled:
+            # inside the pipeline) and the pipeline's
+            "measured_parts_s": {part: statistics.median(sum(r[f"{part}_each"]) for r in measured)
+                                 for part in ("encoder_s", "llm_s")},
+            "predicted_parts_s": {"encoder_s": sum(e.breakdown.get("encoder_s", 0.0) for e in estimates),
+                                  "pipeline_s": sum(e.breakdown["pipeline_s"] for e in estimates)}}
 
 
 def speedups(results: dict, layout: str) -> dict:
@@ -335,27 +385,28 @@ def speedups(results: dict, layout: str) -> dict:
 
 
 def main_dynamic(quick: bool, out: str, fresh: bool) -> None:
-    """`--dynamic`: the drifting run alone, each layout one plan (world 2), predicted from a calibration made
-    right before (`fresh`) or the stored one."""
+    """`--dynamic`: the drifting run alone, each layout one plan (world 2), predicted from calibrations made
+    between its runs (`fresh`, see `dynamic`) or the stored one."""
     steps = DYNAMIC_STEPS[quick]
     started = time.perf_counter()
-    report: dict = {"load_average": {"start": os.getloadavg()}}
-    with tempfile.TemporaryDirectory() as calibration:  # predictions from this host as it is now
-        report["calibration"] = calibrate_into(Path(calibration), world=2) if fresh else calibration_digest("cpu")
-        run_dynamic(report, quick, steps, out, started)
-
-
-def run_dynamic(report: dict, quick: bool, steps: tuple[int, int], out: str, started: float) -> None:
-    report["workload"] = {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
-                          "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
-                          "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
-                          "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    with tempfile.TemporaryDirectory() as tmp:
+    report: dict = {"load_average": {"start": os.getloadavg()},
+                    "workload": {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
+                                 "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
+                                 "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
+                                 "device": "cuda" if torch.cuda.is_available() else "cpu"}}
+    with tempfile.TemporaryDirectory() as tmp:  # predictions from this host as it is now
+        folders = iter(range(1000))
+        calibrate = (lambda: calibrate_into(Path(tmp) / "calibration" / str(next(folders)), world=2)) if fresh else None
         preimport()
-        report["dynamic"] = dynamic(Path(tmp), steps, rounds=1)
+        report["dynamic"], calibrations = dynamic(Path(tmp), steps, rounds=1, calibrate=calibrate)
+    report["calibrations"] = calibrations or calibration_digest("cpu")
     report["load_average"]["end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - started
     Path(out).write_text(json.dumps(report, indent=2))
+    for calibration in calibrations:
+        print(f"calibration {calibration['fp32_flops'] / 1e9:5.0f} GFLOP/s  predicted runs " + "  ".join(
+            f"{layout} {s:6.2f} s" for layout, s in calibration["predicted_run_s"].items())
+            + ("  (median)" if calibration["median_calibration"] else ""))
     for layout, f in report["dynamic"].items():
         print(f"{layout:14} {f['plan']:24} run measured {f['measured_run_s']:6.2f} s "
               f"predicted {f['predicted_run_s']:6.2f} s ({f['error_pct']:+.1f}%; estimator alone "

@@ -27,8 +27,9 @@ plans at world 2, the one predicted fastest on the data of the first timed step)
 seconds (the sum of its timed steps, each its slowest rank's) are compared with the sum of its steps predicted
 one by one, each on a profile of DYNAMIC_WINDOW samples of the mix drawn at that step: `dynamic[layout]` =
 plan, `measured_run_s`, `predicted_run_s`, `error_pct`, per-step seconds both ways, and each ratio to coupled.
-The host is calibrated before the plans are chosen and before each layout's run; `calibrations` lists them
-with the runs each predicts, and the figures are the median calibration's (`dynamic`).
+Full runs take the median of DYNAMIC_ROUNDS interleaved rounds. The host is calibrated before the plans are
+chosen and after each round; `calibrations` lists them with the runs each predicts, and the figures are the
+median calibration's (`dynamic`).
 
 Run it alone (it forks one rank per core at world 2); the report records the load average. On a GPU machine
 it runs the same cases with nccl, one GPU per rank.
@@ -87,6 +88,7 @@ LSSP_LAYOUT = "omni_lssp"  # full runs only: omni with images over LSSP_TOKENS p
 LSSP_TOKENS = 256
 DRIFT = ({"text": 0.9, "image": 0.1}, {"text": 0.1, "image": 0.9})  # --dynamic: 1:9 to 9:1 over the timed steps
 DYNAMIC_STEPS = {True: (1, 6), False: (1, 20)}  # --dynamic (warm-up, timed) steps: quick, full
+DYNAMIC_ROUNDS = {True: 1, False: 3}  # --dynamic interleaved rounds (their median run): quick, full
 DYNAMIC_WINDOW = 1024  # samples profiled at each step for its prediction: 60-200 packed sequences
 
 
@@ -296,22 +298,23 @@ def dynamic(root: Path, steps: tuple[int, int], rounds: int, world: int = 2,
     validation adds it the same way, `case_prediction.loader_seconds`). `estimator_error_pct` leaves it out.
 
     `calibrate` (a fresh calibration that points this process's estimates at itself) runs before the plans
-    are chosen and again before each layout's run: this host's speed drifts by tens of percent within minutes,
-    and one calibration made in a slow moment priced a run 46% slow. Every step is priced under each of them,
-    and the run's figures come from the median one (`median_calibration`: the calibration whose predicted runs
-    of all layouts sum to the median; one whole calibration, its terms fitted together). Returns the figures
-    per layout and each calibration with its predicted run seconds per layout."""
+    are chosen and again after each round: this host's speed halves for tens of seconds at a time, and one
+    calibration made in a slow moment priced a run 46% slow (as a run measured in one is slow: the rounds).
+    Every step is priced under each of them, and the run's figures come from the median one
+    (`median_calibration`: the calibration whose predicted runs of all layouts sum to the median; one whole
+    calibration, its terms fitted together). Returns the figures per layout and each calibration with its
+    predicted run seconds per layout."""
     calibrations = [calibrate()] if calibrate else []
     plans = dynamic_plans(root, steps, world)
     measured: dict[str, list[dict]] = {layout: [] for layout in plans}
     for _ in range(rounds):
         for layout, plan in plans.items():
-            if calibrate:
-                calibrations.append(calibrate())
             started = time.perf_counter()
             measured[layout].append(launch(root, plan.name, steps, {"drift": drift_case(steps)})["drift"])
             print(f"dynamic {layout:14} {plan.name:24} measured {sum(measured[layout][-1]['step_s_each']):6.2f} s "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
+        if calibrate:
+            calibrations.append(calibrate())
     estimates = priced_steps(root, steps, plans, [c["folder"] for c in calibrations] or [None])
     chosen = median_calibration(estimates)
     for calibration, by_layout in zip(calibrations, estimates):
@@ -392,13 +395,14 @@ def main_dynamic(quick: bool, out: str, fresh: bool) -> None:
     report: dict = {"load_average": {"start": os.getloadavg()},
                     "workload": {"flavor": FLAVOR, "seq_len": SEQ_LEN, "global_micro_batches": GLOBAL_MICRO,
                                  "image_side_px": IMAGE_SIDE_PX, "drift": DRIFT, "window": DYNAMIC_WINDOW,
-                                 "warmup_steps": steps[0], "timed_steps": steps[1], "world": 2,
+                                 "warmup_steps": steps[0], "timed_steps": steps[1],
+                                 "rounds": DYNAMIC_ROUNDS[quick], "world": 2,
                                  "device": "cuda" if torch.cuda.is_available() else "cpu"}}
     with tempfile.TemporaryDirectory() as tmp:  # predictions from this host as it is now
         folders = iter(range(1000))
         calibrate = (lambda: calibrate_into(Path(tmp) / "calibration" / str(next(folders)), world=2)) if fresh else None
         preimport()
-        report["dynamic"], calibrations = dynamic(Path(tmp), steps, rounds=1, calibrate=calibrate)
+        report["dynamic"], calibrations = dynamic(Path(tmp), steps, DYNAMIC_ROUNDS[quick], calibrate=calibrate)
     report["calibrations"] = calibrations or calibration_digest("cpu")
     report["load_average"]["end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - started

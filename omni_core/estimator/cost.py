@@ -52,6 +52,7 @@ from omni_core.common.catalog import GpuSpec
 from omni_core.common.plan import EncoderPlan, ParallelPlan
 from omni_core.estimator.communication import SMALL_MESSAGE_BYTES, Network
 from omni_core.estimator.encoders import (
+    OmniEncoderTimes,
     coupled_encoder_work,
     coupled_imbalance,
     disaggregated_encoders,
@@ -169,16 +170,17 @@ def shared_cores_seconds(terms: PlanTerms, stages: list[StageTimes], counts: lis
     return fullest_core_seconds(longest, (ranks * mean - longest) / (ranks - 1), ranks, terms.gpu.cores)
 
 
-def shared_encoder_seconds(terms: PlanTerms, encoder: float, handoff: float) -> float:
-    """The `omni` encoders' exposed seconds (`encoder`, balanced over the ranks, `handoff` of them the
-    handoff's all-to-alls) on a node's time-shared cores: their work in rounds (`fullest_core_seconds`), the
-    handoff's waiting (its links' idle share) on no core; `encoder` where every rank has a core. Measured
-    (issue #49, layout_bench's data): dp4+omni's encoder phase at world 4 on 2 cores took 0.37-0.50 s, as long
-    as dp2+omni's at world 2 (0.26-0.48 s) with twice the items per rank."""
+def shared_encoder_seconds(terms: PlanTerms, encoder: float, links: float) -> float:
+    """The `omni` encoders' exposed seconds (`encoder`, balanced over the ranks, `links` of them their
+    collectives: the handoff's and the weights') on a node's time-shared cores: their work in rounds
+    (`fullest_core_seconds`), the collectives' waiting (their idle share, as the LLM's in
+    `shared_cores_seconds`) on no core; `encoder` where every rank has a core. Measured (issue #49,
+    layout_bench's data): dp4+omni's encoder phase at world 4 on 2 cores took 0.37-0.50 s, as long as
+    dp2+omni's at world 2 (0.26-0.48 s) with twice the items per rank."""
     ranks = shared_ranks(terms)
     if not ranks:
         return encoder
-    waiting = min((1.0 - terms.eff.link_cpu_share) * handoff, encoder)
+    waiting = min((1.0 - terms.eff.link_cpu_share) * links, encoder)
     work = encoder - waiting
     return fullest_core_seconds(work, work, ranks, terms.gpu.cores) + waiting
 
@@ -235,9 +237,9 @@ def estimate_step(
     stages = price_stages(terms, groups, coupled)
     counts = [count for _, _, count in groups]
     pipeline, bubble = pipeline_seconds(plan, terms.micro_batches, [times.micro_batch for times in stages], counts)
-    encoder = long_item = handoff = 0.0  # `omni`: the encoders' exposed seconds, their longest item's, the handoff's
-    if omni and workload.encoder:
-        encoder, long_item, handoff = omni_encoder_seconds(terms, bubble)
+    no_encoders = OmniEncoderTimes(0.0, 0.0, 0.0, 0.0)
+    omni_times = omni_encoder_seconds(terms, bubble) if omni and workload.encoder else no_encoders
+    encoder = omni_times.exposed
     per_step = max(times.per_step for times in stages)
     sync = sync_seconds(terms)
     step = pipeline + per_step + encoder + sync + terms.eff.step_overhead_s
@@ -246,7 +248,7 @@ def estimate_step(
     shared = max(
         shared_cores_seconds(terms, stages, counts, spread), time_shared_pipeline_seconds(terms, stages, per_step)
     )
-    step = max(step, shared + shared_encoder_seconds(terms, encoder, handoff) + sync)
+    step = max(step, shared + shared_encoder_seconds(terms, encoder, omni_times.links) + sync)
 
     est.step_time_s = step
     est.samples_per_s = workload.global_batch / step
@@ -254,8 +256,8 @@ def estimate_step(
         "pipeline_s": pipeline,
         "bubble_s": bubble,
         "encoder_s": encoder,
-        "encoder_long_item_s": long_item,
-        "encoder_handoff_s": handoff,
+        "encoder_long_item_s": omni_times.long_item,
+        "encoder_handoff_s": omni_times.handoff,
         "optimizer_s": per_step,
         "sync_s": sync,
         "host_s": terms.eff.step_overhead_s,

@@ -231,26 +231,26 @@ def encoder_rounds(terms: PlanTerms) -> int:
     return terms.micro_batches if terms.plan.encoders.joint else 1
 
 
-def omni_weight_seconds(terms: PlanTerms, rounds: int) -> float:
+def omni_weight_seconds(terms: PlanTerms, rounds: int) -> tuple[float, float]:
     """Per step, each encoder's weights over the world: replicated, one gradient all-reduce; FSDP-sharded
     (`EncoderSpec.fsdp`, as `parallel.encoder_shards` runs it), per round and per block an all-gather of its
     fp32 weights in forward and again in backward and a gradient reduce-scatter, with the units' wrappers (the
     stem and projector, gathered once per step, are counted as one more unit). Then the optimizer over the
-    rank's share."""
+    rank's share. (seconds, of them the collectives')."""
     plan, eff, world = terms.plan, terms.eff, terms.plan.world_size
-    seconds = 0.0
+    seconds = links = 0.0
     for key, st in encoder_parts(terms.workload).items():
         if plan.encoders.spec(key).fsdp:
             gather = exposed_dp_seconds(terms, "all_gather", st.params * GATHERED_BYTES, world, world, st.units)
             reduce = exposed_dp_seconds(terms, "reduce_scatter", st.params * eff.grad_bytes, world, world, st.units)
-            seconds += rounds * (
-                2 * gather + reduce + st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s
-            ) + optimizer_seconds(terms, st.params / world, st.tensors)
+            links += rounds * (2 * gather + reduce)
+            seconds += rounds * (st.units * eff.fsdp_unit_s + st.tensors * eff.fsdp_tensor_s) + optimizer_seconds(
+                terms, st.params / world, st.tensors
+            )
         else:
-            seconds += exposed_dp_seconds(
-                terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1
-            ) + optimizer_seconds(terms, st.params, st.tensors)
-    return seconds
+            links += exposed_dp_seconds(terms, "all_reduce", st.params * eff.grad_bytes, world, world, 1)
+            seconds += optimizer_seconds(terms, st.params, st.tensors)
+    return seconds + links, links
 
 
 def encoder_state_bytes(part: Sums, state_bytes: float, grad_bytes: float, ranks: int, sharded: bool) -> float:
@@ -284,11 +284,20 @@ def handoff_seconds(workload: Workload, plan: ParallelPlan, net: Network, items:
     return metadata + inputs + 2 * embeddings
 
 
-def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float, float]:
-    """(exposed, longest item, handoff) seconds of the encoders in the `omni` layout: a rank's balanced share
-    of the step's items or its longest item, whichever is longer; the encoders' operators per round; their
-    weights (`omni_weight_seconds`); the handoff; less the share of the pipeline's `bubble` a joint schedule
-    fills with them (joint; none when phased)."""
+class OmniEncoderTimes(NamedTuple):
+    """The `omni` encoders' side of a step (`omni_encoder_seconds`)."""
+
+    exposed: float  # what the step pays for them
+    long_item: float  # their longest item's seconds
+    handoff: float  # the handoff's all-to-alls
+    links: float  # every collective of theirs: the handoff's and the weights'
+
+
+def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> OmniEncoderTimes:
+    """The encoders in the `omni` layout: a rank's balanced share of the step's items or its longest item,
+    whichever is longer; the encoders' operators per round; their weights (`omni_weight_seconds`); the
+    handoff; less the share of the pipeline's `bubble` a joint schedule fills with them (joint; none when
+    phased)."""
     workload, plan, eff = terms.workload, terms.plan, terms.eff
     passes = max(terms.passes, 3.0 + sharded_recompute_share(workload, plan.encoders))
     per_sample = passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
@@ -296,14 +305,11 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> tuple[float, float,
     long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(workload, plan, terms.net, workload.global_batch / plan.dp)  # a shard's items
-    seconds = (
-        max(balanced, long_item)
-        + encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
-        + omni_weight_seconds(terms, rounds)
-        + handoff
-    )
+    weights, weight_links = omni_weight_seconds(terms, rounds)
+    operators = encoder_sums(workload).ops * eff.op_overhead_s * passes / 3 * rounds
+    seconds = max(balanced, long_item) + operators + weights + handoff
     filled = eff.joint_pipeline * bubble if plan.encoders.joint else 0.0
-    return max(seconds - filled, 0.0), long_item, handoff
+    return OmniEncoderTimes(max(seconds - filled, 0.0), long_item, handoff, handoff + weight_links)
 
 
 def omni_encoder_bytes(terms: PlanTerms) -> float:

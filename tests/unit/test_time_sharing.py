@@ -10,8 +10,10 @@ import pytest
 
 from omni_core.common.catalog import GpuCatalog
 from omni_core.common.plan import ParallelPlan
-from omni_core.estimator.cost import Options, estimate_step, fullest_core_seconds
+from omni_core.estimator.cost import Efficiency, Options, estimate_step, fullest_core_seconds, shared_encoder_seconds
+from omni_core.estimator.encoders import omni_encoder_seconds
 from omni_core.estimator.paper_workloads import paper_workload
+from omni_core.estimator.terms import PlanTerms
 
 # a model of workload A fits four of these: only the arithmetic is tested
 ROOMY = replace(GpuCatalog()["h100"], mem_gb=1024)
@@ -66,3 +68,16 @@ def test_omni_encoders_time_share_the_cores_like_the_llm():
         2 * (b["device_s"] + b["runtime_s"] + b["host_s"] + b["encoder_s"]) + b["sync_s"]
     )
     assert own.step_time_s < 0.6 * shared.step_time_s
+
+
+def test_the_omni_encoders_collectives_wait_on_no_core():
+    """Of the encoders' collectives (the handoff's and the weights' gradient all-reduce) only their CPU share
+    (`link_cpu_share`) is work time-shared in rounds; the rest is waiting, as the LLM's collectives are."""
+    workload = replace(paper_workload("A", 0.9), global_batch=16, cache={})
+    eff = Efficiency(link_cpu_share=0.25)
+    terms = PlanTerms.of(workload, replace(ROOMY, cores=2), ParallelPlan.parse("dp4+omni"), Options(1, True), eff, 4)
+    times = omni_encoder_seconds(terms, 0.0)
+    assert times.links > times.handoff > 0  # the weights' all-reduce is counted among the collectives
+    waiting = 0.75 * times.links
+    expected = 2 * (times.exposed - waiting) + waiting  # four ranks on two cores: two rounds of the work
+    assert shared_encoder_seconds(terms, times.exposed, times.links) == pytest.approx(expected)

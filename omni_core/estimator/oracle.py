@@ -153,9 +153,12 @@ class CellOracle:
         except PlanError:
             return None
         local = global_batch // replicas
-        sizes = [mb for mb in powers_of_two(local) if local % mb == 0] if replica.micro_batching else [local]
-        if replica.micro_batching and replica.micro_batches:
+        if not replica.micro_batching:
+            sizes = [local]
+        elif replica.micro_batches:  # the job's own count
             sizes = [max(1, local // replica.micro_batches)]
+        else:
+            sizes = [mb for mb in powers_of_two(local) if local % mb == 0]
         checkpoint = bool(workload.recompute)
         tried = [
             estimate_step(workload, gpu, plan, Options(mb, checkpoint), gpus_per_node=per_node, eff=eff) for mb in sizes

@@ -38,6 +38,7 @@ it runs the same cases with nccl, one GPU per rank.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -399,7 +400,7 @@ def main_dynamic(quick: bool, out: str, fresh: bool) -> None:
                                  "rounds": DYNAMIC_ROUNDS[quick], "world": 2,
                                  "device": "cuda" if torch.cuda.is_available() else "cpu"}}
     with tempfile.TemporaryDirectory() as tmp:  # predictions from this host as it is now
-        folders = iter(range(1000))
+        folders = itertools.count()
         calibrate = (lambda: calibrate_into(Path(tmp) / "calibration" / str(next(folders)), world=2)) if fresh else None
         preimport()
         report["dynamic"], calibrations = dynamic(Path(tmp), steps, DYNAMIC_ROUNDS[quick], calibrate=calibrate)

@@ -253,12 +253,6 @@ class GroupPacker(BatchPacker[S]):
         return mine
 
 
-def imbalance(loads: np.ndarray) -> float:
-    """max / mean of per-rank loads (1: balanced); 1 when nothing is loaded."""
-    mean = float(np.mean(loads))
-    return float(np.max(loads)) / mean if mean > 0 else 1.0
-
-
 def make_packer(
     policy: str, members: int, member: int, bins: int, capacity: int, lookahead: float, cost: SampleCost | None
 ) -> BatchPacker | GroupPacker:
@@ -281,10 +275,12 @@ def simulate(
     steps: int,
 ) -> dict[str, float]:
     """What `steps` steps of `ranks` data ranks would see under a policy, from samples' tokens and [n, 2] costs
-    alone (a stream in order: the profile's, or a benchmark's draw): medians over steps of the imbalance (max /
-    mean of per-rank cost, encoders + LLM), of the share of sequence tokens filled, and of the metadata bytes a
-    rank reads (its own samples', or every sample of its group's window). Each rank's (group's) stream takes
-    every ranks-th (groups-th) sample, as the loaders' views do; fewer steps when the samples run out."""
+    alone (a stream in order: the profile's, or a benchmark's draw): the imbalance (the steps' summed slowest
+    rank over their summed mean rank, cost = encoders + LLM: a run waits for its slowest rank step after step,
+    so rare heavy steps count in full where a median would drop them), and medians over steps of the share of
+    sequence tokens filled and of the metadata bytes a rank reads (its own samples', or every sample of its
+    group's window). Each rank's (group's) stream takes every ranks-th (groups-th) sample, as the loaders'
+    views do; fewer steps when the samples run out."""
     members = balance_group_size(policy, group, ranks, ranks)
     streams = ranks // members
     size = np.asarray(tokens).tolist().__getitem__  # Python ints: packing's bitsets
@@ -299,14 +295,14 @@ def simulate(
         for _ in range(streams)
     ]
     cursors = [iter(range(k, len(tokens), streams)) for k in range(streams)]
-    per_step: dict[str, list[float]] = {"imbalance": [], "fill": [], "metadata_bytes_per_rank": []}
+    per_step: dict[str, list[float]] = {"slowest": [], "mean": [], "fill": [], "metadata_bytes_per_rank": []}
     for _ in range(steps):
         loads, filled, read = np.zeros((streams, members)), np.zeros((streams, members)), 0
         for k, (packer, cursor) in enumerate(zip(packers, cursors)):
             while not packer.ready:
                 i = next(cursor, None)
                 if i is None:
-                    return {key: float(np.median(v)) if v else float("nan") for key, v in per_step.items()}
+                    return _run_figures(per_step)
                 if tokens[i] <= capacity:
                     packer.add(i)
                     read += 1
@@ -316,7 +312,20 @@ def simulate(
             else:
                 loads[k, 0] = sum(costs[i].sum() for seq in placed for i in seq)
                 filled[k, 0] = sum(int(tokens[i]) for seq in placed for i in seq)
-        per_step["imbalance"].append(imbalance(loads.reshape(-1)))
+        per_step["slowest"].append(float(loads.max()))
+        per_step["mean"].append(float(loads.mean()))
         per_step["fill"].append(float(filled.mean()) / (bins * capacity))
         per_step["metadata_bytes_per_rank"].append(read / streams * METADATA_BYTES)
-    return {key: float(np.median(v)) for key, v in per_step.items()}
+    return _run_figures(per_step)
+
+
+def _run_figures(per_step: dict[str, list[float]]) -> dict[str, float]:
+    """`simulate`'s figures from its steps (NaN for each when there were none)."""
+    if not per_step["mean"]:
+        return {"imbalance": float("nan"), "fill": float("nan"), "metadata_bytes_per_rank": float("nan")}
+    total = sum(per_step["mean"])
+    return {
+        "imbalance": sum(per_step["slowest"]) / total if total > 0 else 1.0,
+        "fill": float(np.median(per_step["fill"])),
+        "metadata_bytes_per_rank": float(np.median(per_step["metadata_bytes_per_rank"])),
+    }

@@ -62,9 +62,9 @@ class DriftWindow(Result):
 
 class BalanceProfile(Result):
     """The imbalance the data would have over the recipe's data ranks under one `data.balance` policy
-    (`balance.simulate` on the profiled samples, medians over the simulated steps)."""
+    (`balance.simulate` on the profiled samples)."""
 
-    imbalance: float  # max / mean of the ranks' predicted cost (encoders + LLM) per step
+    imbalance: float  # the slowest rank's predicted cost (encoders + LLM) over the mean rank's, summed over steps
     fill: float  # share of sequence tokens filled
     metadata_bytes_per_rank: float  # per step
 

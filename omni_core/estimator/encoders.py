@@ -120,9 +120,9 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
 
 
 def coupled_imbalance(terms: PlanTerms) -> float:
-    """The `coupled` encoders' work on the rank that drew the most of it over the dp ranks' mean: unbalanced
-    batches (`unbalanced_factor`), or what the balancing loaders leave."""
-    if terms.plan.dp > 1 and terms.workload.loader_imbalance:  # balancing loaders (data.balance)
+    """The `coupled` encoders' work on the rank that drew the most of it over the dp ranks' mean: what the
+    loaders leave as the profile simulated them, else an image count's spread (`unbalanced_factor`)."""
+    if terms.plan.dp > 1 and terms.workload.loader_imbalance:  # the profile's figure for data.balance
         return terms.workload.loader_imbalance
     return unbalanced_factor(terms.workload.encoder_cv, terms.micro_batches * terms.options.micro_batch, terms.plan.dp)
 

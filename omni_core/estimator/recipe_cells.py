@@ -37,8 +37,10 @@ def flavor_workload(
     """A model flavor on the recipe's data (sequence length, patch size, mel bins) at `batch` packed sequences,
     in `precision` (default: the estimate's, `estimate.precision`). The recipe's own flavor is the recipe's
     model: its pretrained parts as their configs describe them (`models.pretrained.recipe_model_args`).
-    Balancing loaders (`data.balance`) leave the imbalance the profile simulated for the recipe's policy (none
-    when there is no profile to read)."""
+    The loaders leave the imbalance the profile simulated for the recipe's `data.balance` policy, `none`
+    included: packing fills every sequence to seq_len, so the spread of a rank's encoder work is the packed
+    sequences' (simulated), not that of its image count. Without a profile to read, balancing loaders leave
+    none and plain ones an image count's spread (`encoders.unbalanced_factor`)."""
     from omni_core.models.flavors import get_flavor
     from omni_core.models.pretrained import recipe_model_args
 
@@ -55,10 +57,10 @@ def flavor_workload(
         precision=precision or recipe.estimate.precision,
     )
     policy = recipe.data.balance.policy
-    if policy == "none":
-        return workload
-    balanced = profile.balance.get(policy) if profile is not None else None
-    return replace(workload, loader_imbalance=balanced.imbalance if balanced else 1.0)
+    simulated = profile.balance.get(policy) if profile is not None else None
+    if simulated is not None:
+        return replace(workload, loader_imbalance=simulated.imbalance)
+    return workload if policy == "none" else replace(workload, loader_imbalance=1.0)
 
 
 def recipe_batch(recipe: Recipe) -> int:

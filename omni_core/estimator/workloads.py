@@ -96,8 +96,8 @@ class Workload:
     precision: str = "bf16"
     tokens_per_sample: float = 1.0  # LLM tokens per sample (for tokens/s and the PP message)
     encoder_cv: float = 0.0  # coefficient of variation of the encoder work per sample (load imbalance)
-    loader_imbalance: float = 0.0  # 0: batches packed by tokens alone; else the max / mean per-rank work the
-    # loaders' balancing leaves (data.balance: the profile's simulated figure under the recipe's policy)
+    loader_imbalance: float = 0.0  # 0: not simulated (an image count's spread, `encoder_cv`); else the max /
+    # mean per-rank work the loaders leave (the profile's simulated figure under data.balance, `none` included)
     encoder_imbalance: float = 0.0  # 0: disaggregated encoder ranks priced unbalanced (`encoder_cv`); else the
     # max / mean per-encoder-rank work a step's assignment leaves (a drawn step, `estimator.dynamic`)
     encoder_max_item: float = 0.0  # encoder work of the longest single item (image, clip), in mean samples' work

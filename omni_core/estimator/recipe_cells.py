@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
+from omni_core.data.profile import data_ranks
 from omni_core.estimator.calibration import calibrated, runtime_efficiency
 from omni_core.estimator.cost import Estimate, Options, estimate_step
 from omni_core.estimator.omni_workloads import omni_workload
@@ -65,8 +66,10 @@ def flavor_workload(
 
 def recipe_batch(recipe: Recipe) -> int:
     """The recipe's own global batch in packed sequences, as the estimate prices it: micro_batch x grad_accum
-    x nproc (every rank a data shard)."""
-    return recipe.data.micro_batch * recipe.train.grad_accum * recipe.parallel.nproc
+    x its data shards (an explicit plan's dp; `auto`: every rank a data shard). A job re-planned while it runs
+    a plan of fewer shards than ranks keeps its batch (`replan.best_overrides`)."""
+    shards = data_ranks(recipe) if recipe.parallel.plan == "explicit" else recipe.parallel.nproc
+    return recipe.data.micro_batch * recipe.train.grad_accum * shards
 
 
 def recipe_workloads(recipe: Recipe, profile: DatasetProfile | None = None) -> dict[str, Workload]:

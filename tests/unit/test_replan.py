@@ -10,6 +10,7 @@ from omni_core.common.control import TrainProgress, read_stop
 from omni_core.recipe import override_recipe
 from omni_core.scheduler.replan import (
     Replanner,
+    best_overrides,
     drift,
     look,
     plan_of,
@@ -112,6 +113,12 @@ def test_the_replanner_looks_every_checkpoint_then_relaunches_under_the_request(
     assert decision.predicted_running_s > 1.2 * text_s
     expected = (30 * text_s + 10 * decision.predicted_running_s) / 40
     assert replanner.segments[0].predicted_step_s == pytest.approx(expected)
+
+
+def test_a_job_running_fewer_data_shards_than_ranks_keeps_its_global_batch(recipe):
+    piped = override_recipe(recipe, ["parallel.dp_replicate=1", "parallel.pp=2", "train.grad_accum=4"])
+    best = override_recipe(piped, best_overrides(piped, window_profile(piped, 30, 0), "cpu"))
+    assert best.data.micro_batch * best.train.grad_accum * plan_of(best).dp == 4  # 1 x 4 x dp 1
 
 
 def test_same_data_order_needs_the_same_shards_and_sequences_per_step(recipe):

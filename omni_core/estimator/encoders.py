@@ -150,7 +150,9 @@ def coupled_encoder_work(terms: PlanTerms) -> ExtraWork | None:
     )
     optimizer = optimizer_seconds(terms, params / (terms.shards if terms.fsdp else 1), enc.tensors)
     compute, host = coupled_encoder_seconds(terms, enc)
-    return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer)
+    # the loaders' figure is of a rank's whole work (encoders + LLM): its busiest rank has more of both
+    loaders = terms.workload.loader_imbalance if terms.plan.dp > 1 else 0.0
+    return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer, loaders or 1.0)
 
 
 # --- the longest item and LSSP ------------------------------------------------------------------------------
@@ -175,15 +177,16 @@ def long_tokens_threshold(workload: Workload, ranks: int) -> int:
     return max(1, math.floor(share))
 
 
-def long_item_group(workload: Workload, encoders: EncoderPlan) -> int:
-    """The ranks the workload's longest item runs on: its encoder spec's LSSP group when the item is over one
-    of the spec's thresholds (tokens; activation MiB), else 1."""
+def long_item_group(workload: Workload, encoders: EncoderPlan, work: float | None = None) -> int:
+    """The ranks an item costing `work` (default: the workload's longest) runs on: its encoder spec's LSSP
+    group when the item is over one of the spec's thresholds (tokens; activation MiB), else 1."""
     items = workload.items
     spec = encoders.spec(items.encoder)
     if spec.lssp == 1 or not items.count:
         return 1
-    tokens = item_length(workload, workload.encoder_max_item) * items.tokens
-    acts = encoder_parts(workload)[items.encoder].act_bytes * long_item_share(workload, 1)
+    work = workload.encoder_max_item if work is None else work
+    tokens = item_length(workload, work) * items.tokens
+    acts = encoder_parts(workload)[items.encoder].act_bytes * long_item_share(workload, 1, work)
     long = (spec.long_tokens and tokens > spec.long_tokens) or (spec.long_mb and acts > spec.long_mb * MIB)
     return spec.lssp if long else 1
 
@@ -204,23 +207,52 @@ def lssp_refusal(workload: Workload, encoders: EncoderPlan, ranks: int) -> str:
     return ""
 
 
-def long_item_share(workload: Workload, group: int) -> float:
-    """The slice of the longest item one of its `group` ranks holds, as a share of one sample's tokens of its
-    encoder (activations and attention inputs are linear in them); 0 without items."""
+def long_item_share(workload: Workload, group: int, work: float | None = None) -> float:
+    """The slice of an item costing `work` (default: the longest) one of its `group` ranks holds, as a share of
+    one sample's tokens of its encoder (activations and attention inputs are linear in them); 0 without items."""
     items = workload.items
-    return item_length(workload, workload.encoder_max_item) / items.count / group if items.count else 0.0
+    work = workload.encoder_max_item if work is None else work
+    return item_length(workload, work) / items.count / group if items.count else 0.0
 
 
-def long_item_seconds(workload: Workload, net: Network, passes: float, per_sample: float, group: int) -> float:
-    """The longest item's forward + backward (`passes`, recomputation included) over `group` ranks, with
-    Ulysses' four all-to-alls (q, k, v, the output) per attention layer of its encoder in forward, recomputed
-    forward and backward when it is split."""
-    seconds = per_sample * workload.encoder_max_item / group
+def long_item_seconds(
+    workload: Workload, net: Network, passes: float, per_sample: float, group: int, work: float | None = None
+) -> float:
+    """An item's (costing `work`, default the longest) forward + backward (`passes`, recomputation included)
+    over `group` ranks, with Ulysses' four all-to-alls (q, k, v, the output) per attention layer of its encoder
+    in forward, recomputed forward and backward when it is split."""
+    work = workload.encoder_max_item if work is None else work
+    seconds = per_sample * work / group
     if group > 1:
         part = encoder_parts(workload)[workload.items.encoder]
-        layer_io = part.block_io * long_item_share(workload, group) / max(part.attn_layers, 1)
+        layer_io = part.block_io * long_item_share(workload, group, work) / max(part.attn_layers, 1)
         seconds += (passes - 1) * 4 * net.time("all_to_all", layer_io, group, group, part.attn_layers)
     return seconds
+
+
+def step_long_item_seconds(
+    workload: Workload, net: Network, passes: float, per_sample: float, encoders: EncoderPlan
+) -> float:
+    """What a step's longest item takes, expected over steps: no rank can balance it away, and only the steps
+    that hold a long item wait for it. The step's items are a Poisson count (items per sample x the batch) of
+    the profiled lengths, each on its LSSP group if over the threshold; without lengths (a drawn step), the
+    workload's longest."""
+    items = workload.items
+    if not items.lengths:
+        return long_item_seconds(workload, net, passes, per_sample, long_item_group(workload, encoders))
+    seconds = []
+    for length, share in items.lengths:
+        work = items.work * ((1 - items.quad) * length + items.quad * length * length)
+        group = long_item_group(workload, encoders, work)
+        seconds.append((long_item_seconds(workload, net, passes, per_sample, group, work), share))
+    seconds.sort()
+    per_step = items.count * workload.global_batch
+    # E[max] = sum over ascending values of (step up) x P(some item reaches it), P = 1 - exp(-N x share above)
+    expected, below, above = 0.0, 0.0, 1.0
+    for value, share in seconds:
+        expected += (value - below) * (1 - math.exp(-per_step * above))
+        below, above = value, max(above - share, 0.0)
+    return expected
 
 
 # --- omni ----------------------------------------------------------------------------------------------------
@@ -302,7 +334,7 @@ def omni_encoder_seconds(terms: PlanTerms, bubble: float) -> OmniEncoderTimes:
     passes = max(terms.passes, 3.0 + sharded_recompute_share(workload, plan.encoders))
     per_sample = passes * encoder_seconds_per_sample(workload, terms.gpu, eff) * terms.straggle
     balanced = per_sample * workload.global_batch / plan.world_size
-    long_item = long_item_seconds(workload, terms.net, passes, per_sample, long_item_group(workload, plan.encoders))
+    long_item = step_long_item_seconds(workload, terms.net, passes, per_sample, plan.encoders)
     rounds = encoder_rounds(terms)
     handoff = handoff_seconds(workload, plan, terms.net, workload.global_batch / plan.dp)  # a shard's items
     weights, weight_links = omni_weight_seconds(terms, rounds)
@@ -384,7 +416,7 @@ def disaggregated_encoders(
     per_sample = passes * encoder_seconds_per_sample(workload, gpu, eff)
     imbalance = workload.encoder_imbalance or unbalanced_factor(workload.encoder_cv, max(per_rank, 1.0), ranks)
     balanced = per_sample * per_rank * imbalance
-    longest = long_item_seconds(workload, net, passes, per_sample, group)
+    longest = step_long_item_seconds(workload, net, passes, per_sample, plan.encoders)
     sharded = sum(st.params for key, st in encoder_parts(workload).items() if plan.encoders.spec(key).fsdp)
     reduce = (1 - eff.dp_overlap) * (
         net.time("all_reduce", enc.params * eff.grad_bytes, ranks, ranks)  # = RS + AG

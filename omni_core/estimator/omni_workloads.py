@@ -109,6 +109,18 @@ def omni_workload(
     )
 
 
+def _item_lengths(profile: ModalityProfile) -> tuple[tuple[float, float], ...]:
+    """The modality's samples by length (histogram bin centres, in mean samples) and share: an item's length
+    relative to the mean, as `_encoder_items` takes the longest's (one item per sample of its modality)."""
+    total = sum(profile.hist_counts)
+    edges = profile.hist_edges
+    return tuple(
+        ((lo + hi) / 2 / profile.mean, n / total)
+        for lo, hi, n in zip(edges, edges[1:], profile.hist_counts)
+        if n and total
+    )
+
+
 def _vision_encoder(args: OmniModelArgs, mix: _SequenceMix, b: int) -> list[Layer]:
     """The ViT over the sequence's images (bidirectional attention per image) and the image projector."""
     v, llm = args.vision, args.llm
@@ -223,5 +235,6 @@ def _encoder_items(
         quad,
         1 / items,
         4.0 * (mix.patches * v.patch_dim + frames * a.n_mels),
+        _item_lengths(mix.modalities[modality]),
     )
     return ((1 - quad) * r + quad * r * r) / items, described

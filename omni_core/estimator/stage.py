@@ -60,6 +60,7 @@ class ExtraWork:
     fsdp_micro_batch: float  # FSDP's gathers and wrappers per micro-batch
     fsdp_step: float  # FSDP's gradient reduction per step
     optimizer: float  # per step
+    stage_imbalance: float = 1.0  # the busiest rank's own layers' compute over the mean rank's
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,7 @@ def price_stage(
     fsdp, optimizer = weights_seconds(terms, st, first)
     fsdp_micro_batch, fsdp_step = hidden_dp_seconds(terms, fsdp, compute)
     if extra is not None:
-        compute += extra.compute
+        compute = compute * extra.stage_imbalance + extra.compute
         host += extra.host
         fsdp_micro_batch += extra.fsdp_micro_batch
         fsdp_step += extra.fsdp_step

@@ -84,6 +84,9 @@ class EncoderItems:
     quad: float = 0.0  # attention's share of the encoders' work at the mean length
     work: float = 0.0  # a mean item's encoder work, in mean samples'
     input_bytes: float = 0.0  # raw inputs per sample (fp32 patches, mel frames): what the data shard ships
+    # (length in mean items, share) of that encoder's items, from the profile's histogram: how long a step's
+    # longest item runs (`encoders.step_long_item_seconds`); empty: every step holds the workload's longest
+    lengths: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

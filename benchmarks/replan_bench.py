@@ -2,8 +2,8 @@
 
     python benchmarks/replan_bench.py [--quick] --out replan.json
 
-The workload is recipes/drifting_mix.yaml (text only at the start, image-heavy from step 4, loaded without
-balancing: its header says why the estimator predicts the best plan to move) on this machine's 2 ranks, each
+The workload is recipes/drifting_mix.yaml (long text documents, then from step 40 rare large images, loaded
+without balancing: its header says why the best plan moves, measured and predicted) on this machine's 2 ranks, each
 way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
 - `initial`: the best static plan for the data at the start (`replan.best_overrides` on the first window);
 - `oracle`: the best static plan for the whole run's data (a profile of as many samples as the run reads);
@@ -62,8 +62,9 @@ def workload(root: Path, quick: bool) -> list[str]:
     mix moves as early in it."""
     base = [f"tracking.uri=sqlite:///{root}/mlflow.db", "parallel.plan=explicit", "train.timeout_s=1200"]
     if quick:
-        base += ["train.steps=10", "train.ckpt_every=4", "replan.every_steps=2", "replan.window=20",
-                 'data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 2, mix: {text: 0.05, image: 0.95}}]']
+        base += ["train.steps=14", "train.ckpt_every=4", "replan.every_steps=2", "replan.window=16",
+                 "data.synthetic.schedule=[{step: 0, mix: {text: 1.0}}, {step: 5, mix: {text: 1.0}},"
+                 " {step: 6, mix: {text: 0.9, image: 0.1}}]"]
     return base
 
 
@@ -182,14 +183,14 @@ def summary(runs: list[dict], initial: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 10-step run, one round (<= 2 minutes)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 1 quick, 2 full)")
+    parser.add_argument("--quick", action="store_true", help="a 14-step run, one round (<= 2 minutes)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 1 quick, 3 full)")
     parser.add_argument("--out", required=True, help="JSON report")
     parser.add_argument("--workdir", default=None, help="folder for the runs (default: a fresh one under /tmp)")
     parser.add_argument("--calibration", choices=("fresh", "stored"), default="fresh",
                         help="calibrate this host first (default), or predict from the stored calibration")
     args = parser.parse_args()
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="replan-bench-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     base = workload(root, args.quick)

@@ -2,10 +2,10 @@
 
 A look (`look`) profiles the newest window of the job's data stream (the samples it reads next: a dynamic
 source drawn at the job's step, a file source past what the job has read), compares it with the window the
-running plan was chosen on, and re-estimates the job's Cell on the new window (milliseconds: every look logs
-both predictions). Only when the drift passes `replan.drift_threshold` may the best plan over
-`replan.layouts` (LLM degrees, encoder layout and LSSP, micro-batch, checkpointing) replace the running one,
-and only if what it is predicted to save over the remaining steps pays for the re-plan: its measured cost
+running plan was chosen on (or last found best on), and only when the drift passes `replan.drift_threshold`
+re-estimates the job's Cell on the new window (every look logs both predictions). The best plan over
+`replan.layouts` (LLM degrees, encoder layout and LSSP, micro-batch, checkpointing) replaces the running one
+only if what it is predicted to save over the remaining steps pays for the re-plan: its measured cost
 (from the launcher's start to the first step, restore included, plus the last checkpoint's save) unless
 `replan.cost_s` says otherwise. Both plans are priced by the same function on the same window
 (`recipe_cells.predicted_step_times`), and their ratio is applied to the running launch's measured step
@@ -178,9 +178,10 @@ def look(
     stop_step = min((progress.step // every + 1) * every, progress.steps)  # past a checkpoint at this step
     remaining = progress.steps - stop_step
     running_s = predicted_step_s(recipe, window, gpu_type)
-    overrides = best_overrides(recipe, window, gpu_type)
+    # below the threshold no search runs: the estimate is most of a look's work
+    overrides = best_overrides(recipe, window, gpu_type) if distance >= cfg.drift_threshold else []
     best = override_recipe(recipe, overrides)
-    best_s = predicted_step_s(best, window, gpu_type)
+    best_s = predicted_step_s(best, window, gpu_type) if overrides else running_s
     cost = cfg.cost_s or progress.startup_s + progress.ckpt_s
     # the estimator's relative gain in the running launch's measured seconds, as the cost is measured
     step_s = progress.step_s if progress.step_s > 0 else running_s
@@ -311,6 +312,9 @@ class Replanner:
         decision, window = look(self.recipe, progress, reference, self.gpu_type, self.replans)
         self.decisions.append(decision)
         self.priced.append((progress.step, decision.predicted_running_s))
+        if decision.drift >= decision.threshold and not decision.overrides:  # still the best: as if chosen on it
+            self.reference = window
+            window.save(self.folder / REFERENCE_FILE)
         if decision.replan:
             decision.stop_request().save(self.folder / STOP_FILE)
             self.stopping = True

@@ -115,6 +115,21 @@ def test_the_replanner_looks_every_checkpoint_then_relaunches_under_the_request(
     assert replanner.segments[0].predicted_step_s == pytest.approx(expected)
 
 
+def test_a_look_that_finds_the_running_plan_best_makes_its_window_the_reference(recipe, tmp_path):
+    images = window_profile(recipe, 30, 0)
+    best = override_recipe(recipe, best_overrides(recipe, images, "cpu"))
+    folder = tmp_path / "control"
+    folder.mkdir()
+    replanner = Replanner(best, "cpu", folder)
+    replanner.launching()
+    replanner.on_progress(progress(5))  # the reference: the text the launch starts on
+    confirmed, _ = replanner.on_progress(progress(30))
+    assert confirmed.drift > confirmed.threshold and not confirmed.replan and not confirmed.overrides
+    assert "still the best" in confirmed.reason
+    again, _ = replanner.on_progress(progress(40))  # the same images: no drift from where it was found best
+    assert again.drift < again.threshold and again.best_plan == again.running_plan
+
+
 def test_a_job_running_fewer_data_shards_than_ranks_keeps_its_global_batch(recipe):
     piped = override_recipe(recipe, ["parallel.dp_replicate=1", "parallel.pp=2", "train.grad_accum=4"])
     best = override_recipe(piped, best_overrides(piped, window_profile(piped, 30, 0), "cpu"))

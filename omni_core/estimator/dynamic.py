@@ -216,10 +216,11 @@ def max_over_mean(loads: np.ndarray) -> float:
     return float(loads.max()) / mean if mean else 1.0
 
 
-def in_order_imbalance(draw: StepDraw, work: WorkModel, ranks: int) -> float:
-    """Max / mean encoder work over `ranks` data-parallel ranks that take the step's sequences in order, a
-    contiguous block each (no rebalancing)."""
-    per_sequence = work.linear * draw.patches + work.quadratic * draw.patches_sq
+def in_order_imbalance(draw: StepDraw, work: WorkModel, ranks: int, llm_per_sequence: float = 0.0) -> float:
+    """Max / mean of the whole work (encoders, and the LLM's `llm_per_sequence` FLOPs a sequence) over `ranks`
+    data-parallel ranks that take the step's sequences in order, a contiguous block each (no rebalancing): the
+    figure the profile simulates for unbalanced loaders, which the busiest rank pays on both."""
+    per_sequence = work.linear * draw.patches + work.quadratic * draw.patches_sq + llm_per_sequence
     return max_over_mean(per_sequence.reshape(ranks, -1).sum(axis=1))
 
 
@@ -241,7 +242,8 @@ def step_workload(base: Workload, draw: StepDraw, work: WorkModel, system: Syste
     rank, DistTrain's slowest encoder rank after reordering; MegaScale-Omni's in its own term (a rank's
     balanced share or the longest image). The memoised sums do not depend on these: the cache is shared."""
     if system.balance == "none":
-        return replace(base, loader_imbalance=in_order_imbalance(draw, work, plan.dp), cache=base.cache)
+        llm = sum(layer.flops + layer.attn_flops for layer in base.llm)
+        return replace(base, loader_imbalance=in_order_imbalance(draw, work, plan.dp, llm), cache=base.cache)
     if system.balance == "reorder":
         return replace(base, encoder_imbalance=reordered_imbalance(draw, work, plan.encoders.ranks), cache=base.cache)
     return base

@@ -100,7 +100,8 @@ class Workload:
     tokens_per_sample: float = 1.0  # LLM tokens per sample (for tokens/s and the PP message)
     encoder_cv: float = 0.0  # coefficient of variation of the encoder work per sample (load imbalance)
     loader_imbalance: float = 0.0  # 0: not simulated (an image count's spread, `encoder_cv`); else the max /
-    # mean per-rank work the loaders leave (the profile's simulated figure under data.balance, `none` included)
+    # mean of a rank's whole work (encoders + LLM) the loaders leave: the profile's simulated figure under
+    # data.balance, `none` included, or a drawn step's (`dynamic.in_order_imbalance`)
     encoder_imbalance: float = 0.0  # 0: disaggregated encoder ranks priced unbalanced (`encoder_cv`); else the
     # max / mean per-encoder-rank work a step's assignment leaves (a drawn step, `estimator.dynamic`)
     encoder_max_item: float = 0.0  # encoder work of the longest single item (image, clip), in mean samples' work

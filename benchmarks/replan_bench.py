@@ -3,25 +3,26 @@
     python benchmarks/replan_bench.py [--quick] --out replan.json
 
 The workload is recipes/drifting_mix.yaml (long text documents, then from step 40 rare large images, loaded
-without balancing: its header says why the best plan moves, measured and predicted) on this machine's 2 ranks, each
-way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
+without balancing: its header says why the best plan moves, measured and predicted) on this machine's 2
+ranks, each way a whole train stage (`flows.train.train_flow`: torchrun, checkpoints, MLflow):
 - `initial`: the best static plan for the data at the start (`replan.best_overrides` on the first window);
 - `oracle`: the best static plan for the whole run's data (a profile of as many samples as the run reads);
 - `replanned`: starts as `initial`, and the watcher re-plans it when the drift pays (`replan.enabled`), its
   re-plan cost measured on the running launch.
 Every prediction (the watcher's and the report's) is from a calibration made right before the rounds
-(`--calibration fresh`). Rounds interleave the three ways; figures are medians over rounds with their spread. `total_s` is the wall
-time of the stage (restarts included), `tokens_per_s` the tokens trained over it, `replan_cost_s` what the
-way spent outside steps beyond `initial` (the re-plans' restarts and saves), `prediction_error_pct` the
-estimator's step time against the measured one as the train stage logs it per launch (median; a launch
-without a watcher is priced on the profile the stage was given, none here), `step_by_step` the same priced
-on the data each launch read (`predicted_vs_measured`), and `oracle_gain_per_step` the initial plan's step
-over the oracle's, predicted and measured: whether the gap the workload was designed on is there. `switch` (per round) is the look that
-re-planned: its step, the checkpoint the job stopped at, both plans, the predicted gain per step
-(1 - best / running, both on the look's window) and in seconds, the cost it was weighed against, and the
-gain measured after the switch: the re-planned run's steps after its first one under the new plan against the
-same steps of `initial` (`perf/step_s`, logged every step). Run it alone; the report records the load
-average.
+(`--calibration fresh`). Rounds interleave the three ways, each round starting one way later (in three rounds
+each way runs first, second and third once: a host that slows over a round favours none); figures are medians
+over rounds with their spread. `total_s` is the wall time of the stage (restarts included), `tokens_per_s`
+the tokens trained over it, `replan_cost_s` what the way spent outside steps beyond `initial` (the re-plans'
+restarts and saves), `prediction_error_pct` the estimator's step time against the measured one as the train
+stage logs it per launch (median; a launch without a watcher is priced on the profile the stage was given,
+none here), `step_by_step` the same priced on the data each launch read (`predicted_vs_measured`), and
+`oracle_gain_per_step` the initial plan's step over the oracle's, predicted and measured: whether the gap the
+workload was designed on is there. `switch` (per round) is the look that re-planned: its step, the
+checkpoint the job stopped at, both plans, the predicted gain per step (1 - best / running, both on the look's
+window) and in seconds, the cost it was weighed against, and the gain measured after the switch: the
+re-planned run's steps after its first one under the new plan against the same steps of `initial`
+(`perf/step_s`, logged every step). Run it alone; the report records the load average.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def main() -> None:
     warm_up()
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     for k in range(rounds):
-        for way in WAYS:
+        for way in WAYS[k % len(WAYS) :] + WAYS[: k % len(WAYS)]:
             runs[way].append(run_way(root, ways[way], f"{way}-{k}"))
             r = runs[way][-1]
             r["step_by_step"] = predicted_vs_measured(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_core.common.catalog import GpuCatalog, GpuSpec
-from omni_core.data.profile import data_ranks
+from omni_core.common.plan import ParallelPlan
 from omni_core.estimator.calibration import calibrated, runtime_efficiency
 from omni_core.estimator.cost import Estimate, Options, estimate_step
 from omni_core.estimator.omni_workloads import omni_workload
@@ -26,7 +26,6 @@ from omni_core.recipe.loader import RecipeError, override_recipe
 from omni_core.recipe.schedule_sections import ClusterConfig, NodeGroup
 
 if TYPE_CHECKING:
-    from omni_core.common.plan import ParallelPlan
     from omni_core.common.results import TrainResult
     from omni_core.data.profile_result import DatasetProfile
     from omni_core.recipe.schema import Recipe
@@ -68,7 +67,8 @@ def recipe_batch(recipe: Recipe) -> int:
     """The recipe's own global batch in packed sequences, as the estimate prices it: micro_batch x grad_accum
     x its data shards (an explicit plan's dp; `auto`: every rank a data shard). A job re-planned while it runs
     a plan of fewer shards than ranks keeps its batch (`replan.best_overrides`)."""
-    shards = data_ranks(recipe) if recipe.parallel.plan == "explicit" else recipe.parallel.nproc
+    explicit = recipe.parallel.plan == "explicit"
+    shards = ParallelPlan.from_config(recipe.parallel, recipe.parallel.nproc).dp if explicit else recipe.parallel.nproc
     return recipe.data.micro_batch * recipe.train.grad_accum * shards
 
 

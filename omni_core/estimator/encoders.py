@@ -119,12 +119,18 @@ def encoder_seconds_per_sample(workload: Workload, gpu: GpuSpec, eff: Efficiency
 # --- coupled -----------------------------------------------------------------------------------------------
 
 
+def loaders_imbalance(terms: PlanTerms) -> float:
+    """The busiest data rank's whole work (encoders + LLM) over the mean as the loaders leave it
+    (`Workload.loader_imbalance`: simulated by the profile, or a drawn step's); 0 when none applies."""
+    return terms.workload.loader_imbalance if terms.plan.dp > 1 else 0.0
+
+
 def coupled_imbalance(terms: PlanTerms) -> float:
     """The `coupled` encoders' work on the rank that drew the most of it over the dp ranks' mean: what the
-    loaders leave as the profile simulated them, else an image count's spread (`unbalanced_factor`)."""
-    if terms.plan.dp > 1 and terms.workload.loader_imbalance:  # the profile's figure for data.balance
-        return terms.workload.loader_imbalance
-    return unbalanced_factor(terms.workload.encoder_cv, terms.micro_batches * terms.options.micro_batch, terms.plan.dp)
+    loaders leave (`loaders_imbalance`), else an image count's spread (`unbalanced_factor`)."""
+    return loaders_imbalance(terms) or unbalanced_factor(
+        terms.workload.encoder_cv, terms.micro_batches * terms.options.micro_batch, terms.plan.dp
+    )
 
 
 def coupled_encoder_seconds(terms: PlanTerms, enc: Sums) -> tuple[float, float]:
@@ -150,9 +156,8 @@ def coupled_encoder_work(terms: PlanTerms) -> ExtraWork | None:
     )
     optimizer = optimizer_seconds(terms, params / (terms.shards if terms.fsdp else 1), enc.tensors)
     compute, host = coupled_encoder_seconds(terms, enc)
-    # the loaders' figure is of a rank's whole work (encoders + LLM): its busiest rank has more of both
-    loaders = terms.workload.loader_imbalance if terms.plan.dp > 1 else 0.0
-    return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer, loaders or 1.0)
+    # the loaders' figure is of a rank's whole work: its busiest rank has more of its LLM layers' too
+    return ExtraWork(compute, host, fsdp_micro_batch, fsdp_step, optimizer, loaders_imbalance(terms) or 1.0)
 
 
 # --- the longest item and LSSP ------------------------------------------------------------------------------

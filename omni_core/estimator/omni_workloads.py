@@ -112,13 +112,9 @@ def omni_workload(
 def _item_lengths(profile: ModalityProfile) -> tuple[tuple[float, float], ...]:
     """The modality's samples by length (histogram bin centres, in mean samples) and share: an item's length
     relative to the mean, as `_encoder_items` takes the longest's (one item per sample of its modality)."""
-    total = sum(profile.hist_counts)
-    edges = profile.hist_edges
-    return tuple(
-        ((lo + hi) / 2 / profile.mean, n / total)
-        for lo, hi, n in zip(edges, edges[1:], profile.hist_counts)
-        if n and total
-    )
+    total, edges = sum(profile.hist_counts), profile.hist_edges
+    bins = zip(edges, edges[1:], profile.hist_counts)
+    return tuple(((lo + hi) / 2 / profile.mean, n / total) for lo, hi, n in bins if n)
 
 
 def _vision_encoder(args: OmniModelArgs, mix: _SequenceMix, b: int) -> list[Layer]:
